@@ -1,0 +1,36 @@
+"""lightalign: LLM post-training (SFT, DPO, GRPO) built on PyTorch Lightning.
+
+Python API::
+
+    import lightning as L
+    from lightalign import SFTModule, SFTDataModule
+
+    trainer = L.Trainer(max_steps=100)
+    trainer.fit(SFTModule("Qwen/Qwen2.5-0.5B"), SFTDataModule("data.jsonl", tokenizer="Qwen/Qwen2.5-0.5B"))
+"""
+
+from pathlib import Path
+
+from lightalign.callbacks import HFExport, TokenThroughput
+from lightalign.datamodules import DataFormatError, SFTDataModule
+from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
+from lightalign.modules import PolicyModule, SFTModule, sft_loss
+
+__version__ = "0.1.0"
+
+#: Folder of the shipped tokenizer and tiny model configs (``assets/models/tiny`` etc.).
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+
+__all__ = [
+    "ASSETS_DIR",
+    "DataFormatError",
+    "HFExport",
+    "ModelNotFoundError",
+    "PolicyModule",
+    "SFTDataModule",
+    "SFTModule",
+    "TokenThroughput",
+    "load_causal_lm",
+    "load_tokenizer",
+    "sft_loss",
+]

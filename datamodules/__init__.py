@@ -1,0 +1,7 @@
+"""LightningDataModules: rows in TRL's formats -> validated, tokenized, collated batches."""
+
+from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator
+from lightalign.datamodules.formats import DataFormatError
+from lightalign.datamodules.sft import SFTDataModule
+
+__all__ = ["DataFormatError", "PaddingCollator", "PaddingFreeCollator", "SFTDataModule"]

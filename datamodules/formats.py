@@ -1,0 +1,211 @@
+"""Dataset formats (TRL's): loading, detecting, validating rows, applying chat templates.
+
+Formats, by the columns a row has:
+
+* ``language_modeling``: ``text`` (or ``dataset_text_field``)
+* ``prompt_completion``: ``prompt`` + ``completion`` (strings, or message lists = conversational)
+* ``conversational``: ``messages`` (a list of ``{"role", "content"}``)
+* ``preference``: ``prompt`` + ``chosen`` + ``rejected`` (explicit prompt) or ``chosen`` + ``rejected`` (implicit)
+* ``prompt_only``: ``prompt`` (any other columns ride along, e.g. for reward functions)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from datasets import Dataset, DatasetDict, Features, Value
+
+LANGUAGE_MODELING = "language_modeling"
+PROMPT_COMPLETION = "prompt_completion"
+CONVERSATIONAL = "conversational"
+PREFERENCE = "preference"
+PROMPT_ONLY = "prompt_only"
+
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+FORMAT_HELP = (
+    "language modeling ['text'], prompt-completion ['prompt', 'completion'], conversational ['messages'], "
+    "preference ['prompt', 'chosen', 'rejected'] or ['chosen', 'rejected'], prompt-only ['prompt']"
+)
+
+
+class DataFormatError(ValueError):
+    """A dataset, a split or a row that cannot be used; the message says which and why."""
+
+
+# --------------------------------------------------------------------------------------------- loading
+def load_rows(source: str | Dataset, split: str = "train", name: str | None = None) -> Dataset:
+    """Load one split from a ``Dataset``, a local json/jsonl/parquet/csv/arrow file or folder, or a hub name."""
+    if isinstance(source, Dataset):
+        dataset = source
+    elif isinstance(source, DatasetDict):
+        if split not in source:
+            raise DataFormatError(f"The DatasetDict has no split '{split}'; it has {sorted(source)}.")
+        dataset = source[split]
+    else:
+        dataset = _load_path_or_hub(str(source), split, name)
+    if len(dataset) == 0:
+        raise DataFormatError(f"Dataset '{_describe(source)}' (split '{split}') is empty: it has no rows.")
+    return dataset
+
+
+def _describe(source: Any) -> str:
+    return source if isinstance(source, str) else type(source).__name__
+
+
+def _load_path_or_hub(source: str, split: str, name: str | None) -> Dataset:
+    from datasets import load_dataset
+
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in _FILE_BUILDERS or source.startswith((".", "/", "~")):
+        if not path.exists():
+            raise DataFormatError(f"Data file '{source}' does not exist (looked at '{path.resolve()}').")
+        if path.is_file():
+            if suffix not in _FILE_BUILDERS:
+                raise DataFormatError(
+                    f"Data file '{source}' has an unsupported extension '{suffix}'; use one of {sorted(_FILE_BUILDERS)}."
+                )
+            if path.stat().st_size == 0:
+                raise DataFormatError(f"Data file '{source}' is empty (0 bytes).")
+            dataset = load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
+            if suffix == ".csv":  # CSV cells are text; pandas would turn "19" into 19
+                dataset = dataset.cast(Features({c: Value("string") for c in dataset.column_names}))
+            return dataset
+        return load_dataset(str(path), name=name, split=split)
+    if path.is_dir():
+        return load_dataset(str(path), name=name, split=split)
+    try:
+        return load_dataset(source, name=name, split=split)
+    except ValueError as err:
+        if "split" in str(err).lower():
+            raise DataFormatError(f"Dataset '{source}' has no split '{split}': {err}") from err
+        raise
+    except Exception as err:  # connection errors, DatasetNotFoundError, ...
+        raise DataFormatError(
+            f"Could not load dataset '{source}': it is not a local file or folder, and the Hugging Face hub "
+            f"could not provide it ({type(err).__name__}: {err}). Pass a local json/jsonl/parquet/csv file, e.g. "
+            "--data.path data/train.jsonl."
+        ) from err
+
+
+# --------------------------------------------------------------------------------------------- detection
+def is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def detect_format(dataset: Dataset, text_field: str = "text") -> str:
+    """Name the TRL format of ``dataset`` from its columns; raise listing the columns found otherwise."""
+    cols = set(dataset.column_names)
+    if {"chosen", "rejected"} <= cols:
+        return PREFERENCE
+    if "messages" in cols:
+        return CONVERSATIONAL
+    if {"prompt", "completion"} <= cols:
+        return PROMPT_COMPLETION
+    if text_field in cols:
+        return LANGUAGE_MODELING
+    if "prompt" in cols:
+        return PROMPT_ONLY
+    raise DataFormatError(
+        f"Unknown dataset format: found columns {sorted(cols)}; expected one of: {FORMAT_HELP}."
+    )
+
+
+def require_format(fmt: str, allowed: Iterable[str], what: str, columns: list[str]) -> None:
+    allowed = tuple(allowed)
+    if fmt not in allowed:
+        raise DataFormatError(
+            f"{what} cannot train on {fmt.replace('_', '-')} data (columns {sorted(columns)}); "
+            f"it accepts: {', '.join(a.replace('_', '-') for a in allowed)}."
+        )
+
+
+# --------------------------------------------------------------------------------------------- validation
+def validate_messages(messages: Any, row: int, column: str, require_assistant: bool = False) -> None:
+    """Check one conversation; errors name the row, the column and the message index."""
+    where = f"row {row}, column '{column}'"
+    if not isinstance(messages, list) or not messages:
+        raise DataFormatError(f"{where}: expected a non-empty list of messages, got {type(messages).__name__} {messages!r:.80}.")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise DataFormatError(f"{where}, message {i}: expected a dict with 'role' and 'content', got {msg!r:.80}.")
+        role = msg.get("role")
+        if role not in KNOWN_ROLES:
+            raise DataFormatError(f"{where}, message {i}: unknown role {role!r}; known roles are {list(KNOWN_ROLES)}.")
+        content = msg.get("content")
+        if content is None and role == "assistant" and msg.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
+            raise DataFormatError(
+                f"{where}, message {i} ({role}): content must be a string, got {type(content).__name__} {content!r:.80}."
+            )
+        if not content.strip():
+            raise DataFormatError(f"{where}, message {i} ({role}): content is empty.")
+    if require_assistant and not any(m.get("role") == "assistant" for m in messages):
+        raise DataFormatError(
+            f"{where}: the conversation has no assistant turn, so assistant_only_loss leaves nothing to learn. "
+            "Remove the row or set assistant_only_loss=False."
+        )
+
+
+def validate_text(value: Any, row: int, column: str) -> None:
+    if not isinstance(value, str):
+        raise DataFormatError(f"row {row}, column '{column}': expected a string, got {type(value).__name__} {value!r:.80}.")
+    if not value.strip():
+        raise DataFormatError(f"row {row}, column '{column}': the text is empty.")
+
+
+def validate_field(value: Any, row: int, column: str, require_assistant: bool = False) -> None:
+    """A field is either plain text or a conversation (a list of messages)."""
+    if isinstance(value, list):
+        validate_messages(value, row, column, require_assistant=require_assistant)
+    else:
+        validate_text(value, row, column)
+
+
+def iter_rows(dataset: Dataset, columns: list[str], batch_size: int = 1024):
+    """Yield ``(row_index, row_dict)`` for the given columns, reading in batches."""
+    index = 0
+    for batch in dataset.select_columns(columns).iter(batch_size=batch_size):
+        n = len(batch[columns[0]])
+        for j in range(n):
+            yield index, {c: batch[c][j] for c in columns}
+            index += 1
+
+
+# --------------------------------------------------------------------------------------------- chat templates
+def check_chat_template(tokenizer: Any, source: str) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataFormatError(
+            f"The data is conversational ({source}) but the tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' "
+            "has no chat template. Use a tokenizer that has one (an instruct model's), or pass "
+            "data.chat_template (a Jinja template string or a path to a .jinja file)."
+        )
+
+
+def resolve_chat_template(template: str | None) -> str | None:
+    """A chat template given inline or as a path to a file."""
+    if template is None:
+        return None
+    path = Path(template).expanduser()
+    if len(template) < 512 and "{%" not in template and "{{" not in template:
+        if not path.is_file():
+            raise DataFormatError(f"chat_template '{template}' is neither a Jinja template nor an existing file.")
+        return path.read_text()
+    return template
+
+
+def render_prompt_completion(tokenizer: Any, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
+    """Conversational prompt/completion as template text: (prompt with generation prompt, completion suffix)."""
+    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    if not full_text.startswith(prompt_text):
+        # Templates that rewrite earlier turns (e.g. strip reasoning) break the prefix property.
+        raise DataFormatError(
+            "The chat template renders the prompt differently when the completion follows it, so the completion "
+            "tokens cannot be separated from the prompt. Use a template whose rendering of the prompt is a prefix."
+        )
+    return prompt_text, full_text[len(prompt_text) :]

@@ -1,0 +1,231 @@
+"""The policy-loading base every method builds on: model loading, LoRA, optimizers, schedules, export."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch.optim.lr_scheduler import LambdaLR
+
+from lightalign.hub import load_causal_lm
+
+ScheduleType = Literal["linear", "cosine", "constant", "cosine_with_min_lr"]
+
+
+def schedule_factor(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    schedule: ScheduleType,
+    min_lr_rate: float = 0.0,
+) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (linear warmup, then the schedule)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "cosine":
+        return cosine
+    if schedule == "cosine_with_min_lr":
+        return min_lr_rate + (1.0 - min_lr_rate) * cosine
+    raise ValueError(f"Unknown lr_scheduler_type '{schedule}'; use one of linear, cosine, constant, cosine_with_min_lr.")
+
+
+def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters split like the transformers Trainer: no weight decay on biases and norm weights."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim < 2 or "norm" in name.lower() or name.endswith(".bias"):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def apply_peft(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
+    """Wrap ``model`` with LoRA (or any peft config); only the adapter parameters stay trainable."""
+    try:
+        import peft
+    except ImportError as err:
+        raise ImportError("peft_config needs the peft package: pip install 'lightalign[peft]'") from err
+    if isinstance(peft_config, dict):
+        cfg = dict(peft_config)
+        cfg.setdefault("task_type", "CAUSAL_LM")
+        peft_type = cfg.pop("peft_type", "LORA").upper()
+        config_cls = {"LORA": peft.LoraConfig}.get(peft_type)
+        if config_cls is None:
+            raise ValueError(f"peft_config.peft_type '{peft_type}' is not supported from YAML; use LORA or pass a peft config object.")
+        peft_config = config_cls(**cfg)
+    return peft.get_peft_model(model, peft_config)
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
+
+
+class PolicyModule(L.LightningModule):
+    """Loads the policy and owns what every post-training method shares.
+
+    Args:
+        model_name_or_path: a hub name (``Qwen/Qwen2.5-0.5B``) or a local folder with ``config.json``.
+        model: an already built ``PreTrainedModel`` (Python API only); used instead of ``model_name_or_path``.
+        from_config: build the model with random weights from the folder's ``config.json`` (the tiny models).
+        model_init_kwargs: passed to ``from_pretrained``: ``dtype`` (``bfloat16``/``float32``/``auto``),
+            ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``), ``revision``, ``quantization_config`` …
+        trust_remote_code: allow code shipped with the model repository (off unless asked).
+        gradient_checkpointing: recompute activations in backward (non-reentrant) to save memory.
+        peft_config: LoRA settings (``{r: 16, lora_alpha: 32, target_modules: all-linear}``) or a peft config
+            object; only adapter parameters are trained.
+        optimizer: a factory ``params -> Optimizer`` (YAML: ``class_path: torch.optim.SGD``); default AdamW
+            built from ``learning_rate``, ``weight_decay``, ``adam_beta1/2``, ``adam_epsilon``.
+        lr_scheduler: a factory ``optimizer -> LRScheduler``, stepped every optimizer step; default: linear
+            warmup then ``lr_scheduler_type``.
+        learning_rate: peak learning rate of the default optimizer.
+        weight_decay: decoupled weight decay (not applied to biases and norm weights).
+        lr_scheduler_type: ``linear`` | ``cosine`` | ``constant`` | ``cosine_with_min_lr``.
+        warmup_ratio: warmup as a fraction of all optimizer steps (used when ``warmup_steps`` is 0).
+        warmup_steps: warmup length in optimizer steps (wins over ``warmup_ratio``).
+        min_lr_rate: floor of ``cosine_with_min_lr`` as a fraction of the peak.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        from_config: bool = False,
+        model_init_kwargs: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
+        gradient_checkpointing: bool = False,
+        peft_config: dict[str, Any] | None = None,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        learning_rate: float = 2e-5,
+        weight_decay: float = 0.0,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
+        adam_epsilon: float = 1e-8,
+        lr_scheduler_type: ScheduleType = "linear",
+        warmup_ratio: float = 0.0,
+        warmup_steps: int = 0,
+        min_lr_rate: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if model is None and model_name_or_path is None:
+            raise ValueError("Pass model_name_or_path (a hub name or a local folder) or a built model.")
+        if lr_scheduler_type not in ("linear", "cosine", "constant", "cosine_with_min_lr"):
+            raise ValueError(
+                f"lr_scheduler_type='{lr_scheduler_type}' is unknown; use linear, cosine, constant or cosine_with_min_lr."
+            )
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler"])
+        self.model_name_or_path = model_name_or_path
+        self.model = model
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        if model is not None:
+            self._prepare_model()
+
+    # ----------------------------------------------------------------------------------------- model
+    def configure_model(self) -> None:
+        """Build the policy lazily, so strategies (FSDP, DeepSpeed) can shard it as it is created."""
+        if self.model is not None:
+            return
+        hp = self.hparams
+        self.model = load_causal_lm(
+            self.model_name_or_path,
+            from_config=hp.from_config,
+            init_kwargs=hp.model_init_kwargs,
+            trust_remote_code=hp.trust_remote_code,
+        )
+        self._prepare_model()
+
+    def _prepare_model(self) -> None:
+        hp = self.hparams
+        if hp.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False
+        if hp.peft_config is not None and not is_peft_model(self.model):
+            self.model = apply_peft(self.model, hp.peft_config)
+
+    def forward(self, **inputs: torch.Tensor):
+        return self.model(**inputs)
+
+    # ----------------------------------------------------------------------------------------- optim
+    def configure_optimizers(self):
+        hp = self.hparams
+        if self.optimizer_factory is not None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            optimizer = self.optimizer_factory(params)
+        else:
+            optimizer = torch.optim.AdamW(
+                decay_parameter_groups(self.model, hp.weight_decay),
+                lr=hp.learning_rate,
+                betas=(hp.adam_beta1, hp.adam_beta2),
+                eps=hp.adam_epsilon,
+            )
+        if self.lr_scheduler_factory is not None:
+            scheduler = self.lr_scheduler_factory(optimizer)
+        else:
+            total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+            warmup = hp.warmup_steps or math.ceil(hp.warmup_ratio * total)
+            scheduler = LambdaLR(
+                optimizer,
+                lambda step: schedule_factor(step, total, warmup, hp.lr_scheduler_type, hp.min_lr_rate),
+            )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # ----------------------------------------------------------------------------------------- export
+    def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False) -> Path:
+        """Write a Hugging Face model folder (``save_pretrained`` of model and tokenizer), atomically.
+
+        The folder is written under a temporary name beside ``output_dir`` and renamed into place, so a crash
+        mid-write leaves the previous export intact. With LoRA, the adapters are saved; ``merge_lora`` saves a
+        merged full model instead (merged on a copy, so training can go on).
+        """
+        output_dir = Path(output_dir)
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        model = self.model
+        if is_peft_model(model) and merge_lora:
+            model = copy.deepcopy(model).merge_and_unload()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+        try:
+            config = getattr(model, "config", None)
+            use_cache = getattr(config, "use_cache", None)
+            if config is not None:
+                config.use_cache = True  # generation from the export should use the KV cache
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+            finally:
+                if config is not None and use_cache is not None:
+                    config.use_cache = use_cache
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            old = None
+            if output_dir.exists():
+                old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
+                os.replace(output_dir, old)
+            os.replace(tmp, output_dir)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return output_dir

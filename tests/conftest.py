@@ -1,0 +1,71 @@
+"""Shared fixtures: the shipped tiny model and tokenizer, small datasets written to tmp files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "assets" / "models" / "tiny"
+DATA = REPO / "examples" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    return DATA
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from lightalign.hub import load_tokenizer
+
+    return load_tokenizer(str(TINY))
+
+
+@pytest.fixture
+def tiny_model():
+    from lightalign.hub import load_causal_lm
+
+    torch.manual_seed(0)
+    return load_causal_lm(str(TINY), from_config=True).eval()
+
+
+@pytest.fixture
+def write_jsonl(tmp_path):
+    """Write rows to a jsonl file in tmp_path and return its path."""
+
+    def write(rows, name="data.jsonl") -> str:
+        path = tmp_path / name
+        with open(path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        return str(path)
+
+    return write
