@@ -10,7 +10,6 @@ end of fit) and ``--throughput.*`` (tokens/s in the progress bar and the logger)
 from __future__ import annotations
 
 import os
-import sys
 
 import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -56,7 +55,7 @@ class LightalignCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    LightalignCLI(args=args if args is not None else sys.argv[1:])
+    LightalignCLI(args=args)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,16 @@ def apply_peft(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
     return peft.get_peft_model(model, peft_config)
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation (gradient) checkpointing; transformers 5 renamed the method."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
 def is_peft_model(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
 
@@ -160,8 +170,7 @@ class PolicyModule(L.LightningModule):
     def _prepare_model(self) -> None:
         hp = self.hparams
         if hp.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.model.config.use_cache = False
+            enable_activation_checkpointing(self.model)
         if hp.peft_config is not None and not is_peft_model(self.model):
             self.model = apply_peft(self.model, hp.peft_config)
 

@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine (README.md):
+#   make quickstart   -> venv, CPU torch, lightalign, then the offline quickstart run
+#   make test         -> venv, CPU torch, lightalign[dev], then the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install quickstart test bench
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The CPU wheel of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(BIN)/lightalign fit --config configs/quickstart.yaml
+
+test: install
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/python bench/sft.py
