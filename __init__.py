@@ -12,9 +12,9 @@ Python API::
 from pathlib import Path
 
 from lightalign.callbacks import HFExport, TokenThroughput
-from lightalign.datamodules import DataFormatError, SFTDataModule
+from lightalign.datamodules import DataFormatError, PreferenceDataModule, SFTDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
-from lightalign.modules import PolicyModule, SFTModule, sft_loss
+from lightalign.modules import DPOModule, PolicyModule, SFTModule, create_reference_model, dpo_loss, sft_loss
 
 __version__ = "0.1.0"
 
@@ -23,13 +23,17 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 __all__ = [
     "ASSETS_DIR",
+    "DPOModule",
     "DataFormatError",
     "HFExport",
     "ModelNotFoundError",
     "PolicyModule",
+    "PreferenceDataModule",
     "SFTDataModule",
     "SFTModule",
     "TokenThroughput",
+    "create_reference_model",
+    "dpo_loss",
     "load_causal_lm",
     "load_tokenizer",
     "sft_loss",

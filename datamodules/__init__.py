@@ -2,6 +2,10 @@
 
 from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator
 from lightalign.datamodules.formats import DataFormatError
+from lightalign.datamodules.preference import PreferenceCollator, PreferenceDataModule
 from lightalign.datamodules.sft import SFTDataModule
 
-__all__ = ["DataFormatError", "PaddingCollator", "PaddingFreeCollator", "SFTDataModule"]
+__all__ = [
+    "DataFormatError", "PaddingCollator", "PaddingFreeCollator", "PreferenceCollator", "PreferenceDataModule",
+    "SFTDataModule",
+]

@@ -6,11 +6,9 @@ import re
 import warnings
 from typing import Any, Callable, Literal
 
-import lightning as L
-import torch
 from datasets import Dataset
-from torch.utils.data import DataLoader
 
+from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator, pack_best_fit
 from lightalign.datamodules.formats import (
     CONVERSATIONAL,
@@ -24,13 +22,10 @@ from lightalign.datamodules.formats import (
     load_rows,
     render_prompt_completion,
     require_format,
-    resolve_chat_template,
     validate_field,
     validate_messages,
     validate_text,
 )
-from lightalign.datamodules.step_loader import StepTokenCountingLoader
-from lightalign.hub import load_tokenizer
 
 TruncationMode = Literal["keep_start", "keep_end"]
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -97,18 +92,13 @@ def _tokenize_batch(batch: dict[str, list], tokenizer: Any, fmt: str, text_field
     return out
 
 
-class SFTDataModule(L.LightningDataModule):
-    """Batches for supervised fine-tuning from any TRL SFT dataset.
+class SFTDataModule(TokenizedDataModule):
+    """Batches for supervised fine-tuning from any TRL SFT dataset (language modeling, prompt-completion,
+    conversational).
 
     Args:
         path: training data: a local json/jsonl/parquet/csv file or folder, a hub dataset name, or a ``Dataset``.
         tokenizer: a tokenizer or its name/path (the CLI links it to the model's ``model_name_or_path``).
-        split: split of ``path`` to train on.
-        name: dataset configuration name (hub datasets with several configs).
-        val_path: validation data (same kinds as ``path``).
-        val_split: a split of ``path`` to validate on (e.g. ``test``).
-        val_split_size: carve this fraction (<1) or number (>=1) of rows out of the training data for validation.
-        test_path: data for ``lightalign test`` (defaults to the validation data).
         dataset_text_field: the text column of language-modeling data.
         max_length: tokens per sequence after truncation (``None``: no truncation); the packing bin size.
         truncation_mode: ``keep_start`` keeps the first ``max_length`` tokens, ``keep_end`` the last ones.
@@ -117,14 +107,9 @@ class SFTDataModule(L.LightningDataModule):
             chat template).
         packing: pack sequences into bins of ``max_length`` tokens (best-fit decreasing), padding-free.
         padding_free: concatenate each batch into one row without padding (implied by ``packing``).
-        batch_size: rows (or packed bins) per micro-batch per device.
-        val_batch_size: per-device batch size for validation and test (default: ``batch_size``).
-        chat_template: override the tokenizer's chat template (Jinja text or a path to a file).
-        collator: a callable turning a list of tokenized rows (``input_ids``, ``completion_mask``) into a batch.
-        num_workers: DataLoader workers.
-        dataset_num_proc: processes for tokenization.
-        shuffle: shuffle the training rows every epoch.
-        seed: seed of the validation carve-out and of the shuffle order.
+        **kwargs: the shared arguments of ``TokenizedDataModule``: ``split``, ``name``, ``val_path``,
+            ``val_split``, ``val_split_size``, ``test_path``, ``batch_size``, ``val_batch_size``,
+            ``chat_template``, ``collator``, ``num_workers``, ``dataset_num_proc``, ``shuffle``, ``seed``.
     """
 
     def __init__(
@@ -132,12 +117,6 @@ class SFTDataModule(L.LightningDataModule):
         path: str | Dataset | None = None,
         tokenizer: Any = None,
         *,
-        split: str = "train",
-        name: str | None = None,
-        val_path: str | Dataset | None = None,
-        val_split: str | None = None,
-        val_split_size: float = 0.0,
-        test_path: str | Dataset | None = None,
         dataset_text_field: str = "text",
         max_length: int | None = 1024,
         truncation_mode: TruncationMode = "keep_start",
@@ -145,75 +124,20 @@ class SFTDataModule(L.LightningDataModule):
         assistant_only_loss: bool = False,
         packing: bool = False,
         padding_free: bool = False,
-        batch_size: int = 8,
-        val_batch_size: int | None = None,
-        chat_template: str | None = None,
-        collator: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]] | None = None,
-        num_workers: int = 0,
-        dataset_num_proc: int | None = None,
-        shuffle: bool = True,
-        seed: int = 42,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
-        if path is None:
-            raise ValueError("SFTDataModule needs `path`: a data file, a folder, a hub dataset name or a Dataset.")
-        if tokenizer is None:
-            raise ValueError("SFTDataModule needs `tokenizer` (a tokenizer or a model name/path).")
         if truncation_mode not in ("keep_start", "keep_end"):
             raise ValueError(f"truncation_mode='{truncation_mode}' is unknown; use keep_start or keep_end.")
         if packing and max_length is None:
             raise ValueError("packing needs max_length: it is the size of the packed bins.")
         if max_length is not None and max_length < 2:
             raise ValueError(f"max_length must be at least 2, got {max_length}.")
-        self.path, self.split, self.name = path, split, name
-        self.val_path, self.val_split, self.val_split_size, self.test_path = val_path, val_split, val_split_size, test_path
+        super().__init__(path, tokenizer, **kwargs)
         self.text_field = dataset_text_field
         self.max_length, self.truncation_mode = max_length, truncation_mode
         self.completion_only_loss = True if completion_only_loss is None else completion_only_loss
         self.assistant_only_loss = assistant_only_loss
         self.packing, self.padding_free = packing, padding_free or packing
-        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
-        self.chat_template = chat_template
-        self.num_workers, self.dataset_num_proc = num_workers, dataset_num_proc
-        self.shuffle, self.seed = shuffle, seed
-        self._tokenizer_arg = tokenizer
-        self.tokenizer = tokenizer if not isinstance(tokenizer, str) else None
-        self.collator = collator
-        self.train_dataset: Dataset | None = None
-        self.val_dataset: Dataset | None = None
-        self.test_dataset: Dataset | None = None
-        self._prepared = False
-
-    # ------------------------------------------------------------------------------------- setup
-    def _load_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self._tokenizer_arg)
-        template = resolve_chat_template(self.chat_template)
-        if template is not None:
-            self.tokenizer.chat_template = template
-        return self.tokenizer
-
-    def setup(self, stage: str | None = None) -> None:
-        if self._prepared:
-            return
-        tokenizer = self._load_tokenizer()
-        raw_train = load_rows(self.path, split=self.split, name=self.name)
-        raw_val = None
-        if self.val_path is not None:
-            raw_val = load_rows(self.val_path, split="train" if self.val_split is None else self.val_split)
-        elif self.val_split is not None:
-            raw_val = load_rows(self.path, split=self.val_split, name=self.name)
-        elif self.val_split_size:
-            parts = raw_train.train_test_split(test_size=self.val_split_size, seed=self.seed, shuffle=True)
-            raw_train, raw_val = parts["train"], parts["test"]
-        self.train_dataset = self.prepare_rows(raw_train, tokenizer, "train")
-        if raw_val is not None:
-            self.val_dataset = self.prepare_rows(raw_val, tokenizer, "validation")
-        if self.test_path is not None:
-            self.test_dataset = self.prepare_rows(load_rows(self.test_path), tokenizer, "test")
-        else:
-            self.test_dataset = self.val_dataset
-        self._prepared = True
 
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
         """Validate, tokenize (cached by datasets), truncate, drop rows with no target left, pack."""
@@ -297,35 +221,7 @@ class SFTDataModule(L.LightningDataModule):
             rows["seq_lengths"].append([len(ids[i]) for i in members])
         return Dataset.from_dict(rows)
 
-    # ------------------------------------------------------------------------------------- loaders
-    def _collate(self) -> Callable:
-        if self.collator is not None:
-            return self.collator
+    def default_collator(self) -> Callable:
         if self.padding_free:
             return PaddingFreeCollator()
         return PaddingCollator(self.tokenizer.pad_token_id)
-
-    def train_dataloader(self) -> DataLoader:
-        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        return StepTokenCountingLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            collate_fn=self._collate(),
-            num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(self.seed),
-            accumulate_grad_batches=accumulate,
-        )
-
-    def _eval_loader(self, dataset: Dataset | None, what: str) -> DataLoader:
-        if dataset is None:
-            raise DataFormatError(f"No {what} data: set val_path, val_split or val_split_size (or test_path).")
-        return DataLoader(dataset, batch_size=self.val_batch_size, collate_fn=self._collate(), num_workers=self.num_workers)
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_dataset is None:
-            return []
-        return self._eval_loader(self.val_dataset, "validation")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.test_dataset, "test")

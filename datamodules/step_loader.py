@@ -19,9 +19,13 @@ IGNORE_INDEX = -100
 
 
 def count_loss_tokens(batch: dict[str, Any]) -> int:
-    """Target tokens of a batch after the next-token shift (what ``sft_loss`` averages over)."""
-    labels = batch["labels"]
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+    """Target tokens of a batch after the next-token shift (what ``sft_loss`` averages over); for batches with a
+    ``completion_mask`` instead of ``labels`` (preference pairs), the completion tokens."""
+    if "labels" in batch:
+        return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+    if "completion_mask" in batch:
+        return int(batch["completion_mask"][..., 1:].sum())
+    return 0
 
 
 class StepTokenCountingLoader(DataLoader):

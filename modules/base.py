@@ -8,12 +8,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch.optim.lr_scheduler import LambdaLR
+from torchmetrics import Metric
 
 from lightalign.hub import load_causal_lm
 
@@ -112,6 +113,9 @@ class PolicyModule(L.LightningModule):
         warmup_ratio: warmup as a fraction of all optimizer steps (used when ``warmup_steps`` is 0).
         warmup_steps: warmup length in optimizer steps (wins over ``warmup_ratio``).
         min_lr_rate: floor of ``cosine_with_min_lr`` as a fraction of the peak.
+        eval_metrics: extra validation/test metrics, logged as ``val/<name>``: torchmetrics objects (YAML
+            ``class_path: torchmetrics.classification.BinaryAccuracy``) or callables ``fn(preds, target) -> float``
+            (averaged over batches, weighted by batch size). Each method says what ``preds``/``target`` are.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class PolicyModule(L.LightningModule):
         warmup_ratio: float = 0.0,
         warmup_steps: int = 0,
         min_lr_rate: float = 0.0,
+        eval_metrics: dict[str, Metric | Callable] | None = None,
     ) -> None:
         super().__init__()
         if model is None and model_name_or_path is None:
@@ -145,11 +150,18 @@ class PolicyModule(L.LightningModule):
             )
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
-        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics"])
         self.model_name_or_path = model_name_or_path
         self.model = model
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
+        metrics = dict(eval_metrics or {})
+        self.eval_metric_objects = torch.nn.ModuleDict({k: v for k, v in metrics.items() if isinstance(v, Metric)})
+        self.eval_metric_fns = {k: v for k, v in metrics.items() if not isinstance(v, Metric)}
+        for name, fn in self.eval_metric_fns.items():
+            if not callable(fn):
+                raise TypeError(f"eval_metrics['{name}'] must be a torchmetrics Metric or a callable, got {type(fn).__name__}.")
+        self._eval_fn_totals: dict[str, list[float]] = {}
         if model is not None:
             self._prepare_model()
 
@@ -159,16 +171,18 @@ class PolicyModule(L.LightningModule):
         if self.model is not None:
             return
         hp = self.hparams
-        self.model = load_causal_lm(
-            self.model_name_or_path,
-            from_config=hp.from_config,
-            init_kwargs=hp.model_init_kwargs,
-            trust_remote_code=hp.trust_remote_code,
-        )
-        self._prepare_model()
+        with torch.inference_mode(False):  # validate() before fit() calls this under inference mode
+            self.model = load_causal_lm(
+                self.model_name_or_path,
+                from_config=hp.from_config,
+                init_kwargs=hp.model_init_kwargs,
+                trust_remote_code=hp.trust_remote_code,
+            )
+            self._prepare_model()
 
     def _prepare_model(self) -> None:
         hp = self.hparams
+        self.model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes as they are
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         if hp.peft_config is not None and not is_peft_model(self.model):
@@ -176,6 +190,36 @@ class PolicyModule(L.LightningModule):
 
     def forward(self, **inputs: torch.Tensor):
         return self.model(**inputs)
+
+    # ----------------------------------------------------------------------------------------- metrics
+    def on_train_start(self) -> None:
+        # A validate() before fit() runs under inference mode and leaves the metric states as inference
+        # tensors, which training cannot update in place: start training from fresh states.
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.reset()
+
+    def update_eval_metrics(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        """Feed the user's ``eval_metrics`` with one batch of predictions and targets."""
+        for metric in self.eval_metric_objects.values():
+            metric.update(preds, target)
+        n = float(target.shape[0]) if target.ndim else 1.0
+        for name, fn in self.eval_metric_fns.items():
+            value = float(torch.as_tensor(fn(preds, target)).float().mean())
+            total = self._eval_fn_totals.setdefault(name, [0.0, 0.0])
+            total[0] += value * n
+            total[1] += n
+
+    def log_eval_metrics(self, stage: str) -> None:
+        for name, metric in self.eval_metric_objects.items():
+            self.log(f"{stage}/{name}", metric.compute())
+            metric.reset()
+        for name, (weighted, n) in self._eval_fn_totals.items():
+            value = torch.tensor([weighted, n], dtype=torch.float64, device=self.device)
+            if self._trainer is not None and self.trainer.world_size > 1:
+                value = self.trainer.strategy.reduce(value, reduce_op="sum")
+            self.log(f"{stage}/{name}", float(value[0] / value[1].clamp(min=1)))
+        self._eval_fn_totals = {}
 
     # ----------------------------------------------------------------------------------------- optim
     def configure_optimizers(self):

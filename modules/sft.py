@@ -51,7 +51,8 @@ class SFTModule(PolicyModule):
     optimizer step: ``train/loss``, ``train/token_accuracy``, ``train/tokens_seen``; per validation epoch:
     ``val/loss``, ``val/perplexity``, ``val/token_accuracy`` (``test/…`` likewise).
 
-    All arguments of ``PolicyModule`` apply (model loading, LoRA, optimizer, schedule).
+    All arguments of ``PolicyModule`` apply (model loading, LoRA, optimizer, schedule, ``eval_metrics`` — which
+    receive the argmax token and the target token of every target position).
     """
 
     def __init__(self, model_name_or_path: str | None = None, **kwargs: Any) -> None:
@@ -101,8 +102,13 @@ class SFTModule(PolicyModule):
 
     # ------------------------------------------------------------------------------------- eval
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
-        _, stats = sft_loss(self._logits(batch), batch["labels"])
+        logits = self._logits(batch)
+        _, stats = sft_loss(logits, batch["labels"])
         n = stats["num_tokens"].clamp(min=1)
+        if self.eval_metric_objects or self.eval_metric_fns:
+            # eval_metrics see the argmax prediction and the target of every target token: (preds [N], target [N])
+            mask = batch["labels"][:, 1:] != IGNORE_INDEX
+            self.update_eval_metrics(logits[:, :-1].argmax(-1)[mask], batch["labels"][:, 1:][mask])
         self.eval_loss.update(stats["nll_sum"] / n, weight=stats["num_tokens"])
         self.eval_accuracy.update(stats["num_correct"] / n, weight=stats["num_tokens"])
 
@@ -113,6 +119,7 @@ class SFTModule(PolicyModule):
         self.log(f"{stage}/token_accuracy", self.eval_accuracy.compute())
         self.eval_loss.reset()
         self.eval_accuracy.reset()
+        self.log_eval_metrics(stage)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch)

@@ -162,3 +162,25 @@ def test_export_reloads_and_generates(tiny_dir, data_dir, tmp_path):
     # a second export replaces the first atomically and leaves no temporary folders behind
     module.export_hf(out, tokenizer=data.tokenizer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_user_eval_metrics_torchmetrics_and_callable(tiny_dir, data_dir):
+    from torchmetrics.classification import MulticlassAccuracy
+
+    calls = []
+
+    def exact_match(preds, target):
+        calls.append(preds.shape[0])
+        return (preds == target).float().mean()
+
+    module = SFTModule(str(tiny_dir), from_config=True,
+                       eval_metrics={"acc": MulticlassAccuracy(num_classes=1024, average="micro"), "match": exact_match})
+    data = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=8,
+                         val_path=str(data_dir / "arithmetic_sft_val.jsonl"))
+    trainer = _trainer(max_steps=2, limit_val_batches=3, num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    logged = trainer.validate(module, datamodule=data)[0]
+    assert len(calls) == 3
+    # both equal the module's own token accuracy (same predictions, same targets)
+    assert logged["val/acc"] == pytest.approx(logged["val/token_accuracy"], abs=1e-6)
+    assert logged["val/match"] == pytest.approx(logged["val/token_accuracy"], abs=1e-2)

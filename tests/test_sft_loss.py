@@ -90,7 +90,7 @@ def test_per_micro_batch_mean_would_differ(tiny_dir, write_jsonl):
 
     class NaiveData(SFTDataModule):
         def train_dataloader(self):
-            return DataLoader(self.train_dataset, batch_size=2, shuffle=False, collate_fn=self._collate())
+            return DataLoader(self.train_dataset, batch_size=2, shuffle=False, collate_fn=self.collate_fn())
 
     L.seed_everything(0)
     module = SFTModule(str(tiny_dir), from_config=True, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))

@@ -1,0 +1,155 @@
+"""``TokenizedDataModule``: what every lightalign datamodule shares — sources, splits, tokenizer, loaders.
+
+A subclass says how raw rows become tokenized rows (``prepare_rows``) and how rows become a batch
+(``default_collator``); this base loads the train/validation/test sources, loads the tokenizer once, and
+builds the DataLoaders (the training one counts loss tokens per optimizer step, see ``step_loader``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from lightalign.datamodules.formats import DataFormatError, load_rows, resolve_chat_template
+from lightalign.datamodules.step_loader import StepTokenCountingLoader
+from lightalign.hub import load_tokenizer
+
+
+class TokenizedDataModule(L.LightningDataModule):
+    """Shared arguments of lightalign datamodules.
+
+    Args:
+        path: training data: a local json/jsonl/parquet/csv file or folder, a hub dataset name, or a ``Dataset``.
+        tokenizer: a tokenizer or its name/path (the CLI links it to the model's ``model_name_or_path``).
+        split: split of ``path`` to train on.
+        name: dataset configuration name (hub datasets with several configs).
+        val_path: validation data (same kinds as ``path``).
+        val_split: a split of ``path`` to validate on (e.g. ``test``).
+        val_split_size: carve this fraction (<1) or number (>=1) of rows out of the training data for validation.
+        test_path: data for ``lightalign test`` (defaults to the validation data).
+        batch_size: rows per micro-batch per device.
+        val_batch_size: per-device batch size for validation and test (default: ``batch_size``).
+        chat_template: override the tokenizer's chat template (Jinja text or a path to a file).
+        collator: a callable turning a list of tokenized rows into a batch (replaces the default collator).
+        num_workers: DataLoader workers.
+        dataset_num_proc: processes for tokenization.
+        shuffle: shuffle the training rows every epoch.
+        seed: seed of the validation carve-out and of the shuffle order.
+    """
+
+    def __init__(
+        self,
+        path: Any = None,
+        tokenizer: Any = None,
+        *,
+        split: str = "train",
+        name: str | None = None,
+        val_path: Any = None,
+        val_split: str | None = None,
+        val_split_size: float = 0.0,
+        test_path: Any = None,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        chat_template: str | None = None,
+        collator: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]] | None = None,
+        num_workers: int = 0,
+        dataset_num_proc: int | None = None,
+        shuffle: bool = True,
+        seed: int = 42,
+    ) -> None:
+        super().__init__()
+        if path is None:
+            raise ValueError(f"{type(self).__name__} needs `path`: a data file, a folder, a hub dataset name or a Dataset.")
+        if tokenizer is None:
+            raise ValueError(f"{type(self).__name__} needs `tokenizer` (a tokenizer or a model name/path).")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        if val_split_size < 0:
+            raise ValueError(f"val_split_size must be >= 0, got {val_split_size}.")
+        self.path, self.split, self.name = path, split, name
+        self.val_path, self.val_split, self.val_split_size, self.test_path = val_path, val_split, val_split_size, test_path
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        self.chat_template = chat_template
+        self.collator = collator
+        self.num_workers, self.dataset_num_proc = num_workers, dataset_num_proc
+        self.shuffle, self.seed = shuffle, seed
+        self._tokenizer_arg = tokenizer
+        self.tokenizer = tokenizer if not isinstance(tokenizer, str) else None
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+        self._prepared = False
+
+    # ------------------------------------------------------------------------------------- to override
+    def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
+        """Validate and tokenize one split; ``label`` is ``train``/``validation``/``test`` for messages."""
+        raise NotImplementedError
+
+    def default_collator(self) -> Callable:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------- setup
+    def load_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self._tokenizer_arg)
+        template = resolve_chat_template(self.chat_template)
+        if template is not None:
+            self.tokenizer.chat_template = template
+        return self.tokenizer
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load, validate and tokenize every split once (before any model is built)."""
+        if self._prepared:
+            return
+        tokenizer = self.load_tokenizer()
+        raw_train = load_rows(self.path, split=self.split, name=self.name)
+        raw_val = None
+        if self.val_path is not None:
+            raw_val = load_rows(self.val_path, split="train" if self.val_split is None else self.val_split)
+        elif self.val_split is not None:
+            raw_val = load_rows(self.path, split=self.val_split, name=self.name)
+        elif self.val_split_size:
+            parts = raw_train.train_test_split(test_size=self.val_split_size, seed=self.seed, shuffle=True)
+            raw_train, raw_val = parts["train"], parts["test"]
+        self.train_dataset = self.prepare_rows(raw_train, tokenizer, "train")
+        if raw_val is not None:
+            self.val_dataset = self.prepare_rows(raw_val, tokenizer, "validation")
+        if self.test_path is not None:
+            self.test_dataset = self.prepare_rows(load_rows(self.test_path), tokenizer, "test")
+        else:
+            self.test_dataset = self.val_dataset
+        self._prepared = True
+
+    # ------------------------------------------------------------------------------------- loaders
+    def collate_fn(self) -> Callable:
+        return self.collator if self.collator is not None else self.default_collator()
+
+    def train_dataloader(self) -> DataLoader:
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        return StepTokenCountingLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            collate_fn=self.collate_fn(),
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.seed),
+            accumulate_grad_batches=accumulate,
+        )
+
+    def eval_dataloader(self, dataset: Dataset | None, what: str = "evaluation") -> DataLoader:
+        """An ordered loader over ``dataset`` (validation, test, or a reference log-prob pass)."""
+        if dataset is None:
+            raise DataFormatError(f"No {what} data: set val_path, val_split or val_split_size (or test_path).")
+        return DataLoader(dataset, batch_size=self.val_batch_size, collate_fn=self.collate_fn(), num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            return []
+        return self.eval_dataloader(self.val_dataset, "validation")
+
+    def test_dataloader(self) -> DataLoader:
+        return self.eval_dataloader(self.test_dataset, "test")

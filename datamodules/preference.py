@@ -1,0 +1,265 @@
+"""``PreferenceDataModule``: TRL preference rows -> validated -> tokenized prompt/chosen/rejected -> pair batches."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+from datasets import Dataset
+
+from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.formats import (
+    PREFERENCE,
+    DataFormatError,
+    check_chat_template,
+    detect_format,
+    is_conversation,
+    iter_rows,
+    render_prompt_completion,
+    validate_field,
+)
+
+TruncationMode = Literal["keep_start", "keep_end"]
+COMPLETIONS = ("chosen", "rejected")
+
+
+def extract_prompt(chosen: Any, rejected: Any, row: int) -> tuple[Any, Any, Any]:
+    """Implicit prompt: the shared beginning of ``chosen`` and ``rejected`` is the prompt.
+
+    Conversations share their leading messages; strings share their longest common prefix (a trailing space
+    of the prefix goes to the completions, so they start with it like the explicit-prompt convention).
+    """
+    if isinstance(chosen, list):
+        i = 0
+        while i < min(len(chosen), len(rejected)) and chosen[i] == rejected[i]:
+            i += 1
+        if i == 0:
+            raise DataFormatError(
+                f"row {row}: implicit-prompt conversations in 'chosen' and 'rejected' share no leading message, so "
+                "there is no prompt. Add a 'prompt' column or start both with the same user turn."
+            )
+        return chosen[:i], chosen[i:], rejected[i:]
+    i = 0
+    while i < min(len(chosen), len(rejected)) and chosen[i] == rejected[i]:
+        i += 1
+    if i > 0 and chosen[i - 1] == " ":
+        i -= 1
+    if i == 0:
+        raise DataFormatError(
+            f"row {row}: 'chosen' and 'rejected' share no prefix, so the implicit prompt is empty. "
+            "Add a 'prompt' column (explicit prompt) or make both start with the prompt text."
+        )
+    return chosen[:i], chosen[i:], rejected[i:]
+
+
+def tokenize_preference_row(row: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
+    """Prompt and completions -> token ids (before truncation); EOS is appended to each completion, as TRL does."""
+    prompt = row["prompt"]
+    out: dict[str, list[int]] = {}
+    if is_conversation(prompt):
+        prompt_text = None
+        for key in COMPLETIONS:
+            prompt_text, completion_text = render_prompt_completion(tokenizer, prompt, row[key])
+            out[f"{key}_input_ids"] = tokenizer(completion_text, add_special_tokens=False)["input_ids"]
+        out["prompt_input_ids"] = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    else:
+        out["prompt_input_ids"] = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        for key in COMPLETIONS:
+            out[f"{key}_input_ids"] = tokenizer(row[key], add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if eos is not None:
+        for key in COMPLETIONS:
+            out[f"{key}_input_ids"] = out[f"{key}_input_ids"] + [eos]
+    return out
+
+
+def truncate_pair(
+    prompt: list[int],
+    chosen: list[int],
+    rejected: list[int],
+    max_length: int | None,
+    max_prompt_length: int | None,
+    max_completion_length: int | None,
+    mode: str,
+) -> tuple[list[int], list[int], list[int]]:
+    """TRL's preference truncation.
+
+    The prompt keeps its last ``max_prompt_length`` tokens, each completion its first ``max_completion_length``.
+    Then prompt + completion must fit ``max_length``: ``keep_start`` cuts the completions' ends; ``keep_end``
+    drops prompt tokens from the start (keeping at least one) and only then cuts the completions' ends.
+    """
+    if max_prompt_length is not None:
+        prompt = prompt[-max_prompt_length:]
+    if max_completion_length is not None:
+        chosen, rejected = chosen[:max_completion_length], rejected[:max_completion_length]
+    if max_length is not None:
+        if mode == "keep_end":
+            longest = max(len(chosen), len(rejected))
+            keep = min(len(prompt), max(1, max_length - longest))
+            prompt = prompt[len(prompt) - keep :]
+        else:
+            prompt = prompt[:max_length]
+        budget = max(0, max_length - len(prompt))
+        chosen, rejected = chosen[:budget], rejected[:budget]
+    return prompt, chosen, rejected
+
+
+def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, implicit: bool,
+                    max_length: int | None, max_prompt_length: int | None, max_completion_length: int | None,
+                    truncation_mode: str) -> dict[str, list]:
+    out: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": []}
+    for j, row_index in enumerate(indices):
+        row = {k: v[j] for k, v in batch.items()}
+        if implicit:
+            row["prompt"], row["chosen"], row["rejected"] = extract_prompt(row["chosen"], row["rejected"], row_index)
+        ids = tokenize_preference_row(row, tokenizer)
+        prompt, chosen, rejected = truncate_pair(
+            ids["prompt_input_ids"], ids["chosen_input_ids"], ids["rejected_input_ids"],
+            max_length, max_prompt_length, max_completion_length, truncation_mode,
+        )
+        if not chosen or not rejected:
+            raise DataFormatError(
+                f"row {row_index}: the prompt has {len(ids['prompt_input_ids'])} tokens and nothing is left of the "
+                f"{'chosen' if not chosen else 'rejected'} completion within max_length={max_length} "
+                f"(max_prompt_length={max_prompt_length}, truncation_mode='{truncation_mode}'). Set "
+                "max_prompt_length below max_length (the prompt then keeps its end), use truncation_mode='keep_end', "
+                "or raise max_length."
+            )
+        out["prompt_input_ids"].append(prompt)
+        out["chosen_input_ids"].append(chosen)
+        out["rejected_input_ids"].append(rejected)
+    return out
+
+
+class PreferenceCollator:
+    """Pairs -> one padded batch with the chosen sequences first and the rejected ones after (``2B`` rows).
+
+    Returns ``input_ids``, ``attention_mask`` and ``completion_mask`` (1 on completion tokens), and passes
+    precomputed ``ref_chosen_logps`` / ``ref_rejected_logps`` through when the rows carry them.
+    """
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        seqs, masks = [], []
+        for key in COMPLETIONS:
+            for row in rows:
+                prompt, completion = row["prompt_input_ids"], row[f"{key}_input_ids"]
+                seqs.append(list(prompt) + list(completion))
+                masks.append([0] * len(prompt) + [1] * len(completion))
+        longest = max(len(s) for s in seqs)
+        n = len(seqs)
+        input_ids = torch.full((n, longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, longest), dtype=torch.long)
+        completion_mask = torch.zeros((n, longest), dtype=torch.long)
+        for i, (seq, mask) in enumerate(zip(seqs, masks)):
+            input_ids[i, : len(seq)] = torch.tensor(seq)
+            attention_mask[i, : len(seq)] = 1
+            completion_mask[i, : len(seq)] = torch.tensor(mask)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
+        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+            if key in rows[0]:
+                batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
+        return batch
+
+
+class PreferenceDataModule(TokenizedDataModule):
+    """Batches of preference pairs from any TRL preference dataset.
+
+    Explicit prompt (``prompt``, ``chosen``, ``rejected``) or implicit prompt (``chosen``, ``rejected``: their
+    shared beginning is the prompt); plain strings or conversations (chat template applied).
+
+    Args:
+        path: training data: a local json/jsonl/parquet/csv file or folder, a hub dataset name, or a ``Dataset``.
+        tokenizer: a tokenizer or its name/path (the CLI links it to the model's ``model_name_or_path``).
+        max_length: prompt + completion tokens per sequence (``None``: no limit).
+        max_prompt_length: the prompt keeps its last ``max_prompt_length`` tokens (``None``: no limit).
+        max_completion_length: each completion keeps its first ``max_completion_length`` tokens.
+        truncation_mode: how prompt + completion is fitted to ``max_length``: ``keep_end`` (TRL's default)
+            drops prompt tokens from the start first; ``keep_start`` cuts the completions' ends.
+        **kwargs: the shared arguments of ``TokenizedDataModule`` (``val_path``, ``batch_size`` = pairs per
+            micro-batch, ``collator``, ``shuffle``, ``seed``, …).
+    """
+
+    def __init__(
+        self,
+        path: str | Dataset | None = None,
+        tokenizer: Any = None,
+        *,
+        max_length: int | None = 1024,
+        max_prompt_length: int | None = 512,
+        max_completion_length: int | None = None,
+        truncation_mode: TruncationMode = "keep_end",
+        **kwargs: Any,
+    ) -> None:
+        if truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(f"truncation_mode='{truncation_mode}' is unknown; use keep_start or keep_end.")
+        for key, value in (("max_length", max_length), ("max_prompt_length", max_prompt_length),
+                           ("max_completion_length", max_completion_length)):
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1 or null, got {value}.")
+        super().__init__(path, tokenizer, **kwargs)
+        self.max_length, self.max_prompt_length = max_length, max_prompt_length
+        self.max_completion_length, self.truncation_mode = max_completion_length, truncation_mode
+
+    def default_collator(self) -> Callable:
+        return PreferenceCollator(self.tokenizer.pad_token_id)
+
+    def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
+        cols = raw.column_names
+        if not {"chosen", "rejected"} <= set(cols):
+            missing = [c for c in COMPLETIONS if c not in cols]
+            detected = detect_format(raw) if {"prompt", "messages", "text"} & set(cols) else "unknown"
+            raise DataFormatError(
+                f"Preference data needs 'chosen' and 'rejected' columns; the {label} data lacks {missing} "
+                f"(columns found: {sorted(cols)}, which look like {detected.replace('_', '-')} data). "
+                "Expected ['prompt', 'chosen', 'rejected'] (explicit prompt) or ['chosen', 'rejected'] (implicit)."
+            )
+        assert detect_format(raw) == PREFERENCE
+        implicit = "prompt" not in cols
+        self.validate(raw, tokenizer, label, implicit)
+        keep = [c for c in ("prompt", "chosen", "rejected") if c in cols]
+        return raw.select_columns(keep).map(
+            _tokenize_batch,
+            batched=True,
+            with_indices=True,
+            remove_columns=keep,
+            num_proc=self.dataset_num_proc,
+            desc=f"Tokenizing {label}",
+            fn_kwargs=dict(
+                tokenizer=tokenizer,
+                implicit=implicit,
+                max_length=self.max_length,
+                max_prompt_length=self.max_prompt_length,
+                max_completion_length=self.max_completion_length,
+                truncation_mode=self.truncation_mode,
+            ),
+        )
+
+    def validate(self, raw: Dataset, tokenizer: Any, label: str, implicit: bool) -> None:
+        """Every row: strings or conversations throughout, nothing empty; count identical pairs."""
+        columns = list(COMPLETIONS) if implicit else ["prompt", *COMPLETIONS]
+        first = raw[0]
+        conversational = isinstance(first[columns[0]], list)
+        if conversational:
+            check_chat_template(tokenizer, f"{label} preference data")
+        identical = 0
+        for i, row in iter_rows(raw, columns):
+            for col in columns:
+                validate_field(row[col], i, col)
+                if isinstance(row[col], list) != conversational:
+                    raise DataFormatError(
+                        f"row {i}, column '{col}': mixes {'strings' if conversational else 'conversations'} with the "
+                        f"{'conversations' if conversational else 'strings'} of row 0; every row and column must be "
+                        "of one kind."
+                    )
+            if row["chosen"] == row["rejected"]:
+                identical += 1
+        if identical:
+            warnings.warn(
+                f"{identical} of {len(raw)} {label} rows have identical 'chosen' and 'rejected'; they carry no "
+                "preference signal (zero gradient for most losses).",
+                stacklevel=2,
+            )

@@ -1,0 +1,148 @@
+"""Reference models for DPO-style losses: frozen copies, shared-layer copies, quantized loads, a log-prob cache.
+
+Modes (chosen by ``DPOModule``):
+
+* a frozen copy of the policy (default) or of another checkpoint (``ref_model_name_or_path``);
+* shared layers (``num_shared_layers=k``): the first k decoder layers (and everything before them, e.g. the
+  embeddings) are the *same tensors* as the policy's and frozen in both; the rest is a frozen copy;
+* quantized: loaded 8-bit/4-bit through ``ref_model_init_kwargs.quantization_config`` (bitsandbytes);
+* precomputed log-probs: one pass before training, cached on disk by fingerprint, then the model is released;
+* LoRA policy: the base model with adapters disabled (no copy).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer|decoder\.layers)\.(\d+)\.")
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """Eval mode, no gradients: a reference model is never trained."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def shared_parameter_names(model: torch.nn.Module, num_shared_layers: int) -> list[str]:
+    """Parameters up to (not including) decoder layer ``num_shared_layers``, in registration order."""
+    names = []
+    seen_layer = False
+    for name, _ in model.named_parameters():
+        match = _LAYER_INDEX.search(name)
+        if match:
+            seen_layer = True
+            if int(match.group(1)) >= num_shared_layers:
+                break
+        names.append(name)
+    if not seen_layer:
+        raise ValueError(
+            "num_shared_layers: no decoder layers found in the parameter names (expected '...layers.<i>.' or "
+            "'...h.<i>.'); this architecture cannot share layers."
+        )
+    return names
+
+
+def create_reference_model(model: torch.nn.Module, num_shared_layers: int | None = None) -> torch.nn.Module:
+    """A frozen reference for ``model``; with ``num_shared_layers=k`` the first k layers are shared tensors.
+
+    Shared parameters are frozen in the policy too (both models see the same values all along, which is what
+    makes sharing sound). The copy of the other parameters never allocates the shared ones twice.
+    """
+    memo: dict[int, Any] = {}
+    if num_shared_layers:
+        params = dict(model.named_parameters())
+        num_layers = len({m.group(1) for n in params if (m := _LAYER_INDEX.search(n))})
+        if not 0 < num_shared_layers <= num_layers:
+            raise ValueError(f"num_shared_layers={num_shared_layers} must be between 1 and the model's {num_layers} layers.")
+        for name in shared_parameter_names(model, num_shared_layers):
+            param = params[name]
+            param.requires_grad_(False)
+            memo[id(param)] = param  # deepcopy returns the same object for these
+    ref = copy.deepcopy(model, memo)
+    return freeze(ref)
+
+
+def unique_parameter_count(*models: torch.nn.Module) -> int:
+    """Parameters held in memory by several models together (shared tensors counted once)."""
+    seen: dict[int, int] = {}
+    for model in models:
+        for p in model.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def quantization_kwargs(init_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``quantization_config`` given as a dict in YAML -> ``BitsAndBytesConfig``."""
+    kwargs = dict(init_kwargs or {})
+    qc = kwargs.get("quantization_config")
+    if isinstance(qc, dict):
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as err:
+            raise ImportError(
+                "ref_model_init_kwargs.quantization_config needs bitsandbytes: pip install 'lightalign[bnb]'"
+            ) from err
+        from transformers import BitsAndBytesConfig
+
+        qc = dict(qc)
+        for key in ("bnb_4bit_compute_dtype",):
+            if isinstance(qc.get(key), str):
+                qc[key] = getattr(torch, qc[key].removeprefix("torch."))
+        kwargs["quantization_config"] = BitsAndBytesConfig(**qc)
+    return kwargs
+
+
+def disable_cpu_4bit_repacking(model: torch.nn.Module) -> None:
+    """On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights in place in an eval forward; a frozen
+    reference gains nothing from it, so turn it off (seen with bitsandbytes 0.50)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+# --------------------------------------------------------------------------------------------- log-prob cache
+def model_fingerprint(model: torch.nn.Module, extra: Any = None) -> str:
+    """A cheap identity of a model's weights: names, shapes, dtypes and the bytes of a few tensors."""
+    h = hashlib.sha256()
+    params = list(model.state_dict().items())
+    for name, tensor in params:
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+    for _, tensor in [params[0], params[len(params) // 2], params[-1]] if params else []:
+        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()[: 1 << 20])
+    if extra is not None:
+        h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:24]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("LIGHTALIGN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightalign")
+    return Path(root) / "ref_logps"
+
+
+def cache_path(cache_dir: str | os.PathLike | None, ref_fingerprint: str, data_fingerprint: str) -> Path:
+    key = hashlib.sha256(f"{ref_fingerprint}|{data_fingerprint}".encode()).hexdigest()[:32]
+    return Path(cache_dir or default_cache_dir()) / f"{key}.pt"
+
+
+def load_cached(path: Path) -> dict[str, torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def save_cached(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Atomic write: a crash never leaves a half-written cache file under the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(tensors, tmp)
+    os.replace(tmp, path)
