@@ -107,8 +107,9 @@ def truncate_pair(
 
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, implicit: bool,
                     max_length: int | None, max_prompt_length: int | None, max_completion_length: int | None,
-                    truncation_mode: str) -> dict[str, list]:
-    out: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": []}
+                    truncation_mode: str, split: str) -> dict[str, list]:
+    out: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": [], "split": [],
+                            "index": []}
     for j, row_index in enumerate(indices):
         row = {k: v[j] for k, v in batch.items()}
         if implicit:
@@ -129,6 +130,8 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
         out["prompt_input_ids"].append(prompt)
         out["chosen_input_ids"].append(chosen)
         out["rejected_input_ids"].append(rejected)
+        out["split"].append(split)
+        out["index"].append(row_index)
     return out
 
 
@@ -203,9 +206,40 @@ class PreferenceDataModule(TokenizedDataModule):
         super().__init__(path, tokenizer, **kwargs)
         self.max_length, self.max_prompt_length = max_length, max_prompt_length
         self.max_completion_length, self.truncation_mode = max_completion_length, truncation_mode
+        self.reference_logps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def default_collator(self) -> Callable:
         return PreferenceCollator(self.tokenizer.pad_token_id)
+
+    # ------------------------------------------------------------------------------------- reference log-probs
+    def splits(self) -> dict[str, Dataset]:
+        """The tokenized splits by label (``train``, ``validation``, ``test``), each dataset once."""
+        out = {}
+        for label, ds in (("train", self.train_dataset), ("validation", self.val_dataset), ("test", self.test_dataset)):
+            if ds is not None and all(ds is not other for other in out.values()):
+                out[label] = ds
+        return out
+
+    def set_reference_logps(self, label: str, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        """Attach precomputed reference log-probs (one per row of split ``label``, in row order) to its batches.
+
+        They are looked up by the rows' ``split``/``index`` columns at collate time, so loaders built earlier
+        (and DataLoader workers started later) see them too.
+        """
+        self.reference_logps[label] = (chosen.float().cpu(), rejected.float().cpu())
+
+    def collate_fn(self) -> Callable:
+        inner = super().collate_fn()
+        reference = self.reference_logps
+
+        def collate(rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+            if rows and rows[0].get("split") in reference:
+                chosen, rejected = reference[rows[0]["split"]]
+                rows = [dict(r, ref_chosen_logps=float(chosen[r["index"]]), ref_rejected_logps=float(rejected[r["index"]]))
+                        for r in rows]
+            return inner(rows)
+
+        return collate
 
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
         cols = raw.column_names
@@ -235,6 +269,7 @@ class PreferenceDataModule(TokenizedDataModule):
                 max_prompt_length=self.max_prompt_length,
                 max_completion_length=self.max_completion_length,
                 truncation_mode=self.truncation_mode,
+                split=label,
             ),
         )
 

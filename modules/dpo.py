@@ -456,17 +456,16 @@ class DPOModule(PolicyModule):
 
     @torch.no_grad()
     def precompute_reference(self, datamodule: Any) -> None:
-        """Add ``ref_chosen_logps``/``ref_rejected_logps`` columns to the train and validation data.
+        """Give the datamodule the reference log-probs of every split (``set_reference_logps``).
 
         Values come from the disk cache when the same reference weights met the same tokenized data before;
-        otherwise one pass computes and caches them. The reference model is released afterwards.
+        otherwise one ordered pass computes and caches them. The reference model is released afterwards.
         """
         fingerprint = None
         was_training = self.training
         self.eval()
-        for attr in ("train_dataset", "val_dataset"):
-            dataset = getattr(datamodule, attr, None)
-            if dataset is None or "ref_chosen_logps" in dataset.column_names:
+        for label, dataset in datamodule.splits().items():
+            if label in datamodule.reference_logps:
                 continue
             if fingerprint is None:
                 fingerprint = self.reference_fingerprint()
@@ -482,12 +481,7 @@ class DPOModule(PolicyModule):
                 cached = {"chosen": torch.cat(chosen), "rejected": torch.cat(rejected)}
                 if self.trainer.is_global_zero:
                     save_cached(path, cached)
-            updated = dataset.add_column("ref_chosen_logps", cached["chosen"].tolist()).add_column(
-                "ref_rejected_logps", cached["rejected"].tolist()
-            )
-            if getattr(datamodule, "test_dataset", None) is dataset:
-                datamodule.test_dataset = updated
-            setattr(datamodule, attr, updated)
+            datamodule.set_reference_logps(label, cached["chosen"], cached["rejected"])
         self.train(was_training)
         if self.ref_model is not None:
             self.ref_model = None

@@ -107,3 +107,29 @@ def test_python_api_example_runs(repo, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "hf" / "model.safetensors").exists()
     assert [line.split(" ")[0] for line in proc.stdout.splitlines()[-3:]] == ["12+7=", "45-3=", "8+80="]
+
+
+def test_dpo_tiny_config_end_to_end(repo, tmp_path):
+    run_cli(repo, "fit", "--config", "configs/dpo_tiny.yaml", "--trainer.max_steps", "6",
+            "--trainer.val_check_interval", "3", "--trainer.logger.init_args.save_dir", str(tmp_path))
+    run_dir = tmp_path / "dpo_tiny" / "version_0"
+    metrics = read_metrics(run_dir)
+    for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/accuracies",
+                "train/rewards/margins", "train/logps/chosen", "train/logps/rejected", "val/loss", "val/rewards/margins"):
+        assert key in metrics, key
+    assert len(metrics["train/loss"]) == 6
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "hf_model") is not None
+
+
+def test_dpo_template_on_a_local_folder_with_precompute(repo, tmp_path, tiny_model, tokenizer):
+    folder = tmp_path / "sft-model"
+    tiny_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    run_cli(repo, "fit", "--config", "configs/dpo.yaml", "--model.model_name_or_path", str(folder),
+            "--data.path", str(repo / "examples" / "data" / "chat_preference.jsonl"),
+            "--model.precompute_ref_log_probs", "true", "--model.ref_log_probs_cache_dir", str(tmp_path / "cache"),
+            "--trainer.max_steps", "2", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+            "--trainer.accumulate_grad_batches", "1", "--data.num_workers", "0",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # train and validation reference log-probs
+    assert (tmp_path / "runs" / "dpo" / "version_0" / "hf_model" / "model.safetensors").exists()
