@@ -11,10 +11,10 @@ Python API::
 
 from pathlib import Path
 
-from lightalign.callbacks import HFExport, TokenThroughput
-from lightalign.datamodules import DataFormatError, PreferenceDataModule, SFTDataModule
+from lightalign.callbacks import CompletionSamples, HFExport, TokenThroughput
+from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
-from lightalign.modules import DPOModule, PolicyModule, SFTModule, create_reference_model, dpo_loss, sft_loss
+from lightalign.modules import DPOModule, GRPOModule, PolicyModule, SFTModule, create_reference_model, dpo_loss, grpo_loss, sft_loss
 
 __version__ = "0.1.0"
 
@@ -23,17 +23,21 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 __all__ = [
     "ASSETS_DIR",
+    "CompletionSamples",
     "DPOModule",
     "DataFormatError",
+    "GRPOModule",
     "HFExport",
     "ModelNotFoundError",
     "PolicyModule",
     "PreferenceDataModule",
+    "PromptDataModule",
     "SFTDataModule",
     "SFTModule",
     "TokenThroughput",
     "create_reference_model",
     "dpo_loss",
+    "grpo_loss",
     "load_causal_lm",
     "load_tokenizer",
     "sft_loss",

@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from lightalign.callbacks import HFExport, TokenThroughput
+from lightalign.callbacks import CompletionSamples, HFExport, TokenThroughput
 from lightalign.modules.base import PolicyModule
 
 TRAINER_DEFAULTS = {
@@ -50,6 +50,7 @@ class LightalignCLI(LightningCLI):
         parser.add_lightning_class_args(HFExport, "export")
         parser.add_lightning_class_args(TokenThroughput, "throughput")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        parser.add_lightning_class_args(CompletionSamples, "completions")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
 
 

@@ -47,8 +47,10 @@ class TokenThroughput(L.Callback):
         self._tokens = self._samples = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._tokens += batch_tokens(batch)
-        self._samples += batch_samples(batch)
+        # Modules whose loader batch is not what they train on (GRPO trains on buffered rollouts) say what they
+        # trained through `last_batch_tokens` / `last_batch_samples`.
+        self._tokens += getattr(pl_module, "last_batch_tokens", None) or batch_tokens(batch)
+        self._samples += getattr(pl_module, "last_batch_samples", None) or batch_samples(batch)
         if trainer.global_step == self._step:  # still accumulating
             return
         self._step = trainer.global_step

@@ -2,10 +2,12 @@
 
 from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator
 from lightalign.datamodules.formats import DataFormatError
+from lightalign.datamodules.prompt import PromptCollator, PromptDataModule
 from lightalign.datamodules.preference import PreferenceCollator, PreferenceDataModule
 from lightalign.datamodules.sft import SFTDataModule
 
 __all__ = [
-    "DataFormatError", "PaddingCollator", "PaddingFreeCollator", "PreferenceCollator", "PreferenceDataModule",
+    "DataFormatError", "PaddingCollator", "PaddingFreeCollator", "PreferenceCollator", "PreferenceDataModule", "PromptCollator",
+    "PromptDataModule",
     "SFTDataModule",
 ]

@@ -113,7 +113,9 @@ class TokenizedDataModule(L.LightningDataModule):
         elif self.val_split is not None:
             raw_val = load_rows(self.path, split=self.val_split, name=self.name)
         elif self.val_split_size:
-            parts = raw_train.train_test_split(test_size=self.val_split_size, seed=self.seed, shuffle=True)
+            size = self.val_split_size
+            size = int(size) if size >= 1 else size  # a row count, or a fraction
+            parts = raw_train.train_test_split(test_size=size, seed=self.seed, shuffle=True)
             raw_train, raw_val = parts["train"], parts["test"]
         self.train_dataset = self.prepare_rows(raw_train, tokenizer, "train")
         if raw_val is not None:

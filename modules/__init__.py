@@ -2,7 +2,10 @@
 
 from lightalign.modules.base import PolicyModule
 from lightalign.modules.dpo import LOSS_TYPES, DPOModule, dpo_loss
+from lightalign.modules.grpo import GRPOModule, grpo_loss
 from lightalign.modules.reference import create_reference_model
 from lightalign.modules.sft import SFTModule, sft_loss
 
-__all__ = ["LOSS_TYPES", "DPOModule", "PolicyModule", "SFTModule", "create_reference_model", "dpo_loss", "sft_loss"]
+__all__ = [
+    "LOSS_TYPES", "DPOModule", "GRPOModule", "grpo_loss", "PolicyModule", "SFTModule", "create_reference_model", "dpo_loss", "sft_loss",
+]

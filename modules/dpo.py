@@ -6,9 +6,22 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torchmetrics.aggregation import MeanMetric
+
+from lightalign.modules.base import PolicyModule, is_peft_model
+from lightalign.modules.logprobs import completion_logps
+from lightalign.modules.reference import (
+    build_reference,
+    cache_path,
+    load_cached,
+    model_fingerprint,
+    move_reference,
+    save_cached,
+)
 
 LOSS_TYPES: tuple[str, ...] = (
     "sigmoid", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "sppo_hard", "nca_pair",
@@ -212,24 +225,6 @@ def dpo_loss(
 
 
 # ============================================================================================== DPOModule
-from typing import Any  # noqa: E402
-
-from torchmetrics.aggregation import MeanMetric  # noqa: E402
-
-from lightalign.hub import load_causal_lm  # noqa: E402
-from lightalign.modules.base import PolicyModule, is_peft_model  # noqa: E402
-from lightalign.modules.logprobs import completion_logps  # noqa: E402
-from lightalign.modules.reference import (  # noqa: E402
-    cache_path,
-    create_reference_model,
-    disable_cpu_4bit_repacking,
-    freeze,
-    load_cached,
-    model_fingerprint,
-    quantization_kwargs,
-    save_cached,
-)
-
 PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
               "logps/chosen", "logps/rejected")
 
@@ -319,24 +314,15 @@ class DPOModule(PolicyModule):
 
     def _build_reference(self) -> None:
         hp = self.hparams
-        if hp.ref_model_name_or_path or hp.ref_model_init_kwargs:
-            self.ref_model = load_causal_lm(
-                hp.ref_model_name_or_path or self.model_name_or_path,
-                init_kwargs=quantization_kwargs(hp.ref_model_init_kwargs),
-                trust_remote_code=hp.trust_remote_code,
-            )
-            disable_cpu_4bit_repacking(self.ref_model)
-            freeze(self.ref_model)
-        elif is_peft_model(self.model):
-            self.ref_model = None  # adapters disabled at reference time
-        else:
-            self.ref_model = create_reference_model(self.model, hp.num_shared_layers)
+        self.ref_model = build_reference(
+            self.model, hp.ref_model_name_or_path or self.model_name_or_path,
+            separate=bool(hp.ref_model_name_or_path or hp.ref_model_init_kwargs),
+            init_kwargs=hp.ref_model_init_kwargs, num_shared_layers=hp.num_shared_layers,
+            trust_remote_code=hp.trust_remote_code,
+        )
 
     def _move_reference(self) -> None:
-        ref = self.ref_model
-        if ref is None or getattr(ref, "is_loaded_in_8bit", False) or getattr(ref, "is_loaded_in_4bit", False):
-            return
-        ref.to(self.device)
+        move_reference(self.ref_model, self.device)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

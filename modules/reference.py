@@ -110,6 +110,35 @@ def disable_cpu_4bit_repacking(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def build_reference(
+    policy: torch.nn.Module,
+    name_or_path: str | None,
+    separate: bool = False,
+    init_kwargs: dict[str, Any] | None = None,
+    num_shared_layers: int | None = None,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module | None:
+    """The reference of ``policy``: a separately loaded checkpoint (``separate``: another path or quantized
+    kwargs), ``None`` for a LoRA policy (use ``disable_adapter()``), or a frozen (shared-layer) copy."""
+    from lightalign.hub import load_causal_lm
+    from lightalign.modules.base import is_peft_model
+
+    if separate:
+        ref = load_causal_lm(name_or_path, init_kwargs=quantization_kwargs(init_kwargs), trust_remote_code=trust_remote_code)
+        disable_cpu_4bit_repacking(ref)
+        return freeze(ref)
+    if is_peft_model(policy):
+        return None
+    return create_reference_model(policy, num_shared_layers)
+
+
+def move_reference(ref: torch.nn.Module | None, device: torch.device) -> None:
+    """Put an unregistered reference on the module's device (quantized models stay where bitsandbytes put them)."""
+    if ref is None or getattr(ref, "is_loaded_in_8bit", False) or getattr(ref, "is_loaded_in_4bit", False):
+        return
+    ref.to(device)
+
+
 # --------------------------------------------------------------------------------------------- log-prob cache
 def model_fingerprint(model: torch.nn.Module, extra: Any = None) -> str:
     """A cheap identity of a model's weights: names, shapes, dtypes and the bytes of a few tensors."""

@@ -1,0 +1,53 @@
+"""Reward functions for GRPO, with TRL's signature ``fn(prompts, completions, **columns) -> list[float | None]``,
+and the machinery that runs them and turns rewards into advantages."""
+
+from lightalign.rewards.advantages import (
+    RunningRewardNormalizer,
+    clip_rewards,
+    nanstd,
+    scale_advantages,
+    zero_std_fraction,
+)
+from lightalign.rewards.functions import (
+    FormatReward,
+    LengthPenalty,
+    accuracy_reward,
+    completion_text,
+    digit_fraction_reward,
+    extract_last_number,
+    make_format_reward,
+    think_format_reward,
+)
+from lightalign.rewards.model import RewardModel
+from lightalign.rewards.resolve import (
+    check_reward_weights,
+    import_object,
+    resolve_reward_funcs,
+    reward_func_name,
+    reward_func_names,
+)
+from lightalign.rewards.runner import RewardFunctionError, compute_rewards
+
+__all__ = [
+    "FormatReward",
+    "LengthPenalty",
+    "RewardFunctionError",
+    "RewardModel",
+    "RunningRewardNormalizer",
+    "accuracy_reward",
+    "check_reward_weights",
+    "clip_rewards",
+    "completion_text",
+    "compute_rewards",
+    "digit_fraction_reward",
+    "extract_last_number",
+    "import_object",
+    "make_format_reward",
+    "nanstd",
+    "resolve_reward_funcs",
+    "reward_func_name",
+    "reward_func_names",
+    "scale_advantages",
+    "think_format_reward",
+    "zero_std_fraction",
+]

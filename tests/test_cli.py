@@ -133,3 +133,27 @@ def test_dpo_template_on_a_local_folder_with_precompute(repo, tmp_path, tiny_mod
             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 2  # train and validation reference log-probs
     assert (tmp_path / "runs" / "dpo" / "version_0" / "hf_model" / "model.safetensors").exists()
+
+
+def test_grpo_quickstart_reward_rises(repo, tmp_path):
+    run_cli(repo, "fit", "--config", "configs/grpo_quickstart.yaml", "--trainer.max_steps", "20",
+            "--trainer.val_check_interval", "20", "--trainer.logger.init_args.save_dir", str(tmp_path))
+    run_dir = tmp_path / "grpo_quickstart" / "version_0"
+    rewards = [v for _, v in read_metrics(run_dir)["train/reward/mean"]]
+    assert len(rewards) == 20
+    assert rewards[0] < 0.1 and sum(rewards[-5:]) / 5 > rewards[0] + 0.4
+    assert read_metrics(run_dir)["val/reward/mean"][-1][1] > 0.5
+    assert (run_dir / "completions.csv").exists() and (run_dir / "hf_model" / "model.safetensors").exists()
+
+
+def test_grpo_template_on_a_local_folder(repo, tmp_path, tiny_model, tokenizer):
+    folder = tmp_path / "policy"
+    tiny_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    run_cli(repo, "fit", "--config", "configs/grpo.yaml", "--model.model_name_or_path", str(folder),
+            "--data.path", str(repo / "examples" / "data" / "arithmetic_prompts.jsonl"),
+            "--model.max_completion_length", "8", "--model.beta", "0.04", "--trainer.max_steps", "1",
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.limit_val_batches", "1",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
+    metrics = read_metrics(tmp_path / "runs" / "grpo" / "version_0")
+    assert "train/reward/accuracy_reward" in metrics and "train/kl" in metrics

@@ -1,0 +1,50 @@
+"""``CompletionSamples``: a table of sample prompts, completions and rewards every N steps (CSV, TensorBoard)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+
+class CompletionSamples(L.Callback):
+    """Write ``max_rows`` of the latest rollout to ``<log_dir>/completions.csv`` every ``every_n_steps`` optimizer
+    steps, and to TensorBoard as a markdown table when a ``TensorBoardLogger`` is attached.
+
+    Works with any module that keeps ``last_samples`` (a list of dicts with ``step``, ``prompt``, ``completion``,
+    ``reward`` and per-function rewards), as ``GRPOModule`` does.
+    """
+
+    def __init__(self, every_n_steps: int = 10, max_rows: int = 8, filename: str = "completions.csv") -> None:
+        if every_n_steps < 1 or max_rows < 1:
+            raise ValueError("every_n_steps and max_rows must be >= 1.")
+        self.every_n_steps, self.max_rows, self.filename = every_n_steps, max_rows, filename
+        self._last_step = -1
+
+    def path(self, trainer: L.Trainer) -> Path:
+        return Path(trainer.log_dir or trainer.default_root_dir) / self.filename
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        samples = getattr(pl_module, "last_samples", None)
+        if not samples or step == self._last_step or step % self.every_n_steps or not trainer.is_global_zero:
+            return
+        self._last_step = step
+        rows = [dict(r, step=step) for r in samples[: self.max_rows]]
+        path = self.path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if type(logger).__name__ == "TensorBoardLogger" and hasattr(experiment, "add_text"):
+                header = "| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n"
+                body = "".join("| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in r.values()) + " |\n"
+                               for r in rows)
+                experiment.add_text("completions", header + body, global_step=step)

@@ -1,0 +1,143 @@
+"""``PromptDataModule``: prompt-only rows (plus any columns for reward functions) -> rollout batches for GRPO."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from datasets import Dataset
+from torch.utils.data import DataLoader, Sampler
+
+from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
+
+
+def _tokenize_prompts(batch: dict[str, list], tokenizer: Any, max_prompt_length: int | None) -> dict[str, list]:
+    ids_out = []
+    for prompt in batch["prompt"]:
+        if isinstance(prompt, list):
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if max_prompt_length is not None:
+            ids = ids[-max_prompt_length:]  # left truncation: the end of the prompt is what the model continues
+        ids_out.append(ids)
+    return {"prompt_input_ids": ids_out}
+
+
+class PromptCollator:
+    """Left-pads prompt ids (generation continues at the right edge) and passes raw prompts and columns through.
+
+    Returns ``prompt_input_ids``, ``prompt_attention_mask``, ``prompts`` (strings or message lists, as in the
+    data) and ``columns`` (every other column as a list, for the reward functions).
+    """
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        longest = max(len(r["prompt_input_ids"]) for r in rows)
+        ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["prompt_input_ids"])
+            ids[i, longest - n :] = torch.tensor(row["prompt_input_ids"], dtype=torch.long)
+            mask[i, longest - n :] = 1
+        extra = [k for k in rows[0] if k not in ("prompt", "prompt_input_ids")]
+        return {
+            "prompt_input_ids": ids,
+            "prompt_attention_mask": mask,
+            "prompts": [r["prompt"] for r in rows],
+            "columns": {k: [r[k] for r in rows] for k in extra},
+        }
+
+
+class RepeatBatchSampler(Sampler[list[int]]):
+    """Yields each generation batch of prompt indices ``repeat`` times in a row.
+
+    One rollout serves ``steps_per_generation x num_iterations`` training steps; Lightning calls
+    ``training_step`` once per loader batch, so the loader hands the same prompts to each of them and the module
+    generates on the first. Shuffled per epoch (seeded), incomplete last generation batches dropped.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, repeat: int, shuffle: bool = True, seed: int = 0) -> None:
+        if num_rows < batch_size:
+            raise DataFormatError(
+                f"The training data has {num_rows} prompts, fewer than one generation batch needs ({batch_size} = "
+                "generation_batch_size / num_generations). Add prompts or lower generation_batch_size."
+            )
+        self.num_rows, self.batch_size, self.repeat = num_rows, batch_size, repeat
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(self.num_rows))
+        self.epoch += 1
+        for start in range(0, self.num_rows - self.batch_size + 1, self.batch_size):
+            batch = order[start : start + self.batch_size]
+            for _ in range(self.repeat):
+                yield batch
+
+    def __len__(self) -> int:
+        return (self.num_rows // self.batch_size) * self.repeat
+
+
+class PromptDataModule(TokenizedDataModule):
+    """Prompts for online RL (GRPO) from any TRL prompt-only dataset.
+
+    ``prompt`` is a string or a conversation (the chat template is applied with the generation prompt); every
+    other column (e.g. ``answer``) is kept and reaches the reward functions as a keyword list. The number of
+    prompts per training batch is set by the module (``generation_batch_size / num_generations``) through
+    ``configure_rollout``; ``batch_size`` applies to validation (``val_batch_size``).
+
+    Args:
+        path: training prompts: a local json/jsonl/parquet/csv file or folder, a hub dataset name, or a ``Dataset``.
+        tokenizer: a tokenizer or its name/path (the CLI links it to the model's ``model_name_or_path``).
+        max_prompt_length: prompts keep their last ``max_prompt_length`` tokens (left truncation).
+        **kwargs: the shared arguments of ``TokenizedDataModule`` (``val_path``, ``val_split_size``, ``seed`` …).
+    """
+
+    def __init__(self, path: str | Dataset | None = None, tokenizer: Any = None, *,
+                 max_prompt_length: int | None = 512, **kwargs: Any) -> None:
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or null, got {max_prompt_length}.")
+        super().__init__(path, tokenizer, **kwargs)
+        self.max_prompt_length = max_prompt_length
+        self.prompts_per_generation = self.batch_size
+        self.repeat = 1
+
+    def configure_rollout(self, prompts_per_generation: int, repeat: int) -> None:
+        """Called by the GRPO module: prompts per generation batch, and training steps each rollout serves."""
+        self.prompts_per_generation, self.repeat = prompts_per_generation, repeat
+
+    def default_collator(self) -> Callable:
+        return PromptCollator(self.tokenizer.pad_token_id)
+
+    def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
+        if "prompt" not in raw.column_names:
+            raise DataFormatError(
+                f"Prompt data needs a 'prompt' column; the {label} data has {sorted(raw.column_names)}. "
+                "Rename the column holding the prompts to 'prompt' (strings or message lists)."
+            )
+        conversational = isinstance(raw[0]["prompt"], list)
+        if conversational:
+            check_chat_template(tokenizer, f"{label} prompts")
+        for i, row in iter_rows(raw, ["prompt"]):
+            validate_field(row["prompt"], i, "prompt")
+            if isinstance(row["prompt"], list) != conversational:
+                raise DataFormatError(f"row {i}, column 'prompt': mixes strings and conversations (row 0 is "
+                                      f"{'a conversation' if conversational else 'a string'}).")
+        return raw.map(_tokenize_prompts, batched=True, num_proc=self.dataset_num_proc, desc=f"Tokenizing {label}",
+                       fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length))
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = RepeatBatchSampler(len(self.train_dataset), self.prompts_per_generation, self.repeat,
+                                     shuffle=self.shuffle, seed=self.seed)
+        return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.collate_fn(),
+                          num_workers=self.num_workers)

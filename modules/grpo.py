@@ -1,0 +1,386 @@
+"""Group relative policy optimisation: ``GRPOModule`` (rollouts, rewards, advantages, the clipped loss).
+
+The loss itself is the pure function ``grpo_loss`` (``modules/grpo_loss.py``), re-exported here.
+
+Rollout reuse under automatic optimisation: ``PromptDataModule`` hands each generation batch of prompts to
+``steps_per_generation x num_iterations`` consecutive ``training_step`` calls; the first generates
+``generation_batch_size`` completions (``num_generations`` per prompt), scores them and buffers them split into
+``steps_per_generation`` micro-batches; the following calls consume the buffer. Lightning's accumulation,
+clipping, precision and strategies are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+from lightalign.modules.base import PolicyModule, is_peft_model
+from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
+from lightalign.modules.logprobs import selective_log_softmax
+from lightalign.modules.reference import build_reference, move_reference
+from lightalign.rewards import (
+    RunningRewardNormalizer,
+    check_reward_weights,
+    clip_rewards,
+    compute_rewards,
+    resolve_reward_funcs,
+    nanstd,
+    reward_func_names,
+    scale_advantages,
+)
+
+__all__ = ["GRPO_LOSS_TYPES", "GRPOModule", "grpo_loss"]
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+class GRPOModule(PolicyModule):
+    """GRPO on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults).
+
+    Args:
+        reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables,
+            import paths (``lightalign.rewards.accuracy_reward``, ``mypkg.rewards:fn``) or reward-model folders.
+        reward_weights: one weight per reward function (default 1 each); the reward is their weighted sum.
+        num_generations: completions per prompt (the group).
+        generation_batch_size: completions per rollout per device (default ``num_generations x
+            steps_per_generation``); must be divisible by ``num_generations`` and by ``steps_per_generation``.
+        steps_per_generation: training micro-batches one rollout is split into (default: the trainer's
+            ``accumulate_grad_batches``, i.e. one rollout per optimizer step).
+        num_iterations: how many times each rollout is trained on (PPO-style reuse, TRL's μ).
+        max_completion_length: generated tokens at most.
+        temperature, top_p, top_k, min_p, repetition_penalty: sampling knobs of ``generate``.
+        loss_type: ``dapo`` (default) | ``grpo`` | ``bnpo`` | ``dr_grpo``.
+        epsilon, epsilon_high: clipping range ``[1 - epsilon, 1 + epsilon_high]`` of the importance ratio.
+        beta: KL coefficient (k3 estimator) against a reference model, which is built only when ``beta > 0``.
+        scale_rewards: advantage scaling: ``group`` std, ``batch`` std, or ``none``.
+        normalize_rewards: normalise rewards by their running mean/std before the advantages.
+        reward_clip: clip (normalised) rewards to ``[-reward_clip, reward_clip]``.
+        mask_truncated_completions: completions that hit ``max_completion_length`` without EOS get no loss.
+        ref_model_name_or_path, ref_model_init_kwargs: a separately loaded reference (when ``beta > 0``).
+        log_entropy: log the mean token entropy of the policy on its completions.
+        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        *,
+        reward_funcs: list[str | Callable] | str | Callable | None = None,
+        reward_weights: list[float] | None = None,
+        num_generations: int = 8,
+        generation_batch_size: int | None = None,
+        steps_per_generation: int | None = None,
+        num_iterations: int = 1,
+        max_completion_length: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = "dapo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        scale_rewards: Literal["group", "batch", "none"] = "group",
+        normalize_rewards: bool = False,
+        reward_clip: float | None = None,
+        mask_truncated_completions: bool = False,
+        ref_model_name_or_path: str | None = None,
+        ref_model_init_kwargs: dict[str, Any] | None = None,
+        log_entropy: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        validate_grpo_loss_config(loss_type, epsilon, epsilon_high, beta, max_completion_length)
+        if reward_funcs is None:
+            raise ValueError("GRPOModule needs reward_funcs: callables or import paths of fn(prompts, completions, **columns).")
+        specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        funcs = resolve_reward_funcs(list(specs))
+        check_reward_weights(funcs, reward_weights)
+        if scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
+        if num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (advantages compare completions of a group), got {num_generations}.")
+        if num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {num_iterations}.")
+        if steps_per_generation is not None and steps_per_generation < 1:
+            raise ValueError(f"steps_per_generation must be >= 1, got {steps_per_generation}.")
+        if generation_batch_size is not None:
+            _check_generation_arithmetic(generation_batch_size, num_generations, steps_per_generation)
+        if reward_clip is not None and reward_clip <= 0:
+            raise ValueError(f"reward_clip must be > 0 or null, got {reward_clip}.")
+        super().__init__(model_name_or_path, **kwargs)
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs"])
+        self.reward_funcs = funcs
+        self.reward_names = reward_func_names(funcs)
+        self.reward_normalizer = RunningRewardNormalizer() if normalize_rewards else None
+        self.ref_model: torch.nn.Module | None = None
+        self.tokenizer: Any = None
+        self.generation_count = 0
+        self._buffer: list[dict[str, torch.Tensor]] | None = None
+        self._buffer_pos = 0
+        self.last_samples: list[dict[str, Any]] = []
+        stat_names = ["loss", "clip_ratio", "clip_ratio/low", "clip_ratio/high", "kl", "entropy", "reward/mean",
+                      "reward/std", "completions/mean_length", "completions/clipped_ratio"]
+        stat_names += [f"reward/{n}" for n in self.reward_names]
+        self.stat_names = stat_names
+        self.train_stats = torch.nn.ModuleDict({_key(k): MeanMetric(nan_strategy="ignore") for k in stat_names})
+        self.eval_stats = torch.nn.ModuleDict({_key(k): MeanMetric(nan_strategy="ignore") for k in stat_names})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("ref_model", "reward_funcs"):  # not submodules: never optimised or checkpointed
+            self.__dict__[name] = value
+            return
+        super().__setattr__(name, value)
+
+    # ------------------------------------------------------------------------------------- setup
+    @property
+    def rollout_shape(self) -> tuple[int, int, int]:
+        """(generation_batch_size, steps_per_generation, micro-batch size in completions), resolved."""
+        hp = self.hparams
+        steps = hp.steps_per_generation or (self.trainer.accumulate_grad_batches if self._trainer is not None else 1)
+        gen = hp.generation_batch_size or hp.num_generations * steps
+        return gen, steps, gen // steps
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        if stage != "fit":
+            return
+        gen, steps, _ = self.rollout_shape
+        _check_generation_arithmetic(gen, self.hparams.num_generations, steps)
+        accumulate = self.trainer.accumulate_grad_batches
+        if self.hparams.loss_type == "dapo" and steps % accumulate:
+            raise ValueError(
+                f"loss_type='dapo' normalises by the completion tokens of each optimizer step, so an optimizer step "
+                f"must not straddle two rollouts: steps_per_generation ({steps}) must be a multiple of "
+                f"accumulate_grad_batches ({accumulate})."
+            )
+        if not hasattr(datamodule, "configure_rollout"):
+            raise TypeError(f"GRPOModule trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+        datamodule.configure_rollout(gen // self.hparams.num_generations, steps * self.hparams.num_iterations)
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        hp = self.hparams
+        if hp.beta > 0 and self.ref_model is None and not is_peft_model(self.model):
+            with torch.inference_mode(False):
+                self.ref_model = build_reference(
+                    self.model, hp.ref_model_name_or_path or self.model_name_or_path,
+                    separate=bool(hp.ref_model_name_or_path or hp.ref_model_init_kwargs),
+                    init_kwargs=hp.ref_model_init_kwargs, trust_remote_code=hp.trust_remote_code,
+                )
+
+    def on_fit_start(self) -> None:
+        move_reference(self.ref_model, self.device)
+
+    # ------------------------------------------------------------------------------------- rollout
+    def _eos_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = list(ids) if isinstance(ids, (list, tuple)) else ([] if ids is None else [ids])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    @torch.no_grad()
+    def generate(self, batch: dict[str, Any], num_generations: int) -> dict[str, Any]:
+        """Sample ``num_generations`` completions per prompt (eval mode, KV cache), then back to train mode."""
+        hp = self.hparams
+        eos = self._eos_ids()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model.generate(
+                input_ids=batch["prompt_input_ids"], attention_mask=batch["prompt_attention_mask"],
+                do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0, min_p=hp.min_p,
+                repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
+                num_return_sequences=num_generations, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
+                use_cache=True,
+            )
+        finally:
+            self.model.train(was_training)
+        prompt_len = batch["prompt_input_ids"].shape[1]
+        completion_ids = out[:, prompt_len:]
+        is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
+        has_eos = is_eos.any(-1)
+        first = torch.where(has_eos, is_eos.int().argmax(-1), completion_ids.shape[1])
+        positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+        completion_mask = (positions[None, :] <= first[:, None]).long()
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [p for p in batch["prompts"] for _ in range(num_generations)]
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+        columns = {k: [v for v in vals for _ in range(num_generations)] for k, vals in batch["columns"].items()}
+        columns["completion_ids"] = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask)]
+        return {
+            "prompt_ids": batch["prompt_input_ids"].repeat_interleave(num_generations, 0),
+            "prompt_mask": batch["prompt_attention_mask"].repeat_interleave(num_generations, 0),
+            "completion_ids": completion_ids, "completion_mask": completion_mask, "truncated": ~has_eos,
+            "prompts": prompts, "completions": completions, "texts": texts, "columns": columns,
+        }
+
+    def score(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> torch.Tensor:
+        """Rewards -> (normalised, clipped) -> group-relative advantages; logs the reward statistics."""
+        hp = self.hparams
+        per_func, total = compute_rewards(self.reward_funcs, rollout["prompts"], rollout["completions"],
+                                          rollout["columns"], hp.reward_weights)
+        total = total.to(self.device).float()
+        if (~torch.isnan(total)).any():  # a completion no function could score has a NaN total (as in TRL)
+            stats[_key("reward/mean")].update(torch.nanmean(total))
+            stats[_key("reward/std")].update(nanstd(total))
+        for j, name in enumerate(self.reward_names):
+            column = per_func[:, j]
+            if (~torch.isnan(column)).any():
+                stats[_key(f"reward/{name}")].update(torch.nanmean(column.float()))
+        lengths = rollout["completion_mask"].sum(-1).float()
+        stats[_key("completions/mean_length")].update(lengths.mean())
+        stats[_key("completions/clipped_ratio")].update(rollout["truncated"].float().mean())
+        self.last_samples = [
+            {"step": self.global_step, "prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
+             "reward": float(r), **{n: float(per_func[i, j]) for j, n in enumerate(self.reward_names)}}
+            for i, (p, t, r) in enumerate(zip(rollout["prompts"], rollout["texts"], total.tolist()))
+        ]
+        rewards = total
+        if self.reward_normalizer is not None and self.training:
+            rewards = self.reward_normalizer.normalize(rewards)
+        rewards = clip_rewards(rewards, hp.reward_clip)
+        return scale_advantages(rewards, hp.num_generations, hp.scale_rewards)
+
+    def token_logps(self, model: torch.nn.Module, mb: dict[str, torch.Tensor], with_entropy: bool = False):
+        """Per-token log-probs of the completion tokens ``[B, T]`` (and the mean entropy, detached)."""
+        input_ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
+        attention_mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
+        t = mb["completion_ids"].shape[1]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                       logits_to_keep=t + 1).logits[:, :-1]
+        logits = logits / self.hparams.temperature  # the sampling distribution
+        logps = selective_log_softmax(logits, mb["completion_ids"])
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                flat = logits.detach()[mb["completion_mask"].bool()].float()
+                if flat.numel():
+                    probs = flat.softmax(-1)
+                    entropy = (torch.logsumexp(flat, -1) - (probs * flat).sum(-1)).mean()
+        return logps, entropy
+
+    @torch.no_grad()
+    def _make_rollout(self, batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+        hp = self.hparams
+        gen, steps, micro = self.rollout_shape
+        prompts_expected = gen // hp.num_generations
+        if len(batch["prompts"]) != prompts_expected:
+            raise ValueError(f"Expected {prompts_expected} prompts per rollout (generation_batch_size {gen} / "
+                             f"num_generations {hp.num_generations}), got {len(batch['prompts'])}.")
+        rollout = self.generate(batch, hp.num_generations)
+        self.generation_count += 1
+        advantages = self.score(rollout, self.train_stats)
+        if hp.mask_truncated_completions:
+            rollout["completion_mask"] = rollout["completion_mask"] * (~rollout["truncated"]).long().unsqueeze(-1)
+        tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        tensors["advantages"] = advantages
+        order = torch.randperm(gen, device=advantages.device)  # mix groups across micro-batches, as TRL does
+        tensors = {k: v[order] for k, v in tensors.items()}
+        chunks = [{k: v[i * micro:(i + 1) * micro] for k, v in tensors.items()} for i in range(steps)]
+        needs_old = hp.num_iterations > 1 or steps > self.trainer.accumulate_grad_batches
+        for mb in chunks:
+            if needs_old:
+                mb["old_logps"], _ = self.token_logps(self.model, mb)
+            if hp.beta > 0:
+                if self.ref_model is not None:
+                    mb["ref_logps"], _ = self.token_logps(self.ref_model, mb)
+                else:
+                    with self.model.disable_adapter():
+                        mb["ref_logps"], _ = self.token_logps(self.model, mb)
+        return chunks
+
+    # ------------------------------------------------------------------------------------- training
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        hp = self.hparams
+        _, steps, _ = self.rollout_shape
+        if self._buffer is None or self._buffer_pos >= steps * hp.num_iterations:
+            self._buffer = self._make_rollout(batch)
+            self._buffer_pos = 0
+        slot = self._buffer_pos % steps
+        self._buffer_pos += 1
+        mb = self._buffer[slot]
+        self.last_batch_tokens = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
+        self.last_batch_samples = int(mb["completion_ids"].shape[0])
+        logps, entropy = self.token_logps(self.model, mb, with_entropy=hp.log_entropy)
+        accumulate = self.trainer.accumulate_grad_batches
+        num_items, scale = None, 1.0
+        if hp.loss_type == "dapo":
+            start = (slot // accumulate) * accumulate
+            step_tokens = sum(self._buffer[i]["completion_mask"].sum() for i in range(start, start + accumulate))
+            world = self.trainer.world_size
+            if world > 1:
+                step_tokens = self.trainer.strategy.reduce(step_tokens.float(), reduce_op="sum") / world
+            num_items, scale = step_tokens, float(accumulate)
+        loss, stats = grpo_loss(
+            logps, mb.get("old_logps"), mb["advantages"], mb["completion_mask"], loss_type=hp.loss_type,
+            epsilon=hp.epsilon, epsilon_high=hp.epsilon_high, beta=hp.beta, ref_per_token_logps=mb.get("ref_logps"),
+            max_completion_length=hp.max_completion_length, num_items_in_batch=num_items,
+        )
+        s = self.train_stats
+        s[_key("loss")].update(loss.detach())
+        s[_key("clip_ratio")].update(stats["clip_ratio/region_mean"])
+        s[_key("clip_ratio/low")].update(stats["clip_ratio/low_mean"])
+        s[_key("clip_ratio/high")].update(stats["clip_ratio/high_mean"])
+        if "kl" in stats:
+            s[_key("kl")].update(stats["kl"])
+        if entropy is not None:
+            s[_key("entropy")].update(entropy)
+        return loss * scale
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._log_stats(self.train_stats, "train")
+
+    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
+        for name in self.stat_names:
+            metric = stats[_key(name)]
+            if metric.update_called:
+                self.log(f"{stage}/{name}", metric.compute(), prog_bar=name in ("reward/mean",))
+            metric.reset()
+
+    # ------------------------------------------------------------------------------------- validation
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Sample ``num_generations`` completions per validation prompt and score them (no loss)."""
+        rollout = self.generate(batch, self.hparams.num_generations)
+        self.score(rollout, self.eval_stats)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_stats(self.eval_stats, "val")
+
+    # ------------------------------------------------------------------------------------- state
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = {"generation_count": self.generation_count, "buffer": self._buffer, "buffer_pos": self._buffer_pos}
+        if self.reward_normalizer is not None:
+            state["reward_normalizer"] = self.reward_normalizer.state_dict()
+        checkpoint["lightalign_grpo"] = state
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("lightalign_grpo", {})
+        self.generation_count = state.get("generation_count", 0)
+        self._buffer, self._buffer_pos = state.get("buffer"), state.get("buffer_pos", 0)
+        if self.reward_normalizer is not None and "reward_normalizer" in state:
+            self.reward_normalizer.load_state_dict(state["reward_normalizer"])
+
+
+def _key(name: str) -> str:
+    return name.replace("/", "__").replace(".", "_")
+
+
+def _check_generation_arithmetic(generation_batch_size: int, num_generations: int, steps: int | None) -> None:
+    if generation_batch_size % num_generations:
+        raise ValueError(
+            f"generation_batch_size ({generation_batch_size}) must be divisible by num_generations ({num_generations}): "
+            f"{generation_batch_size} = {generation_batch_size // num_generations} x {num_generations} + "
+            f"{generation_batch_size % num_generations}. Use a multiple of {num_generations}, e.g. "
+            f"{(generation_batch_size // num_generations + 1) * num_generations}."
+        )
+    if steps and generation_batch_size % steps:
+        raise ValueError(
+            f"generation_batch_size ({generation_batch_size}) must split evenly into steps_per_generation ({steps}) "
+            f"micro-batches: {generation_batch_size} / {steps} is not an integer."
+        )

@@ -1,0 +1,139 @@
+"""From rewards to advantages: group baselines and scaling (TRL's ``scale_rewards``), running normalization, clipping.
+
+Rewards are laid out as TRL lays them out: rows ``i*G .. i*G+G-1`` are the ``G = num_generations`` completions of
+prompt ``i``. A NaN reward marks an unscorable completion (every reward function returned None): it is left out of
+the baselines and its advantage is 0, as in TRL.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["RunningRewardNormalizer", "clip_rewards", "nanstd", "scale_advantages", "zero_std_fraction"]
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased (Bessel-corrected) standard deviation ignoring NaNs; NaN where fewer than 2 values (as TRL's)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    sq = torch.nansum((x - mean) ** 2, dim=dim, keepdim=True)
+    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, float("nan")))
+    std = var.sqrt()
+    if keepdim:
+        return std
+    return std.reshape(()) if dim is None else std.squeeze(dim)
+
+
+def _check_scale_rewards(scale_rewards: str | bool) -> str:
+    # TRL's config also accepts True ("group") and False ("none").
+    value = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # type: ignore[arg-type]
+    if value not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r} is not valid; use one of {list(SCALE_REWARDS)}.")
+    return value
+
+
+def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be a 1-D tensor [N], got shape {tuple(rewards.shape)}.")
+    if num_generations < 1 or rewards.numel() % num_generations:
+        raise ValueError(
+            f"{rewards.numel()} rewards cannot be split into groups of num_generations={num_generations}; "
+            "the batch must hold whole groups (N = prompts * num_generations)."
+        )
+    return rewards.view(-1, num_generations)
+
+
+def _reward_std(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
+    """Per-row std used for scaling: the group's (also for "none", for logging) or the batch's."""
+    grouped = _grouped(rewards, num_generations)
+    if scale_rewards == "batch":
+        return nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    if num_generations == 1:
+        return torch.zeros_like(rewards)
+    return nanstd(grouped, dim=1).repeat_interleave(num_generations)
+
+
+def scale_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str | bool = "group") -> torch.Tensor:
+    """GRPO advantages: ``reward - group mean``, divided by ``std + 1e-4`` unless ``scale_rewards="none"``.
+
+    ``"group"`` divides by each group's std, ``"batch"`` by the std over all N rewards (both unbiased, as TRL),
+    ``"none"`` does not divide (Dr. GRPO). A group of equal rewards gets advantages 0. NaN rewards are ignored by
+    the means and stds and get advantage 0.
+    """
+    scale_rewards = _check_scale_rewards(scale_rewards)
+    rewards = rewards.float()
+    mean = torch.nanmean(_grouped(rewards, num_generations), dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (_reward_std(rewards, num_generations, scale_rewards) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def zero_std_fraction(rewards: torch.Tensor, num_generations: int) -> float:
+    """The fraction of groups whose rewards are all equal (no learning signal); TRL logs it as frac_reward_zero_std."""
+    std = _reward_std(rewards.float(), num_generations, "group").view(-1, num_generations)[:, 0]
+    return torch.isclose(torch.nan_to_num(std, nan=0.0), torch.zeros_like(std)).float().mean().item()
+
+
+def clip_rewards(rewards: torch.Tensor, reward_clip: float | None) -> torch.Tensor:
+    """Clamp rewards to ``[-reward_clip, reward_clip]``; None leaves them unchanged (NaN stays NaN)."""
+    if reward_clip is None:
+        return rewards
+    if not reward_clip > 0:
+        raise ValueError(f"reward_clip must be a positive number or None, got {reward_clip}.")
+    return rewards.clamp(-float(reward_clip), float(reward_clip))
+
+
+class RunningRewardNormalizer:
+    """Running mean and variance of every reward seen so far (Chan et al.'s parallel merge of Welford moments).
+
+    ``normalize(rewards)`` first adds the batch to the statistics, then returns ``(rewards - mean) / sqrt(var + eps)``
+    with the population variance (``numpy.var``). NaN rewards are skipped in the statistics and stay NaN. Under data
+    parallelism, gather the rewards of all ranks first so that every rank keeps the same statistics.
+    """
+
+    def __init__(self, eps: float = 1e-8):
+        self.eps = float(eps)
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    @property
+    def var(self) -> float:
+        # 1.0 before any reward has been seen, so that normalizing is then only centring.
+        return self.m2 / self.count if self.count else 1.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def update(self, rewards: torch.Tensor) -> None:
+        values = rewards.detach().double().flatten()
+        values = values[~torch.isnan(values)]
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean = values.mean().item()
+        batch_m2 = ((values - batch_mean) ** 2).sum().item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += batch_m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    def normalize(self, rewards: torch.Tensor) -> torch.Tensor:
+        self.update(rewards)
+        dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+        return ((rewards.double() - self.mean) / math.sqrt(self.var + self.eps)).to(dtype)
+
+    __call__ = normalize
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": float(self.count), "mean": self.mean, "m2": self.m2, "eps": self.eps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count = int(state["count"])
+        self.mean, self.m2 = float(state["mean"]), float(state["m2"])
+        self.eps = float(state.get("eps", self.eps))

@@ -1,0 +1,218 @@
+"""GRPOModule and PromptDataModule: rollouts, reuse counts, accumulation, rewards through training, errors."""
+
+from __future__ import annotations
+
+import csv
+
+import lightning as L
+import pytest
+import torch
+
+from lightalign import CompletionSamples, GRPOModule, PromptDataModule
+from lightalign.rewards import RewardFunctionError, digit_fraction_reward
+
+
+def _trainer(**kw):
+    kw.setdefault("max_steps", 2)
+    return L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+
+def _module(tiny_dir, **kw):
+    kw.setdefault("reward_funcs", [digit_fraction_reward])
+    kw.setdefault("num_generations", 4)
+    kw.setdefault("max_completion_length", 6)
+    kw.setdefault("learning_rate", 1e-3)
+    return GRPOModule(str(tiny_dir), from_config=True, **kw)
+
+
+def _data(tiny_dir, data_dir, **kw):
+    return PromptDataModule(str(data_dir / "arithmetic_prompts.jsonl"), tokenizer=str(tiny_dir), max_prompt_length=16, **kw)
+
+
+def test_prompt_collator_left_pads_and_keeps_columns(tiny_dir, data_dir):
+    dm = _data(tiny_dir, data_dir)
+    dm.setup("fit")
+    rows = [dm.train_dataset[i] for i in range(3)]
+    batch = dm.collate_fn()(rows)
+    ids, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
+    for i, row in enumerate(rows):
+        n = len(row["prompt_input_ids"])
+        assert ids[i, -n:].tolist() == row["prompt_input_ids"] and mask[i, -n:].all() and not mask[i, :-n].any()
+    assert batch["prompts"] == [r["prompt"] for r in rows]
+    assert batch["columns"]["answer"] == [r["answer"] for r in rows]
+
+
+def test_generation_count_follows_steps_per_generation_and_num_iterations(tiny_dir, data_dir):
+    calls = []
+    module = _module(tiny_dir, generation_batch_size=8, steps_per_generation=2, num_iterations=3)
+    real = module.generate
+
+    def counting(batch, n):
+        calls.append(len(batch["prompts"]))
+        return real(batch, n)
+
+    module.generate = counting
+    # 12 micro-batches = 6 optimizer steps with accumulation 2; a rollout serves 2 x 3 micro-batches -> 2 rollouts
+    trainer = _trainer(max_steps=6, accumulate_grad_batches=2)
+    trainer.fit(module, _data(tiny_dir, data_dir))
+    assert module.generation_count == 2 and calls == [2, 2]  # 8 completions = 2 prompts x 4
+    assert trainer.global_step == 6
+
+
+class _GradCapture(L.Callback):
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+
+
+def _one_step_grads(tiny_dir, data_dir, accumulate, loss_type):
+    L.seed_everything(0)
+    module = _module(tiny_dir, generation_batch_size=8, loss_type=loss_type, optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+                     max_completion_length=6)
+    capture = _GradCapture()
+    _trainer(max_steps=1, accumulate_grad_batches=accumulate, callbacks=[capture]).fit(module, _data(tiny_dir, data_dir))
+    return capture.grads[0]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_accumulation_4x2_equals_1x8(tiny_dir, data_dir, loss_type):
+    full = _one_step_grads(tiny_dir, data_dir, 1, loss_type)
+    accum = _one_step_grads(tiny_dir, data_dir, 4, loss_type)
+    assert full.keys() == accum.keys() and full
+    nonzero = 0
+    for name in full:
+        torch.testing.assert_close(accum[name], full[name], atol=1e-6, rtol=1e-5, msg=name)
+        nonzero += int(full[name].abs().sum() > 0)
+    assert nonzero > 0
+
+
+def test_completion_mask_ends_at_first_eos(tiny_dir, data_dir):
+    module = _module(tiny_dir)
+    module.configure_model()
+    dm = _data(tiny_dir, data_dir)
+    dm.setup("fit")
+    module.tokenizer = dm.tokenizer
+    batch = dm.collate_fn()([dm.train_dataset[0]])
+    p = batch["prompt_input_ids"]
+    eos = dm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    digit = dm.tokenizer.convert_tokens_to_ids("7")
+    fake = torch.tensor([[digit, eos, digit, digit], [digit, digit, digit, digit]])
+
+    def fake_generate(input_ids, **kw):
+        assert kw["num_return_sequences"] == 2 and kw["use_cache"] and not module.model.training
+        return torch.cat([p.repeat(2, 1), fake], dim=1)
+
+    module.model.generate = fake_generate
+    module.model.train()
+    out = module.generate(batch, 2)
+    assert module.model.training  # back to train mode
+    assert out["completion_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert out["truncated"].tolist() == [False, True]
+    assert out["texts"] == ["7", "7777"]
+    assert out["columns"]["answer"] == [batch["columns"]["answer"][0]] * 2
+
+
+def test_trl_style_reward_gets_extra_columns_and_training_logs(tiny_dir, data_dir, tmp_path):
+    seen = []
+
+    def exact_answer(prompts, completions, answer, **kwargs):  # written for TRL, runs unchanged
+        seen.append((len(prompts), len(completions), len(answer), "completion_ids" in kwargs))
+        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+    module = _module(tiny_dir, reward_funcs=[exact_answer, "lightalign.rewards.digit_fraction_reward"],
+                     reward_weights=[1.0, 0.5], generation_batch_size=8, beta=0.05)
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, logger=L.pytorch.loggers.CSVLogger(tmp_path),
+                        callbacks=[CompletionSamples(every_n_steps=1, max_rows=3)])
+    trainer.fit(module, _data(tiny_dir, data_dir))
+    assert seen and all(s == (8, 8, 8, True) for s in seen)
+    assert module.ref_model is not None  # beta > 0 builds the reference
+    logged = trainer.callback_metrics
+    for key in ("train/reward/mean", "train/reward/std", "train/reward/exact_answer", "train/reward/digit_fraction_reward",
+                "train/completions/mean_length", "train/completions/clipped_ratio", "train/clip_ratio", "train/kl",
+                "train/entropy", "train/loss"):
+        assert key in logged, key
+    with open(tmp_path / "lightning_logs" / "version_0" / "completions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and set(rows[0]) >= {"step", "prompt", "completion", "reward", "exact_answer"}
+
+
+def test_no_reference_without_kl(tiny_dir, data_dir):
+    module = _module(tiny_dir, generation_batch_size=8)
+    _trainer(max_steps=1).fit(module, _data(tiny_dir, data_dir))
+    assert module.ref_model is None
+
+
+def test_num_iterations_reuse_uses_old_logps(tiny_dir, data_dir):
+    module = _module(tiny_dir, generation_batch_size=8, num_iterations=2, learning_rate=5e-2)
+    trainer = _trainer(max_steps=2)
+    trainer.fit(module, _data(tiny_dir, data_dir))
+    assert module.generation_count == 1
+    assert "old_logps" in module._buffer[0]
+
+
+def test_bad_reward_function_stops_training_naming_it(tiny_dir, data_dir):
+    batches = []
+
+    def fragile_reward(prompts, completions, **kwargs):
+        if len(completions) > 1:
+            batches.append(list(completions))
+        target = batches[0][5]
+        return [1.0 / 0 if c == target else 0.0 for c in completions]
+
+    module = _module(tiny_dir, reward_funcs=[fragile_reward], generation_batch_size=8)
+    with pytest.raises(RewardFunctionError, match="fragile_reward") as err:
+        _trainer(max_steps=1).fit(module, _data(tiny_dir, data_dir))
+    first_bad = batches[0].index(batches[0][5])
+    assert f"index {first_bad}" in str(err.value) or f"row {first_bad}" in str(err.value), str(err.value)
+
+    def short_reward(prompts, completions, **kwargs):
+        return [0.0]
+
+    module = _module(tiny_dir, reward_funcs=[short_reward], generation_batch_size=8)
+    with pytest.raises(RewardFunctionError, match=r"short_reward.*returned 1 values; expected 8"):
+        _trainer(max_steps=1).fit(module, _data(tiny_dir, data_dir))
+
+    def nan_reward(prompts, completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    module = _module(tiny_dir, reward_funcs=[nan_reward], generation_batch_size=8)
+    with pytest.raises(RewardFunctionError, match="nan_reward"):
+        _trainer(max_steps=1).fit(module, _data(tiny_dir, data_dir))
+
+
+def test_invalid_generation_arithmetic_rejected_at_construction(tiny_dir):
+    with pytest.raises(ValueError, match=r"generation_batch_size \(10\) must be divisible by num_generations \(4\): 10 = 2 x 4 \+ 2"):
+        _module(tiny_dir, generation_batch_size=10)
+    with pytest.raises(ValueError, match=r"split evenly into steps_per_generation \(3\)"):
+        _module(tiny_dir, generation_batch_size=8, steps_per_generation=3)
+    with pytest.raises(ValueError, match="unknown"):
+        _module(tiny_dir, scale_rewards="rank")
+    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+        _module(tiny_dir, num_generations=1)
+
+
+def test_dapo_step_must_not_straddle_rollouts(tiny_dir, data_dir):
+    module = _module(tiny_dir, generation_batch_size=12, steps_per_generation=3)
+    with pytest.raises(ValueError, match=r"steps_per_generation \(3\) must be a multiple of accumulate_grad_batches \(2\)"):
+        _trainer(max_steps=1, accumulate_grad_batches=2).fit(module, _data(tiny_dir, data_dir))
+
+
+def test_prompt_data_errors(tiny_dir, write_jsonl):
+    from lightalign import DataFormatError
+
+    dm = PromptDataModule(write_jsonl([{"question": "1+1"}]), tokenizer=str(tiny_dir))
+    with pytest.raises(DataFormatError, match=r"needs a 'prompt' column.*\['question'\]"):
+        dm.setup("fit")
+    dm = PromptDataModule(write_jsonl([{"prompt": "a"}, {"prompt": ""}]), tokenizer=str(tiny_dir))
+    with pytest.raises(DataFormatError, match="row 1, column 'prompt': the text is empty"):
+        dm.setup("fit")
+
+
+def test_conversational_prompts_get_generation_prompt(tiny_dir, write_jsonl, tokenizer):
+    dm = PromptDataModule(write_jsonl([{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}]), tokenizer=str(tiny_dir))
+    dm.setup("fit")
+    assert tokenizer.decode(dm.train_dataset[0]["prompt_input_ids"]).endswith("<|im_start|>assistant\n")
