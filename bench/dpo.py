@@ -39,8 +39,9 @@ class Meter:
 
     def __init__(self, warmup: int, steps: int) -> None:
         self.warmup, self.last = warmup, warmup + steps
-        self.start = self.end = None
+        self.start = self.end = self.prev = None
         self.pairs = self.tokens = 0
+        self.step_seconds: list[float] = []
         self.batch_stats = (0, 0, float("nan"))
         self.loss = float("nan")
         self.threads = 0
@@ -53,13 +54,16 @@ class Meter:
         """Called after optimizer step ``step`` (1-based) is done."""
         import torch
 
+        now = time.perf_counter()
         if step == self.warmup:
-            self.start = time.perf_counter()
+            self.start = self.prev = now
         elif self.start is not None and step <= self.last:
             pairs, tokens, self.loss = self.batch_stats
             self.pairs, self.tokens = self.pairs + pairs, self.tokens + tokens
+            self.step_seconds.append(now - self.prev)
+            self.prev = now
             if step == self.last:
-                self.end = time.perf_counter()
+                self.end = now
                 self.threads = torch.get_num_threads()
 
 
@@ -166,10 +170,21 @@ def run_one(args: argparse.Namespace) -> dict:
     return {"framework": args.framework, "mode": args.mode, "pairs_per_sec": meter.pairs / seconds,
             "tokens_per_sec": meter.tokens / seconds, "seconds": seconds, "pairs": meter.pairs,
             "tokens": meter.tokens, "last_loss": meter.loss, "threads": meter.threads,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "median_step_seconds": statistics.median(meter.step_seconds), "step_seconds": meter.step_seconds,
+            "load_avg_1min": os.getloadavg()[0], **extra}
+
+
+def wait_for_idle(max_load: float | None, timeout: float = 900.0) -> None:
+    """On a shared machine: wait (up to ``timeout`` s) until the 1-minute load average drops below ``max_load``."""
+    deadline = time.monotonic() + timeout
+    while max_load is not None and os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(10)
 
 
 def spawn(args: argparse.Namespace, framework: str, mode: str) -> dict | None:
+    wait_for_idle(args.max_load)
+    load_before = os.getloadavg()[0]
     cmd = [sys.executable, __file__, "--one", "--framework", framework, "--mode", mode, "--model-dir", args.model_dir,
            "--workdir", args.workdir, "--data", args.data, "--batch-size", str(args.batch_size), "--max-length",
            str(args.max_length), "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
@@ -182,7 +197,7 @@ def spawn(args: argparse.Namespace, framework: str, mode: str) -> dict | None:
     if line is None:
         print(f"{framework}/{mode}: failed (exit {out.returncode})\n{out.stderr[-3000:]}", flush=True)
         return None
-    return json.loads(line[len("RESULT "):])
+    return {**json.loads(line[len("RESULT "):]), "load_avg_before": load_before}
 
 
 def main() -> None:
@@ -200,6 +215,7 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--max-load", type=float, help="before each run, wait until the 1-min load average is below this")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--framework", "--mode", "--model-dir", "--workdir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -248,7 +264,8 @@ def main() -> None:
                     pre = f"  precompute {res['precompute_seconds']:5.1f} s" if res["precompute_seconds"] else ""
                     print(f"[{r + 1}/{args.repeats}] {mode:>11} {framework:>10}: {res['pairs_per_sec']:6.2f} pairs/s "
                           f"{res['tokens_per_sec']:7.0f} tokens/s  peak RSS {res['peak_rss_mb']:6.0f} MB  "
-                          f"last loss {res['last_loss']:.4f}  threads {res['threads']}  attn {res['attn']}{pre}",
+                          f"last loss {res['last_loss']:.4f}  threads {res['threads']}  "
+                          f"load {res['load_avg_before']:.1f}->{res['load_avg_1min']:.1f}{pre}",
                           flush=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)

@@ -15,6 +15,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.formats import DataFormatError, load_rows, resolve_chat_template
+from lightalign.datamodules.samplers import EpochSampler
 from lightalign.datamodules.step_loader import StepTokenCountingLoader
 from lightalign.hub import load_tokenizer
 
@@ -132,15 +133,39 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        self._train_sampler = EpochSampler(len(self.train_dataset), shuffle=self.shuffle, seed=self.seed)
+        self._apply_resume()
         return StepTokenCountingLoader(
             self.train_dataset,
             batch_size=self.batch_size,
-            shuffle=self.shuffle,
+            sampler=self._train_sampler,
             collate_fn=self.collate_fn(),
             num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(self.seed),
             accumulate_grad_batches=accumulate,
         )
+
+    # ------------------------------------------------------------------------------------- exact resume
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in every checkpoint: where training is inside the epoch (batches already trained on)."""
+        trainer = self.trainer
+        if trainer is None or not trainer.training:
+            return {}
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": trainer.current_epoch, "batches_done": progress.processed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume_state = dict(state_dict) if state_dict else None
+        self._apply_resume()
+
+    def _apply_resume(self) -> None:
+        state, sampler = getattr(self, "_resume_state", None), getattr(self, "_train_sampler", None)
+        if not state or sampler is None:
+            return
+        if isinstance(sampler, EpochSampler):
+            sampler.resume(state["epoch"], state["batches_done"] * self.batch_size)
+        else:
+            sampler.resume(state["epoch"], state["batches_done"])
+        self._resume_state = None
 
     def eval_dataloader(self, dataset: Dataset | None, what: str = "evaluation") -> DataLoader:
         """An ordered loader over ``dataset`` (validation, test, or a reference log-prob pass)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from datasets import Dataset
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.samplers import EpochSampler, RepeatBatchSampler
 from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
 
 
@@ -51,41 +52,6 @@ class PromptCollator:
             "prompts": [r["prompt"] for r in rows],
             "columns": {k: [r[k] for r in rows] for k in extra},
         }
-
-
-class RepeatBatchSampler(Sampler[list[int]]):
-    """Yields each generation batch of prompt indices ``repeat`` times in a row.
-
-    One rollout serves ``steps_per_generation x num_iterations`` training steps; Lightning calls
-    ``training_step`` once per loader batch, so the loader hands the same prompts to each of them and the module
-    generates on the first. Shuffled per epoch (seeded), incomplete last generation batches dropped.
-    """
-
-    def __init__(self, num_rows: int, batch_size: int, repeat: int, shuffle: bool = True, seed: int = 0) -> None:
-        if num_rows < batch_size:
-            raise DataFormatError(
-                f"The training data has {num_rows} prompts, fewer than one generation batch needs ({batch_size} = "
-                "generation_batch_size / num_generations). Add prompts or lower generation_batch_size."
-            )
-        self.num_rows, self.batch_size, self.repeat = num_rows, batch_size, repeat
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        else:
-            order = list(range(self.num_rows))
-        self.epoch += 1
-        for start in range(0, self.num_rows - self.batch_size + 1, self.batch_size):
-            batch = order[start : start + self.batch_size]
-            for _ in range(self.repeat):
-                yield batch
-
-    def __len__(self) -> int:
-        return (self.num_rows // self.batch_size) * self.repeat
 
 
 class PromptDataModule(TokenizedDataModule):
@@ -137,7 +103,15 @@ class PromptDataModule(TokenizedDataModule):
                        fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length))
 
     def train_dataloader(self) -> DataLoader:
-        sampler = RepeatBatchSampler(len(self.train_dataset), self.prompts_per_generation, self.repeat,
-                                     shuffle=self.shuffle, seed=self.seed)
+        if len(self.train_dataset) < self.prompts_per_generation:
+            raise DataFormatError(
+                f"The training data has {len(self.train_dataset)} prompts, fewer than one generation batch needs "
+                f"({self.prompts_per_generation} = generation_batch_size / num_generations). Add prompts or lower "
+                "generation_batch_size."
+            )
+        sampler = RepeatBatchSampler(EpochSampler(len(self.train_dataset), self.shuffle, self.seed),
+                                     self.prompts_per_generation, self.repeat)
+        self._train_sampler = sampler
+        self._apply_resume()
         return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.collate_fn(),
                           num_workers=self.num_workers)

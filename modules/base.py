@@ -90,6 +90,47 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
 
 
+def get_rng_state() -> dict[str, Any]:
+    """torch (CPU and CUDA), numpy and python random states, as plain tensors/tuples (``weights_only``-loadable)."""
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG state (rank order), so each rank resumes its own streams."""
+    state = get_rng_state()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        states: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(states, state)
+        return states
+    return [state]
+
+
 class PolicyModule(L.LightningModule):
     """Loads the policy and owns what every post-training method shares.
 
@@ -198,6 +239,18 @@ class PolicyModule(L.LightningModule):
         for metric in self.modules():
             if isinstance(metric, Metric):
                 metric.reset()
+        # Exact resume: the random streams continue where the checkpoint left them (restored here, after the
+        # sanity-check validation, which must not shift them).
+        pending = getattr(self, "_pending_rng_states", None)
+        if pending:
+            set_rng_state(pending[min(self.global_rank, len(pending) - 1)])
+            self._pending_rng_states = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lightalign_rng"] = gather_rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._pending_rng_states = checkpoint.get("lightalign_rng")
 
     def update_eval_metrics(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         """Feed the user's ``eval_metrics`` with one batch of predictions and targets."""

@@ -345,21 +345,30 @@ class GRPOModule(PolicyModule):
 
     # ------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Sample ``num_generations`` completions per validation prompt and score them (no loss)."""
-        rollout = self.generate(batch, self.hparams.num_generations)
+        """Sample ``num_generations`` completions per validation prompt and score them (no loss).
+
+        Sampling uses its own seeded stream, so validating does not change the training rollouts (and a run
+        resumed from a checkpoint samples exactly what the uninterrupted run sampled)."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.global_step * 100_003 + batch_idx)
+            rollout = self.generate(batch, self.hparams.num_generations)
+        last_samples = self.last_samples
         self.score(rollout, self.eval_stats)
+        self.last_samples = last_samples  # the sample table shows training rollouts
 
     def on_validation_epoch_end(self) -> None:
         self._log_stats(self.eval_stats, "val")
 
     # ------------------------------------------------------------------------------------- state
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         state = {"generation_count": self.generation_count, "buffer": self._buffer, "buffer_pos": self._buffer_pos}
         if self.reward_normalizer is not None:
             state["reward_normalizer"] = self.reward_normalizer.state_dict()
         checkpoint["lightalign_grpo"] = state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("lightalign_grpo", {})
         self.generation_count = state.get("generation_count", 0)
         self._buffer, self._buffer_pos = state.get("buffer"), state.get("buffer_pos", 0)

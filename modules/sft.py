@@ -135,9 +135,11 @@ class SFTModule(PolicyModule):
 
     # ------------------------------------------------------------------------------------- state
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint["lightalign"] = {"tokens_seen": self.tokens_seen}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.tokens_seen = int(checkpoint.get("lightalign", {}).get("tokens_seen", 0))
 
 

@@ -1,0 +1,316 @@
+"""GRPO throughput and peak memory: lightalign's GRPOModule vs TRL's GRPOTrainer, same model, data, reward, settings.
+
+Run by hand from the repository root, in a separate venv so TRL never enters the dev venv:
+
+    python3 -m venv /work/benchvenv && /work/benchvenv/bin/pip install torch==2.13.0
+    /work/benchvenv/bin/pip install -e '.[bench]'
+    /work/benchvenv/bin/python bench/grpo.py [--steps 8] [--warmup 2] [--repeats 3] [--grad-accum 4]
+
+The `small` config (~30M params) is built once under a fixed seed and saved (with the tokenizer) to a temporary
+folder; both frameworks load that folder. Prompts: examples/data/arithmetic_prompts.jsonl; reward:
+`lightalign.rewards.digit_fraction_reward` (TRL's signature, used as is by both). One rollout of
+--generation-batch completions (--num-generations per prompt) is one optimizer step on both sides: lightalign gets
+`generation_batch_size=G` and `accumulate_grad_batches=A`; TRL gets `per_device_train_batch_size=G/A`,
+`gradient_accumulation_steps=A` and the default `steps_per_generation` (= A), hence `generation_batch_size=G`.
+No vLLM, no KV-cache tricks beyond `generate`'s, fp32, no gradient checkpointing, beta 0 (no reference model),
+loss_type dapo, constant learning rate, clip 1.0, torch AdamW, 2 threads, no eval, no checkpoints, no loggers.
+
+Each framework runs in its own process (peak RSS = ru_maxrss of that process), alternating, --repeats times (medians
+reported). A callback times optimizer steps --warmup+1 .. --warmup+--steps (Lightning `on_train_batch_end` when
+`global_step` changes, transformers `on_step_end`); completions/s = completions generated and trained in that window
+per second. Generation and reward time inside the window and the mean completion length (tokens, EOS included;
+completions stop early at EOS) are reported too. Results: a table on stdout and JSON in bench/results/grpo.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FRAMEWORKS = ("lightalign", "trl")
+
+
+class Meter:
+    """Times optimizer steps warmup+1 .. warmup+steps; records every rollout (lengths, generation/reward seconds)."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.last = warmup, warmup + steps
+        self.start = self.end = None
+        self.seen = 0
+        self.rollouts: list[dict] = []  # one per generation, in order: rollout k serves optimizer step k + 1
+
+    def step_end(self, step: int) -> None:
+        """Called after every micro-batch / optimizer step with the optimizer steps done so far (acts on changes)."""
+        if step == self.seen:
+            return
+        self.seen = step
+        if step == self.warmup:
+            self.start = time.perf_counter()
+        elif step == self.last:
+            self.end = time.perf_counter()
+
+    def rollout(self, lengths, gen_seconds: float) -> None:
+        self.rollouts.append({"n": int(lengths.numel()), "tokens": int(lengths.sum()), "gen_s": gen_seconds,
+                              "reward_s": 0.0})
+
+    def summary(self) -> dict:
+        if self.end is None:
+            raise RuntimeError(f"training stopped before optimizer step {self.last}: too few prompts?")
+        timed = self.rollouts[self.warmup:self.last]
+        if len(timed) != self.last - self.warmup:
+            raise RuntimeError(f"{len(timed)} rollouts in the timed window of {self.last - self.warmup} steps: "
+                               "one rollout per optimizer step was expected.")
+        seconds = self.end - self.start
+        n, tokens = sum(r["n"] for r in timed), sum(r["tokens"] for r in timed)
+        return {"completions_per_sec": n / seconds, "completion_tokens_per_sec": tokens / seconds,
+                "mean_completion_length": tokens / n, "seconds": seconds, "completions": n,
+                "generation_share": sum(r["gen_s"] for r in timed) / seconds,
+                "reward_share": sum(r["reward_s"] for r in timed) / seconds}
+
+
+def build_model(config_dir: str, out_dir: Path, seed: int) -> int:
+    """Random weights from the config under a fixed seed, saved with the tokenizer files; returns the param count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(config_dir, out_dir)  # tokenizer + chat template + config + generation config
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
+    import lightning as L
+
+    from lightalign import GRPOModule, PromptDataModule
+    from lightalign.rewards import digit_fraction_reward
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            meter.step_end(trainer.global_step)
+
+    class TimedGRPOModule(GRPOModule):
+        def generate(self, batch, num_generations):
+            start = time.perf_counter()
+            out = super().generate(batch, num_generations)
+            if self.training:
+                meter.rollout(out["completion_mask"].sum(-1), time.perf_counter() - start)
+            return out
+
+        def score(self, rollout, stats):
+            start = time.perf_counter()
+            out = super().score(rollout, stats)
+            meter.rollouts[-1]["reward_s"] = time.perf_counter() - start
+            return out
+
+    L.seed_everything(args.seed, verbose=False)
+    module = TimedGRPOModule(
+        args.model_dir, reward_funcs=[digit_fraction_reward], num_generations=args.num_generations,
+        generation_batch_size=args.generation_batch, max_completion_length=args.max_completion_length,
+        temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=args.lr, lr_scheduler_type="constant")
+    data = PromptDataModule(args.data, tokenizer=args.model_dir, max_prompt_length=args.max_prompt_length,
+                            num_workers=0, seed=args.seed)
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+                        accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.max_grad_norm, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
+    trainer.fit(module, data)
+    gen, steps, micro = module.rollout_shape
+    return {"attn": module.model.config._attn_implementation,
+            "shape": f"generation_batch_size={gen} steps_per_generation={steps} micro_batch={micro} "
+                     f"accumulate_grad_batches={trainer.accumulate_grad_batches}"}
+
+
+def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lightalign.rewards import digit_fraction_reward
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            meter.step_end(state.global_step)
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, prompts):  # tokenize + generate + decode, as lightalign's generate()
+            start = time.perf_counter()
+            out = super()._generate(prompts)
+            if self.model.training:
+                lengths = __import__("torch").tensor([len(ids) for ids in out[1]])
+                meter.rollout(lengths, time.perf_counter() - start)
+            return out
+
+        def _calculate_rewards(self, *a, **kw):
+            start = time.perf_counter()
+            out = super()._calculate_rewards(*a, **kw)
+            meter.rollouts[-1]["reward_s"] = time.perf_counter() - start
+            return out
+
+    config = GRPOConfig(
+        output_dir=str(workdir / "trl_out"), per_device_train_batch_size=args.generation_batch // args.grad_accum,
+        gradient_accumulation_steps=args.grad_accum, num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length, temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo",
+        beta=0.0, max_steps=meter.last, learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch",
+        weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=False, fp16=False, gradient_checkpointing=False,
+        use_vllm=False, use_cpu=True, dataloader_num_workers=0, eval_strategy="no", save_strategy="no",
+        report_to="none", disable_tqdm=True, logging_steps=10, seed=args.seed,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    dataset = load_dataset("json", data_files=args.data, split="train")
+    trainer = TimedGRPOTrainer(model=args.model_dir, reward_funcs=[digit_fraction_reward], args=config,
+                               train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    return {"attn": trainer.model.config._attn_implementation,
+            "shape": f"generation_batch_size={config.generation_batch_size} "
+                     f"steps_per_generation={config.steps_per_generation} "
+                     f"micro_batch={config.per_device_train_batch_size} "
+                     f"gradient_accumulation_steps={config.gradient_accumulation_steps}"}
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    workdir = Path(tempfile.mkdtemp(prefix=f"grpo-{args.framework}-", dir=args.workdir))
+    os.environ["HF_DATASETS_CACHE"] = str(workdir / "datasets")  # no dataset cache hit across runs
+    meter = Meter(args.warmup, args.steps)
+    extra = (run_lightalign if args.framework == "lightalign" else run_trl)(args, meter, workdir)
+    return {"framework": args.framework, **meter.summary(), "threads": torch.get_num_threads(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
+
+
+def spawn(args: argparse.Namespace, framework: str) -> dict | None:
+    cmd = [sys.executable, __file__, "--one", "--framework", framework, "--model-dir", args.model_dir, "--workdir",
+           args.workdir, "--data", args.data]
+    for name in ("num_generations", "generation_batch", "grad_accum", "max_completion_length", "max_prompt_length",
+                 "steps", "warmup", "threads", "lr", "max_grad_norm", "seed"):
+        if getattr(args, name) is not None:
+            cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads), TQDM_DISABLE="1",
+               HF_HUB_OFFLINE="1", WANDB_DISABLED="true", PYTHONWARNINGS="ignore")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        print(f"{framework}: failed (exit {out.returncode})\n{out.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(ROOT / "assets" / "models" / "small"), help="config + tokenizer folder")
+    parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "arithmetic_prompts.jsonl"))
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--generation-batch", type=int, default=32, help="completions per rollout (= per step)")
+    parser.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (micro-batch = G / A)")
+    parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument("--max-prompt-length", type=int, default=None, help="lightalign only; TRL 1.x has none")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--framework", "--model-dir", "--workdir"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.data = str(Path(args.data).resolve())
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
+    if args.generation_batch % args.num_generations or args.generation_batch % args.grad_accum:
+        parser.error("--generation-batch must be divisible by --num-generations and by --grad-accum.")
+
+    if args.one:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return
+
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer
+
+    args.workdir = tempfile.mkdtemp(prefix="bench-grpo-")
+    try:
+        args.model_dir = str(Path(args.workdir) / "model")
+        n_params = build_model(args.model, Path(args.model_dir), args.seed)
+        tok = AutoTokenizer.from_pretrained(args.model_dir)
+        prompts = [json.loads(line)["prompt"] for line in open(args.data) if line.strip()]
+        prompt_lens = [len(ids) for ids in tok(prompts)["input_ids"]]
+        per_rollout = args.generation_batch // args.num_generations
+        if (args.warmup + args.steps) * per_rollout > len(prompts):
+            parser.error(f"{args.data} has {len(prompts)} prompts: fewer than (warmup + steps) x {per_rollout}.")
+        settings = {
+            "model": f"{Path(args.model).name} ({n_params / 1e6:.1f}M params, seed {args.seed}, saved once, loaded by both)",
+            "data": f"{Path(args.data).name} ({len(prompts)} prompts, {min(prompt_lens)}-{max(prompt_lens)} tokens)",
+            "reward": "lightalign.rewards.digit_fraction_reward", "num_generations": args.num_generations,
+            "generation_batch_size": args.generation_batch, "micro_batch": args.generation_batch // args.grad_accum,
+            "grad_accum": args.grad_accum, "steps_per_generation": f"default (= grad_accum = {args.grad_accum})",
+            "num_iterations": 1, "max_completion_length": args.max_completion_length,
+            "max_prompt_length": f"{args.max_prompt_length} (lightalign; TRL 1.x has no such knob)",
+            "sampling": "temperature 1.0, top_p 1.0, top_k 0, generate() with KV cache, no vLLM",
+            "loss": "dapo, beta 0 (no reference), epsilon 0.2, scale_rewards group",
+            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW (not fused), wd 0",
+            "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
+            "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
+            "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}",
+        }
+        print("GRPO benchmark: lightalign GRPOModule vs TRL GRPOTrainer (one rollout = one optimizer step)")
+        for key, value in settings.items():
+            print(f"  {key}: {value}")
+        print(flush=True)
+
+        runs = []
+        for r in range(args.repeats):
+            order = args.frameworks if r % 2 == 0 else args.frameworks[::-1]
+            for framework in order:
+                res = spawn(args, framework)
+                if res is None:
+                    continue
+                res["repeat"] = r + 1
+                runs.append(res)
+                print(f"[{r + 1}/{args.repeats}] {framework:>10}: {res['completions_per_sec']:6.2f} completions/s "
+                      f"{res['completion_tokens_per_sec']:6.0f} tokens/s  mean length {res['mean_completion_length']:5.2f}"
+                      f"  generation {100 * res['generation_share']:4.1f}%  reward {100 * res['reward_share']:4.2f}%"
+                      f"  peak RSS {res['peak_rss_mb']:6.0f} MB  threads {res['threads']}  attn {res['attn']}"
+                      f"\n{'':>16}{res['shape']}", flush=True)
+    finally:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+
+    def med(framework: str, key: str):
+        values = [r[key] for r in runs if r["framework"] == framework]
+        return statistics.median(values) if values else None
+
+    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "reward_share")
+    summary = {fw: {k: med(fw, k) for k in keys} for fw in args.frameworks}
+    print("\n| framework | completions/s | mean completion length | peak RSS MB |\n|---|---|---|---|")
+    for fw, row in summary.items():
+        if row["completions_per_sec"] is not None:
+            print(f"| {fw} | {row['completions_per_sec']:.2f} | {row['mean_completion_length']:.2f} "
+                  f"| {row['peak_rss_mb']:.0f} |")
+    la, tr = (summary.get(fw, {}).get("completions_per_sec") for fw in FRAMEWORKS)
+    ratio = la / tr if la and tr else None
+    if ratio is not None:
+        print(f"\nlightalign / TRL completions/s: {ratio:.2f}x (median of {args.repeats} run(s) each)")
+    out = ROOT / "bench" / "results" / "grpo.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary, "ratio": ratio}, indent=2))
+    print(f"\nwrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

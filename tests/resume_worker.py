@@ -1,0 +1,85 @@
+"""Run a small SFT/DPO/GRPO training as a separate process, optionally SIGKILLed at a step, optionally resumed.
+
+Used by tests/test_resume.py:  python tests/resume_worker.py --method sft --out DIR --max-steps 14 --every 4
+                                 [--kill-at 10] [--resume]
+Writes DIR/final.pt (the policy's state_dict) at the end and logs to DIR/logs/metrics.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from datasets import Dataset
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = str(REPO / "assets" / "models" / "tiny")
+DATA = REPO / "examples" / "data"
+
+
+class KillAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rows(name: str, n: int) -> Dataset:
+    lines = (DATA / name).read_text().splitlines()[:n]
+    return Dataset.from_list([json.loads(line) for line in lines])
+
+
+def build(method: str):
+    from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
+
+    common = dict(from_config=True, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=2)
+    if method == "sft":
+        return (SFTModule(TINY, **common),
+                SFTDataModule(rows("arithmetic_sft.jsonl", 44), tokenizer=TINY, batch_size=4, max_length=32), 2)
+    if method == "dpo":
+        return (DPOModule(TINY, **common),
+                PreferenceDataModule(rows("arithmetic_preference.jsonl", 44), tokenizer=TINY, batch_size=4), 2)
+    if method == "grpo":
+        module = GRPOModule(TINY, reward_funcs=["lightalign.rewards.digit_fraction_reward"], num_generations=4,
+                            generation_batch_size=8, steps_per_generation=2, num_iterations=2,
+                            max_completion_length=6, **common)
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 24), tokenizer=TINY), 1
+    raise SystemExit(f"unknown method {method}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--every", type=int, required=True)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    L.seed_everything(1234)
+    module, data, accumulate = build(args.method)
+    callbacks = [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
+    if args.kill_at:
+        callbacks.insert(0, KillAt(args.kill_at))
+    trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, accumulate_grad_batches=accumulate,
+                        callbacks=callbacks, logger=CSVLogger(out, name="logs", version=0), log_every_n_steps=1,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, data, ckpt_path="last" if args.resume else None)
+    torch.save(module.model.state_dict(), out / "final.pt")
+    print("DONE", trainer.global_step, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
