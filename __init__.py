@@ -14,6 +14,7 @@ from pathlib import Path
 from lightalign.callbacks import CompletionSamples, HFExport, TokenThroughput
 from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
+from lightalign.strategies import AtomicCheckpointIO, CheckpointError
 from lightalign.modules import DPOModule, GRPOModule, PolicyModule, SFTModule, create_reference_model, dpo_loss, grpo_loss, sft_loss
 
 __version__ = "0.1.0"
@@ -23,6 +24,8 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 __all__ = [
     "ASSETS_DIR",
+    "AtomicCheckpointIO",
+    "CheckpointError",
     "CompletionSamples",
     "DPOModule",
     "DataFormatError",

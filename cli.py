@@ -24,6 +24,7 @@ TRAINER_DEFAULTS = {
         "init_args": {"save_dir": "runs", "name": "lightalign"},
     },
     "log_every_n_steps": 1,
+    "plugins": [{"class_path": "lightalign.strategies.AtomicCheckpointIO"}],
 }
 
 

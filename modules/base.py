@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -131,6 +132,26 @@ def gather_rng_states() -> list[dict[str, Any]]:
     return [state]
 
 
+def check_state_dict_matches(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+    """A checkpoint of another model (other names or shapes) fails here, naming the first difference."""
+    if not saved or not current:
+        return
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if missing or unexpected:
+        raise ValueError(
+            f"The checkpoint holds another model: {len(missing)} parameter(s) of this model are missing from it "
+            f"(e.g. {missing[:2]}) and it has {len(unexpected)} unknown one(s) (e.g. {unexpected[:2]}). Resume with the "
+            "same model_name_or_path (and peft_config) that wrote it."
+        )
+    for key, value in saved.items():
+        if hasattr(value, "shape") and tuple(value.shape) != tuple(current[key].shape):
+            raise ValueError(
+                f"The checkpoint holds another model: '{key}' has shape {tuple(value.shape)} there and "
+                f"{tuple(current[key].shape)} here. Resume with the same model that wrote it."
+            )
+
+
 class PolicyModule(L.LightningModule):
     """Loads the policy and owns what every post-training method shares.
 
@@ -157,6 +178,9 @@ class PolicyModule(L.LightningModule):
         eval_metrics: extra validation/test metrics, logged as ``val/<name>``: torchmetrics objects (YAML
             ``class_path: torchmetrics.classification.BinaryAccuracy``) or callables ``fn(preds, target) -> float``
             (averaged over batches, weighted by batch size). Each method says what ``preds``/``target`` are.
+        nonfinite: what a NaN/inf gradient does: ``skip`` the optimizer step (warning, ``train/nonfinite_steps``
+            counter; the weights stay finite), ``stop`` with an error naming the step, batch and parameter, or
+            ``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the guard stays off.
     """
 
     def __init__(
@@ -181,6 +205,7 @@ class PolicyModule(L.LightningModule):
         warmup_steps: int = 0,
         min_lr_rate: float = 0.0,
         eval_metrics: dict[str, Metric | Callable] | None = None,
+        nonfinite: Literal["skip", "stop", "off"] = "skip",
     ) -> None:
         super().__init__()
         if model is None and model_name_or_path is None:
@@ -189,6 +214,8 @@ class PolicyModule(L.LightningModule):
             raise ValueError(
                 f"lr_scheduler_type='{lr_scheduler_type}' is unknown; use linear, cosine, constant or cosine_with_min_lr."
             )
+        if nonfinite not in ("skip", "stop", "off"):
+            raise ValueError(f"nonfinite='{nonfinite}' is unknown; use skip, stop or off.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics"])
@@ -203,6 +230,7 @@ class PolicyModule(L.LightningModule):
             if not callable(fn):
                 raise TypeError(f"eval_metrics['{name}'] must be a torchmetrics Metric or a callable, got {type(fn).__name__}.")
         self._eval_fn_totals: dict[str, list[float]] = {}
+        self.nonfinite_steps = 0
         if model is not None:
             self._prepare_model()
 
@@ -248,9 +276,47 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lightalign_rng"] = gather_rng_states()
+        checkpoint["lightalign_meta"] = {"module": type(self).__name__, "nonfinite_steps": self.nonfinite_steps}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        meta = checkpoint.get("lightalign_meta", {})
+        written_by = meta.get("module")
+        if written_by is not None and written_by != type(self).__name__:
+            raise ValueError(
+                f"This checkpoint was written by {written_by}, not {type(self).__name__}: a run resumes with the method "
+                f"that wrote it. To start {type(self).__name__} from those weights, export them (the HFExport folder "
+                "of that run) and pass the folder as model_name_or_path, without ckpt_path."
+            )
+        check_state_dict_matches(checkpoint.get("state_dict", {}), self.state_dict())
+        self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self._pending_rng_states = checkpoint.get("lightalign_rng")
+
+    # ----------------------------------------------------------------------------------------- non-finite guard
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.guard_nonfinite()
+
+    def guard_nonfinite(self) -> bool:
+        """Check the step's gradients; on NaN/inf skip the step (grads dropped) or stop. True if skipped."""
+        policy = self.hparams.get("nonfinite", "skip")
+        if policy == "off" or (self._trainer is not None and str(self.trainer.precision) == "16-mixed"):
+            return False
+        bad = next((n for n, p in self.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+        if bad is None:
+            return False
+        step = self.global_step
+        batch_idx = self.trainer.fit_loop.epoch_loop.batch_idx if self._trainer is not None else -1
+        where = f"optimizer step {step} (epoch {self.current_epoch}, batch {batch_idx}), first in parameter '{bad}'"
+        if policy == "stop":
+            raise FloatingPointError(
+                f"Non-finite gradient at {where}. Lower the learning rate, enable gradient_clip_val, check the data "
+                "of that batch, or set nonfinite: skip to skip such steps."
+            )
+        for p in self.parameters():
+            p.grad = None  # optimizers skip parameters without gradients: no update, no weight decay, no momentum
+        self.nonfinite_steps += 1
+        warnings.warn(f"Skipped {where}: non-finite gradient ({self.nonfinite_steps} skipped so far).", stacklevel=2)
+        self.log("train/nonfinite_steps", float(self.nonfinite_steps), on_step=True)
+        return True
 
     def update_eval_metrics(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         """Feed the user's ``eval_metrics`` with one batch of predictions and targets."""

@@ -415,6 +415,7 @@ class DPOModule(PolicyModule):
         return self._step(batch, self.train_stats)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
         self._log_stats(self.train_stats, "train")
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

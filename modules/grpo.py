@@ -334,6 +334,7 @@ class GRPOModule(PolicyModule):
         return loss * scale
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
         self._log_stats(self.train_stats, "train")
 
     def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:

@@ -93,6 +93,7 @@ class SFTModule(PolicyModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called once per optimizer step, after the last micro-batch's backward: log the step's aggregates.
+        super().on_before_optimizer_step(optimizer)
         self.tokens_seen += int(self.train_tokens.compute().item())
         self.log("train/loss", self.train_loss.compute(), on_step=True, prog_bar=True)
         self.log("train/token_accuracy", self.train_accuracy.compute(), on_step=True)

@@ -34,6 +34,33 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class DyingCheckpointIO:
+    """Wraps AtomicCheckpointIO: at the save of step ``die_at``, write half the bytes, then SIGKILL."""
+
+    @staticmethod
+    def make(die_at: int):
+        import io
+
+        from lightalign.strategies import AtomicCheckpointIO
+
+        class Dying(AtomicCheckpointIO):
+            def save_checkpoint(self, checkpoint, path, storage_options=None):
+                if checkpoint["global_step"] == die_at:
+                    buffer = io.BytesIO()
+                    torch.save(checkpoint, buffer)
+                    data = buffer.getvalue()
+
+                    def half_then_die(obj, f):
+                        f.write(data[: len(data) // 2])
+                        f.flush()
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                    torch.save = half_then_die
+                super().save_checkpoint(checkpoint, path, storage_options)
+
+        return Dying()
+
+
 def rows(name: str, n: int) -> Dataset:
     lines = (DATA / name).read_text().splitlines()[:n]
     return Dataset.from_list([json.loads(line) for line in lines])
@@ -65,6 +92,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, required=True)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--die-during-save", type=int)
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -73,7 +101,8 @@ def main() -> None:
     callbacks = [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
     if args.kill_at:
         callbacks.insert(0, KillAt(args.kill_at))
-    trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, accumulate_grad_batches=accumulate,
+    plugins = [DyingCheckpointIO.make(args.die_during_save)] if args.die_during_save else None
+    trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, accumulate_grad_batches=accumulate, plugins=plugins,
                         callbacks=callbacks, logger=CSVLogger(out, name="logs", version=0), log_every_n_steps=1,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, data, ckpt_path="last" if args.resume else None)

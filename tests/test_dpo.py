@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightalign import DataFormatError, DPOModule, PreferenceDataModule
+from lightalign import DPOModule, PreferenceDataModule
 from lightalign.datamodules.preference import PreferenceCollator, extract_prompt, truncate_pair
 from lightalign.modules.logprobs import sequence_logps
 from lightalign.modules.reference import unique_parameter_count
@@ -96,17 +96,6 @@ def test_concatenated_forward_equals_separate_forwards(tiny_dir, data_dir, tiny_
                 logits = tiny_model(input_ids=ids).logits
             expected, _ = sequence_logps(logits, ids, mask)
             torch.testing.assert_close(got, expected[0], atol=1e-5, rtol=0)
-
-
-def test_unknown_loss_type_and_bad_knobs_rejected_at_construction():
-    with pytest.raises(ValueError, match=r"Unknown DPO loss_type 'kto'.*'sigmoid'.*'discopop'"):
-        DPOModule("m", loss_type="kto")
-    with pytest.raises(ValueError, match="beta must be > 0"):
-        DPOModule("m", beta=0.0)
-    with pytest.raises(ValueError, match=r"label_smoothing must lie in \[0.0, 0.5\)"):
-        DPOModule("m", label_smoothing=0.5)
-    with pytest.raises(ValueError, match="loss_weights has 1"):
-        DPOModule("m", loss_type=["sigmoid", "sft"], loss_weights=[1.0])
 
 
 # ------------------------------------------------------------------------------------------ reference modes
@@ -258,33 +247,3 @@ def test_eval_metric_receives_margins(tiny_dir, data_dir):
 
 
 # ------------------------------------------------------------------------------------------ bad input
-def test_missing_rejected_column(tiny_dir, write_jsonl):
-    with pytest.raises(DataFormatError, match=r"needs 'chosen' and 'rejected'.*lacks \['rejected'\]"):
-        _data(write_jsonl([{"prompt": "1+1=", "chosen": "2"}]), tiny_dir)
-
-
-def test_implicit_rows_without_shared_prefix(tiny_dir, write_jsonl):
-    rows = [{"chosen": "a b", "rejected": "a c"}, {"chosen": "yes", "rejected": "no"}]
-    with pytest.raises(DataFormatError, match="row 1: 'chosen' and 'rejected' share no prefix"):
-        _data(write_jsonl(rows), tiny_dir)
-
-
-def test_identical_pairs_warn_with_count(tiny_dir, write_jsonl):
-    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "2"}, {"prompt": "1+2=", "chosen": "3", "rejected": "4"},
-            {"prompt": "2+2=", "chosen": "4", "rejected": "4"}]
-    with pytest.warns(UserWarning, match="2 of 3 train rows have identical 'chosen' and 'rejected'"):
-        _data(write_jsonl(rows), tiny_dir)
-
-
-def test_prompt_leaves_nothing_for_completion(tiny_dir, write_jsonl):
-    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, {"prompt": "9" * 40, "chosen": "2", "rejected": "3"}]
-    with pytest.raises(DataFormatError, match=r"row 1: the prompt has 40 tokens and nothing is left of the chosen"):
-        _data(write_jsonl(rows), tiny_dir, max_length=16, max_prompt_length=None, truncation_mode="keep_start")
-
-
-def test_mixed_standard_and_conversational_rows(tiny_dir, write_jsonl):
-    rows = [{"prompt": "one plus one", "chosen": "two", "rejected": "three"},
-            {"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
-             "rejected": [{"role": "assistant", "content": "3"}]}]
-    with pytest.raises(DataFormatError, match="row 1, column 'prompt': mixes conversations with the strings"):
-        _data(write_jsonl(rows), tiny_dir)

@@ -1,0 +1,134 @@
+"""Checkpoints: atomic saves survive a kill mid-write, full disks and corrupt files give clear errors, a resume
+with another method or model is refused by name, and non-finite gradients are skipped or stop the run."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightalign import AtomicCheckpointIO, CheckpointError, DPOModule, PreferenceDataModule, SFTDataModule, SFTModule
+
+WORKER = Path(__file__).resolve().parent.parent / "resume_worker.py"
+
+
+def _sft(tiny_dir, data_dir, **kw):
+    return (SFTModule(str(tiny_dir), from_config=True, learning_rate=1e-3, **kw),
+            SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=4))
+
+
+def _trainer(tmp_path=None, **kw):
+    kw.setdefault("max_steps", 2)
+    return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()], **kw)
+
+
+@pytest.fixture
+def sft_checkpoint(tiny_dir, data_dir, tmp_path):
+    module, data = _sft(tiny_dir, data_dir)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+    _trainer(max_steps=2, callbacks=[ckpt]).fit(module, data)
+    return tmp_path / "ckpt" / "last.ckpt"
+
+
+def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(WORKER), "--method", "sft", "--out", str(tmp_path), "--max-steps", "6",
+                           "--every", "2", "--die-during-save", "4"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert list((tmp_path / "ckpt").glob(".*.tmp-*"))  # the interrupted write went to a temporary name
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 2  # the previous good checkpoint, intact
+
+
+def test_out_of_disk_keeps_previous_checkpoint(sft_checkpoint, monkeypatch):
+    before = sft_checkpoint.read_bytes()
+
+    def full_disk(obj, f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"Out of disk space while writing checkpoint .*last.ckpt.*previous checkpoint is untouched"):
+        AtomicCheckpointIO().save_checkpoint({"x": 1}, sft_checkpoint)
+    assert sft_checkpoint.read_bytes() == before
+    assert not list(sft_checkpoint.parent.glob(".*.tmp-*"))
+
+
+def test_truncated_checkpoint_is_named(sft_checkpoint, tiny_dir, data_dir):
+    data = sft_checkpoint.read_bytes()
+    sft_checkpoint.write_bytes(data[: len(data) // 3])
+    module, dm = _sft(tiny_dir, data_dir)
+    with pytest.raises(CheckpointError, match=r"last.ckpt' \(\d+ bytes\) cannot be read: it is truncated or corrupt"):
+        _trainer(max_steps=3).fit(module, dm, ckpt_path=str(sft_checkpoint))
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")
+
+
+def test_checkpoints_load_with_weights_only(sft_checkpoint):
+    ckpt = torch.load(sft_checkpoint, weights_only=True)  # no pickled Python objects in our checkpoints
+    assert ckpt["lightalign_meta"]["module"] == "SFTModule" and "lightalign_rng" in ckpt
+
+
+def test_resume_with_another_method_is_refused(sft_checkpoint, tiny_dir, data_dir):
+    module = DPOModule(str(tiny_dir), from_config=True)
+    data = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir), batch_size=4)
+    with pytest.raises(ValueError, match="written by SFTModule, not DPOModule"):
+        _trainer(max_steps=3).fit(module, data, ckpt_path=str(sft_checkpoint))
+
+
+def test_resume_with_another_model_is_refused(sft_checkpoint, repo, data_dir):
+    llama = repo / "assets" / "models" / "tiny-llama"
+    module = SFTModule(str(llama), from_config=True)
+    data = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(llama), batch_size=4)
+    with pytest.raises(ValueError, match="The checkpoint holds another model"):
+        _trainer(max_steps=3).fit(module, data, ckpt_path=str(sft_checkpoint))
+
+
+class _PoisonGrad(L.Callback):
+    """Turns one gradient into NaN at a given optimizer step."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.step:
+            next(p for p in pl_module.parameters() if p.grad is not None).grad[0].fill_(float("nan"))
+
+
+def test_nonfinite_gradient_skips_the_step(tiny_dir, data_dir):
+    module, data = _sft(tiny_dir, data_dir, weight_decay=0.1)
+    snapshots = {}
+
+    class Snap(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            snapshots[trainer.global_step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    with pytest.warns(UserWarning, match=r"Skipped optimizer step 1 \(epoch 0, batch 1\).*non-finite gradient \(1 skipped"):
+        _trainer(max_steps=4, callbacks=[Snap(), _PoisonGrad(1)], enable_checkpointing=False).fit(module, data)
+    # the step counter moved on, but the weights did not change during the poisoned step
+    assert all(torch.equal(snapshots[1][n], snapshots[2][n]) for n in snapshots[1])
+    assert not all(torch.equal(snapshots[2][n], snapshots[3][n]) for n in snapshots[2])
+    assert module.nonfinite_steps == 1
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_nonfinite_gradient_stop_names_step_batch_and_parameter(tiny_dir, data_dir):
+    module, data = _sft(tiny_dir, data_dir, nonfinite="stop")
+    with pytest.raises(FloatingPointError, match=r"Non-finite gradient at optimizer step 2 \(epoch 0, batch 2\), first in parameter 'model\."):
+        _trainer(max_steps=4, callbacks=[_PoisonGrad(2)], enable_checkpointing=False).fit(module, data)
+
+
+def test_unknown_nonfinite_policy():
+    with pytest.raises(ValueError, match="nonfinite='ignore' is unknown"):
+        SFTModule("m", nonfinite="ignore")
