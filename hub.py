@@ -36,6 +36,14 @@ def _check_local_folder(name: str, what: str) -> None:
         raise ModelNotFoundError(f"{what} path '{name}' is a file; pass the folder that holds config.json.")
 
 
+def _remote_code_error(name: str, err: Exception) -> ValueError:
+    return ValueError(
+        f"'{name}' ships its own Python code (auto_map in its config) and lightalign does not run downloaded code "
+        "unless asked. If you trust its source, set `model.trust_remote_code: true` (and review the code first); "
+        f"otherwise use a model that transformers supports natively. (transformers said: {str(err)[:200]})"
+    )
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, **kwargs: Any):
     """Load a tokenizer from a local folder or a hub name; make sure it has a pad token."""
     from transformers import AutoTokenizer
@@ -43,6 +51,10 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, **kwargs:
     _check_local_folder(name_or_path, "Tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise _remote_code_error(name_or_path, err) from err
+        raise
     except OSError as err:
         if Path(name_or_path).expanduser().is_dir():
             raise ModelNotFoundError(
@@ -106,6 +118,10 @@ def load_causal_lm(
                 model = model.to(dtype)
             return model
         return AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise _remote_code_error(name_or_path, err) from err
+        raise
     except OSError as err:
         if Path(name_or_path).expanduser().is_dir():
             raise ModelNotFoundError(f"Could not load a model from folder '{name_or_path}': {err}") from err

@@ -128,3 +128,18 @@ def test_config_errors_at_construction():
         SFTDataModule("x.jsonl", tokenizer="t", packing=True, max_length=None)
     with pytest.raises(ValueError, match="lr_scheduler_type='warp'"):
         SFTModule("m", lr_scheduler_type="warp")
+
+
+def test_model_with_remote_code_needs_explicit_trust(tmp_path, tiny_dir):
+    import json
+    import shutil
+
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="my_custom_lm", auto_map={"AutoConfig": "modeling_custom.CustomConfig",
+                                                         "AutoModelForCausalLM": "modeling_custom.CustomLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_custom.py").write_text("raise RuntimeError('remote code must not run')\n")
+    with pytest.raises(ValueError, match=r"ships its own Python code.*trust_remote_code: true"):
+        load_causal_lm(str(folder), from_config=True)
