@@ -133,7 +133,7 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        self._train_sampler = EpochSampler(len(self.train_dataset), shuffle=self.shuffle, seed=self.seed)
+        self._train_sampler = self.make_epoch_sampler()
         self._apply_resume()
         return StepTokenCountingLoader(
             self.train_dataset,
@@ -143,6 +143,11 @@ class TokenizedDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             accumulate_grad_batches=accumulate,
         )
+
+    def make_epoch_sampler(self) -> EpochSampler:
+        """The training order: seeded per epoch, this rank's shard under DDP, resumable mid-epoch."""
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        return EpochSampler(len(self.train_dataset), shuffle=self.shuffle, seed=self.seed, num_replicas=world, rank=rank)
 
     # ------------------------------------------------------------------------------------- exact resume
     def state_dict(self) -> dict[str, Any]:

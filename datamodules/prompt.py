@@ -9,7 +9,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.base import TokenizedDataModule
-from lightalign.datamodules.samplers import EpochSampler, RepeatBatchSampler
+from lightalign.datamodules.samplers import RepeatBatchSampler
 from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
 
 
@@ -109,8 +109,7 @@ class PromptDataModule(TokenizedDataModule):
                 f"({self.prompts_per_generation} = generation_batch_size / num_generations). Add prompts or lower "
                 "generation_batch_size."
             )
-        sampler = RepeatBatchSampler(EpochSampler(len(self.train_dataset), self.shuffle, self.seed),
-                                     self.prompts_per_generation, self.repeat)
+        sampler = RepeatBatchSampler(self.make_epoch_sampler(), self.prompts_per_generation, self.repeat)
         self._train_sampler = sampler
         self._apply_resume()
         return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.collate_fn(),

@@ -9,30 +9,31 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 
-class EpochSampler(Sampler[int]):
-    """A seeded permutation per epoch (or the plain order), resumable at any index."""
+class EpochSampler(DistributedSampler):
+    """A seeded permutation per epoch (or the plain order), sharded over ranks, resumable at any index.
 
-    def __init__(self, num_rows: int, shuffle: bool = True, seed: int = 0) -> None:
-        self.num_rows, self.shuffle, self.seed = num_rows, shuffle, seed
-        self.epoch = 0
+    It is a ``DistributedSampler`` (built with explicit ``num_replicas``/``rank``, so it works without a process
+    group), which tells Lightning to use it as is instead of wrapping it: each rank knows its own shard and can
+    skip exactly the samples it trained on.
+    """
+
+    def __init__(self, num_rows: int, shuffle: bool = True, seed: int = 0, num_replicas: int = 1, rank: int = 0,
+                 drop_last: bool = False) -> None:
+        super().__init__(range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.num_rows = num_rows
         self._resume: tuple[int, int] | None = None
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
     def resume(self, epoch: int, num_indices: int) -> None:
-        """The next iteration over ``epoch`` starts after its first ``num_indices`` indices."""
+        """The next iteration over ``epoch`` starts after this rank's first ``num_indices`` indices."""
         self._resume = (epoch, num_indices)
 
     def order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_rows))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_rows, generator=generator).tolist()
+        """This rank's indices for the current epoch, in order."""
+        return list(super().__iter__())
 
     def __iter__(self) -> Iterator[int]:
         skip = 0
@@ -40,9 +41,6 @@ class EpochSampler(Sampler[int]):
             skip = self._resume[1]
         self._resume = None
         yield from self.order()[skip:]
-
-    def __len__(self) -> int:
-        return self.num_rows
 
 
 class RepeatBatchSampler(Sampler[list[int]]):
@@ -75,4 +73,4 @@ class RepeatBatchSampler(Sampler[list[int]]):
                 n += 1
 
     def __len__(self) -> int:
-        return (self.sampler.num_rows // self.batch_size) * self.repeat
+        return (len(self.sampler) // self.batch_size) * self.repeat
