@@ -31,7 +31,7 @@ class KillAt(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.killpg(os.getpgid(0), signal.SIGKILL)  # every rank: the test starts us in our own session
 
 
 class DyingCheckpointIO:
@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--die-during-save", type=int)
+    parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -102,11 +103,13 @@ def main() -> None:
     if args.kill_at:
         callbacks.insert(0, KillAt(args.kill_at))
     plugins = [DyingCheckpointIO.make(args.die_during_save)] if args.die_during_save else None
-    trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, accumulate_grad_batches=accumulate, plugins=plugins,
+    ddp = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {}
+    trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, accumulate_grad_batches=accumulate, plugins=plugins, **ddp,
                         callbacks=callbacks, logger=CSVLogger(out, name="logs", version=0), log_every_n_steps=1,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, data, ckpt_path="last" if args.resume else None)
-    torch.save(module.model.state_dict(), out / "final.pt")
+    if trainer.is_global_zero:
+        torch.save(module.model.state_dict(), out / "final.pt")
     print("DONE", trainer.global_step, file=sys.stderr)
 
 

@@ -19,7 +19,7 @@ WORKER = Path(__file__).resolve().parent / "resume_worker.py"
 def _run(out: Path, method: str, *extra: str, expect_kill: bool = False) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(WORKER), "--method", method, "--out", str(out), *extra],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
     if expect_kill:
         assert proc.returncode == -9, proc.stderr[-3000:]
     else:
@@ -35,14 +35,15 @@ def _losses(out: Path, key: str = "train/loss") -> dict[int, float]:
     return values
 
 
-@pytest.mark.parametrize("method, max_steps, every, kill_at", [
-    ("sft", 14, 4, 10),   # 11 batches/epoch, accumulation 2: 6 steps/epoch; resume at step 8, inside epoch 1
-    ("dpo", 14, 4, 10),
-    ("grpo", 11, 3, 8),   # a rollout serves 4 micro-steps (2 x 2 iterations); resume at step 6, mid-rollout
+@pytest.mark.parametrize("method, max_steps, every, kill_at, devices", [
+    ("sft", 14, 4, 10, 1),   # 11 batches/epoch, accumulation 2: 6 steps/epoch; resume at step 8, inside epoch 1
+    ("dpo", 14, 4, 10, 1),
+    ("grpo", 11, 3, 8, 1),   # a rollout serves 4 micro-steps (2 x 2 iterations); resume at step 6, mid-rollout
+    ("sft", 8, 2, 5, 2),     # DDP, 2 processes (gloo): 6 batches/epoch/rank -> 3 steps/epoch; resume at 4, mid-epoch 1
 ])
-def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, max_steps, every, kill_at):
+def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, max_steps, every, kill_at, devices):
     a, b = tmp_path / "a", tmp_path / "b"
-    common = ["--max-steps", str(max_steps), "--every", str(every)]
+    common = ["--max-steps", str(max_steps), "--every", str(every), "--devices", str(devices)]
     _run(a, method, *common)
     _run(b, method, *common, "--kill-at", str(kill_at), expect_kill=True)
     assert not (b / "final.pt").exists()
