@@ -3,7 +3,6 @@
 Each function is called as ``fn(prompts=..., completions=..., **columns)``; ``None`` in its output becomes NaN, and
 the total reward of a completion is the weighted ``nansum`` over functions. A completion every function returned
 None for has a NaN total (TRL: it is left out of the group baseline and gets advantage 0, see ``advantages.py``).
-This module also re-exports the resolution helpers and ``advantages`` so GRPO needs a single import.
 """
 
 from __future__ import annotations
@@ -19,28 +18,9 @@ from typing import Any
 
 import torch
 
-from lightalign.rewards.advantages import RunningRewardNormalizer, clip_rewards, scale_advantages, zero_std_fraction
-from lightalign.rewards.resolve import (
-    check_reward_weights,
-    import_object,
-    resolve_reward_funcs,
-    reward_func_name,
-    reward_func_names,
-)
+from lightalign.rewards.resolve import check_reward_weights, reward_func_names
 
-__all__ = [
-    "RewardFunctionError",
-    "RunningRewardNormalizer",
-    "check_reward_weights",
-    "clip_rewards",
-    "compute_rewards",
-    "import_object",
-    "resolve_reward_funcs",
-    "reward_func_name",
-    "reward_func_names",
-    "scale_advantages",
-    "zero_std_fraction",
-]
+__all__ = ["RewardFunctionError", "compute_rewards"]
 
 
 class RewardFunctionError(RuntimeError):

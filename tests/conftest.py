@@ -69,3 +69,43 @@ def write_jsonl(tmp_path):
         return str(path)
 
     return write
+
+
+@pytest.fixture
+def quiet_trainer():
+    """A CPU Trainer factory without logger, checkpoints, progress bar, summary or sanity check."""
+    import lightning as L
+
+    def make(**kw):
+        kw.setdefault("max_steps", 2)
+        return L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+    return make
+
+
+@pytest.fixture
+def grpo_module(tiny_dir):
+    """A GRPOModule factory on the tiny model: digit reward, groups of 4, 6-token completions."""
+    from lightalign import GRPOModule
+    from lightalign.rewards import digit_fraction_reward
+
+    def make(**kw):
+        kw.setdefault("reward_funcs", [digit_fraction_reward])
+        kw.setdefault("num_generations", 4)
+        kw.setdefault("max_completion_length", 6)
+        kw.setdefault("learning_rate", 1e-3)
+        return GRPOModule(str(tiny_dir), from_config=True, **kw)
+
+    return make
+
+
+@pytest.fixture
+def prompt_data(tiny_dir, data_dir):
+    """A PromptDataModule factory on the shipped arithmetic prompts."""
+    from lightalign import PromptDataModule
+
+    def make(**kw):
+        return PromptDataModule(str(data_dir / "arithmetic_prompts.jsonl"), tokenizer=str(tiny_dir), max_prompt_length=16, **kw)
+
+    return make

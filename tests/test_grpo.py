@@ -8,30 +8,11 @@ import lightning as L
 import pytest
 import torch
 
-from lightalign import CompletionSamples, GRPOModule, PromptDataModule
-from lightalign.rewards import digit_fraction_reward
+from lightalign import CompletionSamples, PromptDataModule
 
 
-def _trainer(**kw):
-    kw.setdefault("max_steps", 2)
-    return L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, **kw)
-
-
-def _module(tiny_dir, **kw):
-    kw.setdefault("reward_funcs", [digit_fraction_reward])
-    kw.setdefault("num_generations", 4)
-    kw.setdefault("max_completion_length", 6)
-    kw.setdefault("learning_rate", 1e-3)
-    return GRPOModule(str(tiny_dir), from_config=True, **kw)
-
-
-def _data(tiny_dir, data_dir, **kw):
-    return PromptDataModule(str(data_dir / "arithmetic_prompts.jsonl"), tokenizer=str(tiny_dir), max_prompt_length=16, **kw)
-
-
-def test_prompt_collator_left_pads_and_keeps_columns(tiny_dir, data_dir):
-    dm = _data(tiny_dir, data_dir)
+def test_prompt_collator_left_pads_and_keeps_columns(tiny_dir, data_dir, prompt_data):
+    dm = prompt_data()
     dm.setup("fit")
     rows = [dm.train_dataset[i] for i in range(3)]
     batch = dm.collate_fn()(rows)
@@ -43,9 +24,9 @@ def test_prompt_collator_left_pads_and_keeps_columns(tiny_dir, data_dir):
     assert batch["columns"]["answer"] == [r["answer"] for r in rows]
 
 
-def test_generation_count_follows_steps_per_generation_and_num_iterations(tiny_dir, data_dir):
+def test_generation_count_follows_steps_per_generation_and_num_iterations(tiny_dir, data_dir, quiet_trainer, grpo_module, prompt_data):
     calls = []
-    module = _module(tiny_dir, generation_batch_size=8, steps_per_generation=2, num_iterations=3)
+    module = grpo_module(generation_batch_size=8, steps_per_generation=2, num_iterations=3)
     real = module.generate
 
     def counting(batch, n):
@@ -54,8 +35,8 @@ def test_generation_count_follows_steps_per_generation_and_num_iterations(tiny_d
 
     module.generate = counting
     # 12 micro-batches = 6 optimizer steps with accumulation 2; a rollout serves 2 x 3 micro-batches -> 2 rollouts
-    trainer = _trainer(max_steps=6, accumulate_grad_batches=2)
-    trainer.fit(module, _data(tiny_dir, data_dir))
+    trainer = quiet_trainer(max_steps=6, accumulate_grad_batches=2)
+    trainer.fit(module, prompt_data())
     assert module.generation_count == 2 and calls == [2, 2]  # 8 completions = 2 prompts x 4
     assert trainer.global_step == 6
 
@@ -68,19 +49,18 @@ class _GradCapture(L.Callback):
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
 
-def _one_step_grads(tiny_dir, data_dir, accumulate, loss_type):
-    L.seed_everything(0)
-    module = _module(tiny_dir, generation_batch_size=8, loss_type=loss_type, optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
-                     max_completion_length=6)
-    capture = _GradCapture()
-    _trainer(max_steps=1, accumulate_grad_batches=accumulate, callbacks=[capture]).fit(module, _data(tiny_dir, data_dir))
-    return capture.grads[0]
-
-
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_accumulation_4x2_equals_1x8(tiny_dir, data_dir, loss_type):
-    full = _one_step_grads(tiny_dir, data_dir, 1, loss_type)
-    accum = _one_step_grads(tiny_dir, data_dir, 4, loss_type)
+def test_accumulation_4x2_equals_1x8(loss_type, quiet_trainer, grpo_module, prompt_data):
+    def one_step_grads(accumulate):
+        L.seed_everything(0)
+        module = grpo_module(generation_batch_size=8, loss_type=loss_type,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+        capture = _GradCapture()
+        quiet_trainer(max_steps=1, accumulate_grad_batches=accumulate, callbacks=[capture]).fit(module, prompt_data())
+        return capture.grads[0]
+
+    full = one_step_grads(1)
+    accum = one_step_grads(4)
     assert full.keys() == accum.keys() and full
     nonzero = 0
     for name in full:
@@ -89,10 +69,10 @@ def test_accumulation_4x2_equals_1x8(tiny_dir, data_dir, loss_type):
     assert nonzero > 0
 
 
-def test_completion_mask_ends_at_first_eos(tiny_dir, data_dir):
-    module = _module(tiny_dir)
+def test_completion_mask_ends_at_first_eos(tiny_dir, data_dir, grpo_module, prompt_data):
+    module = grpo_module()
     module.configure_model()
-    dm = _data(tiny_dir, data_dir)
+    dm = prompt_data()
     dm.setup("fit")
     module.tokenizer = dm.tokenizer
     batch = dm.collate_fn()([dm.train_dataset[0]])
@@ -115,19 +95,19 @@ def test_completion_mask_ends_at_first_eos(tiny_dir, data_dir):
     assert out["columns"]["answer"] == [batch["columns"]["answer"][0]] * 2
 
 
-def test_trl_style_reward_gets_extra_columns_and_training_logs(tiny_dir, data_dir, tmp_path):
+def test_trl_style_reward_gets_extra_columns_and_training_logs(tiny_dir, data_dir, tmp_path, grpo_module, prompt_data):
     seen = []
 
     def exact_answer(prompts, completions, answer, **kwargs):  # written for TRL, runs unchanged
         seen.append((len(prompts), len(completions), len(answer), "completion_ids" in kwargs))
         return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
-    module = _module(tiny_dir, reward_funcs=[exact_answer, "lightalign.rewards.digit_fraction_reward"],
+    module = grpo_module(reward_funcs=[exact_answer, "lightalign.rewards.digit_fraction_reward"],
                      reward_weights=[1.0, 0.5], generation_batch_size=8, beta=0.05)
     trainer = L.Trainer(accelerator="cpu", max_steps=2, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, logger=L.pytorch.loggers.CSVLogger(tmp_path),
                         callbacks=[CompletionSamples(every_n_steps=1, max_rows=3)])
-    trainer.fit(module, _data(tiny_dir, data_dir))
+    trainer.fit(module, prompt_data())
     assert seen and all(s == (8, 8, 8, True) for s in seen)
     assert module.ref_model is not None  # beta > 0 builds the reference
     logged = trainer.callback_metrics
@@ -140,16 +120,16 @@ def test_trl_style_reward_gets_extra_columns_and_training_logs(tiny_dir, data_di
     assert len(rows) == 6 and set(rows[0]) >= {"step", "prompt", "completion", "reward", "exact_answer"}
 
 
-def test_no_reference_without_kl(tiny_dir, data_dir):
-    module = _module(tiny_dir, generation_batch_size=8)
-    _trainer(max_steps=1).fit(module, _data(tiny_dir, data_dir))
+def test_no_reference_without_kl(tiny_dir, data_dir, quiet_trainer, grpo_module, prompt_data):
+    module = grpo_module(generation_batch_size=8)
+    quiet_trainer(max_steps=1).fit(module, prompt_data())
     assert module.ref_model is None
 
 
-def test_num_iterations_reuse_uses_old_logps(tiny_dir, data_dir):
-    module = _module(tiny_dir, generation_batch_size=8, num_iterations=2, learning_rate=5e-2)
-    trainer = _trainer(max_steps=2)
-    trainer.fit(module, _data(tiny_dir, data_dir))
+def test_num_iterations_reuse_uses_old_logps(tiny_dir, data_dir, quiet_trainer, grpo_module, prompt_data):
+    module = grpo_module(generation_batch_size=8, num_iterations=2, learning_rate=5e-2)
+    trainer = quiet_trainer(max_steps=2)
+    trainer.fit(module, prompt_data())
     assert module.generation_count == 1
     assert "old_logps" in module._buffer[0]
 
