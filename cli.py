@@ -28,6 +28,15 @@ TRAINER_DEFAULTS = {
 }
 
 
+KNOB_HELP = """lightalign: SFT, DPO and GRPO on PyTorch Lightning.
+
+The method and data knobs belong to the classes a config names; list them with
+  lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule)
+  lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule)
+or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config
+"""
+
+
 class LightalignCLI(LightningCLI):
     """LightningCLI with lightalign's defaults (see the module docstring)."""
 
@@ -45,6 +54,7 @@ class LightalignCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
+        parser.description = KNOB_HELP
         parser.link_arguments("model.init_args.model_name_or_path", "data.init_args.tokenizer", apply_on="parse")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})

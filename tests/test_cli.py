@@ -69,7 +69,7 @@ def test_print_config_resolves_everything(repo):
 
 def test_help_documents_knobs(repo):
     general = run_cli(repo, "fit", "--help").stdout
-    for knob in ("--trainer.accumulate_grad_batches", "--trainer.precision", "--export.merge_lora",
+    for knob in ("--model.help lightalign.SFTModule", "--trainer.accumulate_grad_batches", "--trainer.precision", "--export.merge_lora",
                  "--checkpoint.every_n_train_steps", "--model.help", "--data.help"):
         assert knob in general, knob
     module = run_cli(repo, "fit", "--model.help", "lightalign.SFTModule").stdout
