@@ -215,7 +215,7 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--max-load", type=float, help="before each run, wait until the 1-min load average is below this")
+    parser.add_argument("--max-load", type=float, help="wait before each run until the 1-min load average is below")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--framework", "--mode", "--model-dir", "--workdir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -238,7 +238,7 @@ def main() -> None:
         if (args.warmup + args.steps) * args.batch_size > rows:
             parser.error(f"{args.data} has {rows} rows: fewer than (warmup + steps) x batch-size; lower --steps.")
         settings = {
-            "model": f"{Path(args.model).name} ({n_params / 1e6:.1f}M params, seed {args.seed}, saved once, loaded by both)",
+            "model": f"{Path(args.model).name}: {n_params / 1e6:.1f}M params, seed {args.seed}, saved once, both load",
             "data": Path(args.data).name, "batch_pairs": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
             "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW (not fused), wd 0",
@@ -250,7 +250,8 @@ def main() -> None:
         print("DPO benchmark: lightalign DPOModule vs TRL DPOTrainer")
         for key, value in settings.items():
             print(f"  {key}: {value}")
-        print("  (TRL 1.x has no max_prompt_length; lightalign gets None. No eval, no checkpoints, no loggers.)\n",
+        print("  (TRL 1.x has no max_prompt_length, so lightalign gets None too. No eval, checkpoints or loggers.)\n"
+              "  load = 1-min load average before -> after the run: above ~0.5 another process shares the 2 cores.\n",
               flush=True)
 
         runs = []
@@ -261,11 +262,12 @@ def main() -> None:
                     if res is None:
                         continue
                     runs.append(res)
-                    pre = f"  precompute {res['precompute_seconds']:5.1f} s" if res["precompute_seconds"] else ""
-                    print(f"[{r + 1}/{args.repeats}] {mode:>11} {framework:>10}: {res['pairs_per_sec']:6.2f} pairs/s "
-                          f"{res['tokens_per_sec']:7.0f} tokens/s  peak RSS {res['peak_rss_mb']:6.0f} MB  "
-                          f"last loss {res['last_loss']:.4f}  threads {res['threads']}  "
-                          f"load {res['load_avg_before']:.1f}->{res['load_avg_1min']:.1f}{pre}",
+                    pre = f"  precompute {res['precompute_seconds']:.1f} s" if res["precompute_seconds"] else ""
+                    step = res["median_step_seconds"]
+                    print(f"[{r + 1}/{args.repeats}] {mode} {framework}: {res['pairs_per_sec']:.2f} pairs/s "
+                          f"({res['tokens'] / args.steps:.0f} tokens/step, median step {step:.2f} s)"
+                          f"  peak RSS {res['peak_rss_mb']:.0f} MB  last loss {res['last_loss']:.4f}  threads "
+                          f"{res['threads']}  load {res['load_avg_before']:.1f}->{res['load_avg_1min']:.1f}{pre}",
                           flush=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)

@@ -12,14 +12,17 @@ folder; both frameworks load that folder. Prompts: examples/data/arithmetic_prom
 --generation-batch completions (--num-generations per prompt) is one optimizer step on both sides: lightalign gets
 `generation_batch_size=G` and `accumulate_grad_batches=A`; TRL gets `per_device_train_batch_size=G/A`,
 `gradient_accumulation_steps=A` and the default `steps_per_generation` (= A), hence `generation_batch_size=G`.
-No vLLM, no KV-cache tricks beyond `generate`'s, fp32, no gradient checkpointing, beta 0 (no reference model),
+`generate` with the KV cache (no vLLM), fp32, no gradient checkpointing, beta 0 (no reference model),
 loss_type dapo, constant learning rate, clip 1.0, torch AdamW, 2 threads, no eval, no checkpoints, no loggers.
 
 Each framework runs in its own process (peak RSS = ru_maxrss of that process), alternating, --repeats times (medians
 reported). A callback times optimizer steps --warmup+1 .. --warmup+--steps (Lightning `on_train_batch_end` when
 `global_step` changes, transformers `on_step_end`); completions/s = completions generated and trained in that window
 per second. Generation and reward time inside the window and the mean completion length (tokens, EOS included;
-completions stop early at EOS) are reported too. Results: a table on stdout and JSON in bench/results/grpo.json.
+completions stop early at EOS) are reported too. Two threads on two shared cores collapse when anything else runs,
+so each run first waits for a quiet machine, measures the CPU share other processes took during its window
+(/proc/stat), and is retried when that exceeds --max-contention (kept and marked after --retries).
+Results: a table on stdout and JSON in bench/results/grpo.json.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class Meter:
 
     def __init__(self, warmup: int, steps: int) -> None:
         self.warmup, self.last = warmup, warmup + steps
-        self.start = self.end = None
+        self.start = self.end = self.cpu = self.busy = None
         self.seen = 0
         self.rollouts: list[dict] = []  # one per generation, in order: rollout k serves optimizer step k + 1
 
@@ -55,9 +58,10 @@ class Meter:
             return
         self.seen = step
         if step == self.warmup:
-            self.start = time.perf_counter()
+            self.start, self.cpu, self.busy = time.perf_counter(), time.process_time(), machine_busy_seconds()
         elif step == self.last:
             self.end = time.perf_counter()
+            self.cpu, self.busy = time.process_time() - self.cpu, machine_busy_seconds() - self.busy
 
     def rollout(self, lengths, gen_seconds: float) -> None:
         self.rollouts.append({"n": int(lengths.numel()), "tokens": int(lengths.sum()), "gen_s": gen_seconds,
@@ -74,8 +78,19 @@ class Meter:
         n, tokens = sum(r["n"] for r in timed), sum(r["tokens"] for r in timed)
         return {"completions_per_sec": n / seconds, "completion_tokens_per_sec": tokens / seconds,
                 "mean_completion_length": tokens / n, "seconds": seconds, "completions": n,
+                "cpu_per_wall": self.cpu / seconds,  # ~threads when nothing else runs
+                "others_cpu_share": max(0.0, self.busy - self.cpu) / (seconds * (os.cpu_count() or 1)),
                 "generation_share": sum(r["gen_s"] for r in timed) / seconds,
                 "reward_share": sum(r["reward_s"] for r in timed) / seconds}
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes of the machine have used (Linux /proc/stat); others' share = contention."""
+    try:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
 
 
 def build_model(config_dir: str, out_dir: Path, seed: int) -> int:
@@ -191,6 +206,17 @@ def run_one(args: argparse.Namespace) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
 
 
+def wait_for_quiet(max_share: float, timeout: float) -> float:
+    """Wait until other processes use at most ``max_share`` of the machine over 5 s (or ``timeout`` s pass)."""
+    deadline = time.time() + timeout
+    while True:
+        busy, start = machine_busy_seconds(), time.time()
+        time.sleep(5)
+        share = (machine_busy_seconds() - busy) / ((time.time() - start) * (os.cpu_count() or 1))
+        if share <= max_share or time.time() > deadline:
+            return share
+
+
 def spawn(args: argparse.Namespace, framework: str) -> dict | None:
     cmd = [sys.executable, __file__, "--one", "--framework", framework, "--model-dir", args.model_dir, "--workdir",
            args.workdir, "--data", args.data]
@@ -224,6 +250,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-contention", type=float, default=0.05,
+                        help="a run during which other processes used more of the machine is retried")
+    parser.add_argument("--retries", type=int, default=2)
+    parser.add_argument("--quiet-timeout", type=float, default=900, help="seconds to wait for a quiet machine")
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--framework", "--model-dir", "--workdir"):
@@ -255,7 +285,8 @@ def main() -> None:
         if (args.warmup + args.steps) * per_rollout > len(prompts):
             parser.error(f"{args.data} has {len(prompts)} prompts: fewer than (warmup + steps) x {per_rollout}.")
         settings = {
-            "model": f"{Path(args.model).name} ({n_params / 1e6:.1f}M params, seed {args.seed}, saved once, loaded by both)",
+            "model": f"{Path(args.model).name} ({n_params / 1e6:.1f}M params, seed {args.seed}, saved once, "
+                     "loaded by both)",
             "data": f"{Path(args.data).name} ({len(prompts)} prompts, {min(prompt_lens)}-{max(prompt_lens)} tokens)",
             "reward": "lightalign.rewards.digit_fraction_reward", "num_generations": args.num_generations,
             "generation_batch_size": args.generation_batch, "micro_batch": args.generation_batch // args.grad_accum,
@@ -278,16 +309,25 @@ def main() -> None:
         for r in range(args.repeats):
             order = args.frameworks if r % 2 == 0 else args.frameworks[::-1]
             for framework in order:
-                res = spawn(args, framework)
+                for attempt in range(args.retries + 1):  # 2 shared cores: a busy machine skews everything
+                    quiet = wait_for_quiet(args.max_contention, args.quiet_timeout)
+                    res = spawn(args, framework)
+                    if res is None or res["others_cpu_share"] <= args.max_contention:
+                        break
+                    print(f"[{r + 1}/{args.repeats}] {framework:>10}: other processes used "
+                          f"{100 * res['others_cpu_share']:.0f}% of the machine (before: {100 * quiet:.0f}%); "
+                          f"{'retrying' if attempt < args.retries else 'kept, marked contended'}", flush=True)
                 if res is None:
                     continue
-                res["repeat"] = r + 1
+                res["repeat"], res["contended"] = r + 1, res["others_cpu_share"] > args.max_contention
                 runs.append(res)
                 print(f"[{r + 1}/{args.repeats}] {framework:>10}: {res['completions_per_sec']:6.2f} completions/s "
-                      f"{res['completion_tokens_per_sec']:6.0f} tokens/s  mean length {res['mean_completion_length']:5.2f}"
+                      f"{res['completion_tokens_per_sec']:6.0f} tokens/s  "
+                      f"mean length {res['mean_completion_length']:5.2f}"
                       f"  generation {100 * res['generation_share']:4.1f}%  reward {100 * res['reward_share']:4.2f}%"
-                      f"  peak RSS {res['peak_rss_mb']:6.0f} MB  threads {res['threads']}  attn {res['attn']}"
-                      f"\n{'':>16}{res['shape']}", flush=True)
+                      f"  peak RSS {res['peak_rss_mb']:6.0f} MB\n{'':>16}threads {res['threads']} (CPU/wall "
+                      f"{res['cpu_per_wall']:.2f}, other processes {100 * res['others_cpu_share']:.0f}% of the machine)"
+                      f"  attn {res['attn']}  {res['shape']}", flush=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
@@ -295,7 +335,8 @@ def main() -> None:
         values = [r[key] for r in runs if r["framework"] == framework]
         return statistics.median(values) if values else None
 
-    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "reward_share")
+    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "reward_share",
+            "others_cpu_share")
     summary = {fw: {k: med(fw, k) for k in keys} for fw in args.frameworks}
     print("\n| framework | completions/s | mean completion length | peak RSS MB |\n|---|---|---|---|")
     for fw, row in summary.items():
@@ -306,6 +347,9 @@ def main() -> None:
     ratio = la / tr if la and tr else None
     if ratio is not None:
         print(f"\nlightalign / TRL completions/s: {ratio:.2f}x (median of {args.repeats} run(s) each)")
+    contended = sum(r["contended"] for r in runs)
+    if contended:
+        print(f"WARNING: {contended} run(s) shared the machine with other processes (see above); figures are skewed.")
     out = ROOT / "bench" / "results" / "grpo.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary, "ratio": ratio}, indent=2))
