@@ -6,23 +6,20 @@ Run by hand from the repository root, in a separate venv so TRL never enters the
     /work/benchvenv/bin/pip install -e '.[bench]'
     /work/benchvenv/bin/python bench/grpo.py [--steps 8] [--warmup 2] [--repeats 3] [--grad-accum 4]
 
-The `small` config (~30M params) is built once under a fixed seed and saved (with the tokenizer) to a temporary
-folder; both frameworks load that folder. Prompts: examples/data/arithmetic_prompts.jsonl; reward:
-`lightalign.rewards.digit_fraction_reward` (TRL's signature, used as is by both). One rollout of
---generation-batch completions (--num-generations per prompt) is one optimizer step on both sides: lightalign gets
-`generation_batch_size=G` and `accumulate_grad_batches=A`; TRL gets `per_device_train_batch_size=G/A`,
-`gradient_accumulation_steps=A` and the default `steps_per_generation` (= A), hence `generation_batch_size=G`.
-`generate` with the KV cache (no vLLM), fp32, no gradient checkpointing, beta 0 (no reference model),
-loss_type dapo, constant learning rate, clip 1.0, torch AdamW, 2 threads, no eval, no checkpoints, no loggers.
+The `small` config (~30M params) is built once under a fixed seed and saved with the tokenizer to a temporary folder
+that both frameworks load. Prompts: examples/data/arithmetic_prompts.jsonl; reward: `digit_fraction_reward` (TRL's
+signature, used as is by both). One rollout of G = --generation-batch completions (--num-generations per prompt) is
+one optimizer step on both sides: lightalign gets `generation_batch_size=G`, `accumulate_grad_batches=A`; TRL gets
+`per_device_train_batch_size=G/A`, `gradient_accumulation_steps=A` and the default `steps_per_generation` (= A, so
+`generation_batch_size` = G). `generate` with the KV cache (no vLLM), fp32, no gradient checkpointing, beta 0 (no
+reference), dapo, constant learning rate, clip 1.0, torch AdamW, 2 threads, no eval, checkpoints or loggers.
 
-Each framework runs in its own process (peak RSS = ru_maxrss of that process), alternating, --repeats times (medians
-reported). A callback times optimizer steps --warmup+1 .. --warmup+--steps (Lightning `on_train_batch_end` when
-`global_step` changes, transformers `on_step_end`); completions/s = completions generated and trained in that window
-per second. Generation and reward time inside the window and the mean completion length (tokens, EOS included;
-completions stop early at EOS) are reported too. Two threads on two shared cores collapse when anything else runs,
-so each run first waits for a quiet machine, measures the CPU share other processes took during its window
-(/proc/stat), and is retried when that exceeds --max-contention (kept and marked after --retries).
-Results: a table on stdout and JSON in bench/results/grpo.json.
+Each framework runs in its own process (peak RSS = its ru_maxrss), alternating, --repeats times (medians reported).
+A callback times optimizer steps --warmup+1 .. --warmup+--steps; completions/s = completions generated and trained
+in that window per second. Also reported: generation and reward time shares and the mean completion length (tokens,
+EOS included: completions may stop early). Two threads on two shared cores collapse when anything else runs, so each
+run waits for a quiet machine, measures the CPU share other processes took during its window (/proc/stat) and is
+retried above --max-contention (kept and marked after --retries). Results: stdout and bench/results/grpo.json.
 """
 
 from __future__ import annotations
@@ -63,9 +60,8 @@ class Meter:
             self.end = time.perf_counter()
             self.cpu, self.busy = time.process_time() - self.cpu, machine_busy_seconds() - self.busy
 
-    def rollout(self, lengths, gen_seconds: float) -> None:
-        self.rollouts.append({"n": int(lengths.numel()), "tokens": int(lengths.sum()), "gen_s": gen_seconds,
-                              "reward_s": 0.0})
+    def rollout(self, lengths: list[int], gen_seconds: float) -> None:
+        self.rollouts.append({"n": len(lengths), "tokens": sum(lengths), "gen_s": gen_seconds, "reward_s": 0.0})
 
     def summary(self) -> dict:
         if self.end is None:
@@ -120,7 +116,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dic
             start = time.perf_counter()
             out = super().generate(batch, num_generations)
             if self.training:
-                meter.rollout(out["completion_mask"].sum(-1), time.perf_counter() - start)
+                meter.rollout(out["completion_mask"].sum(-1).tolist(), time.perf_counter() - start)
             return out
 
         def score(self, rollout, stats):
@@ -162,9 +158,8 @@ def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
         def _generate(self, prompts):  # tokenize + generate + decode, as lightalign's generate()
             start = time.perf_counter()
             out = super()._generate(prompts)
-            if self.model.training:
-                lengths = __import__("torch").tensor([len(ids) for ids in out[1]])
-                meter.rollout(lengths, time.perf_counter() - start)
+            if self.model.training:  # out[1]: completion ids, cut after EOS
+                meter.rollout([len(ids) for ids in out[1]], time.perf_counter() - start)
             return out
 
         def _calculate_rewards(self, *a, **kw):
@@ -213,7 +208,7 @@ def wait_for_quiet(max_share: float, timeout: float) -> float:
         busy, start = machine_busy_seconds(), time.time()
         time.sleep(5)
         share = (machine_busy_seconds() - busy) / ((time.time() - start) * (os.cpu_count() or 1))
-        if share <= max_share or time.time() > deadline:
+        if not share > max_share or time.time() > deadline:  # NaN (no /proc/stat): do not wait
             return share
 
 
@@ -250,13 +245,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-contention", type=float, default=0.05,
+    parser.add_argument("--max-contention", type=float, default=0.03,
                         help="a run during which other processes used more of the machine is retried")
     parser.add_argument("--retries", type=int, default=2)
-    parser.add_argument("--quiet-timeout", type=float, default=900, help="seconds to wait for a quiet machine")
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--framework", "--model-dir", "--workdir"):
+    for hidden in ("--framework", "--model-dir", "--workdir"):  # set by the parent for its subprocesses
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.data = str(Path(args.data).resolve())
@@ -300,17 +294,15 @@ def main() -> None:
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
             "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}",
         }
-        print("GRPO benchmark: lightalign GRPOModule vs TRL GRPOTrainer (one rollout = one optimizer step)")
-        for key, value in settings.items():
-            print(f"  {key}: {value}")
-        print(flush=True)
+        print("GRPO benchmark: lightalign GRPOModule vs TRL GRPOTrainer (one rollout = one optimizer step)\n"
+              + "".join(f"  {key}: {value}\n" for key, value in settings.items()), flush=True)
 
         runs = []
         for r in range(args.repeats):
             order = args.frameworks if r % 2 == 0 else args.frameworks[::-1]
             for framework in order:
                 for attempt in range(args.retries + 1):  # 2 shared cores: a busy machine skews everything
-                    quiet = wait_for_quiet(args.max_contention, args.quiet_timeout)
+                    quiet = wait_for_quiet(args.max_contention, timeout=900)
                     res = spawn(args, framework)
                     if res is None or res["others_cpu_share"] <= args.max_contention:
                         break
@@ -331,18 +323,14 @@ def main() -> None:
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
-    def med(framework: str, key: str):
-        values = [r[key] for r in runs if r["framework"] == framework]
-        return statistics.median(values) if values else None
-
     keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "reward_share",
             "others_cpu_share")
-    summary = {fw: {k: med(fw, k) for k in keys} for fw in args.frameworks}
+    summary = {fw: {k: statistics.median([r[k] for r in runs if r["framework"] == fw]) for k in keys}
+               for fw in args.frameworks if any(r["framework"] == fw for r in runs)}
     print("\n| framework | completions/s | mean completion length | peak RSS MB |\n|---|---|---|---|")
     for fw, row in summary.items():
-        if row["completions_per_sec"] is not None:
-            print(f"| {fw} | {row['completions_per_sec']:.2f} | {row['mean_completion_length']:.2f} "
-                  f"| {row['peak_rss_mb']:.0f} |")
+        print(f"| {fw} | {row['completions_per_sec']:.2f} | {row['mean_completion_length']:.2f} "
+              f"| {row['peak_rss_mb']:.0f} |")
     la, tr = (summary.get(fw, {}).get("completions_per_sec") for fw in FRAMEWORKS)
     ratio = la / tr if la and tr else None
     if ratio is not None:
