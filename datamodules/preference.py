@@ -10,7 +10,6 @@ from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.formats import (
-    PREFERENCE,
     DataFormatError,
     check_chat_template,
     detect_format,
@@ -251,7 +250,6 @@ class PreferenceDataModule(TokenizedDataModule):
                 f"(columns found: {sorted(cols)}, which look like {detected.replace('_', '-')} data). "
                 "Expected ['prompt', 'chosen', 'rejected'] (explicit prompt) or ['chosen', 'rejected'] (implicit)."
             )
-        assert detect_format(raw) == PREFERENCE
         implicit = "prompt" not in cols
         self.validate(raw, tokenizer, label, implicit)
         keep = [c for c in ("prompt", "chosen", "rejected") if c in cols]

@@ -1,5 +1,6 @@
-"""Direct preference optimisation: dpo_loss (pure tensors), the loss types and knobs of TRL's DPOTrainer, and
-``length_desensitized_logps`` (TRL's ``ld_alpha``, LD-DPO). DPOModule is added below."""
+"""Direct preference optimisation: ``dpo_loss`` (pure tensors; the loss types and knobs of TRL's DPOTrainer),
+``length_desensitized_logps`` (TRL's ``ld_alpha``, LD-DPO), and ``DPOModule``, which wires them to a policy and
+its reference."""
 
 from __future__ import annotations
 
