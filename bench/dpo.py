@@ -46,9 +46,9 @@ class Meter:
         self.loss = float("nan")
         self.threads = 0
 
-    def batch(self, input_ids, attention_mask, loss) -> None:
-        """Called once per micro-batch with its [2B, T] inputs (chosen rows, then rejected rows) and loss."""
-        self.batch_stats = (input_ids.shape[0] // 2, int(attention_mask.sum()), float(loss))
+    def batch(self, pairs: int, tokens: int, loss) -> None:
+        """Called once per micro-batch with its pair count, the non-padding tokens computed, and its loss."""
+        self.batch_stats = (pairs, tokens, float(loss))
 
     def step_end(self, step: int) -> None:
         """Called after optimizer step ``step`` (1-based) is done."""
@@ -86,7 +86,7 @@ def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, wor
 
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            meter.batch(batch["input_ids"], batch["attention_mask"], outputs["loss"])
+            meter.batch(pl_module.last_batch_samples, pl_module.last_batch_tokens, outputs["loss"])
             meter.step_end(trainer.global_step)
 
     class TimedDPOModule(DPOModule):
@@ -103,7 +103,7 @@ def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, wor
                             ref_log_probs_cache_dir=str(workdir / "ref_logps"))
     data = PreferenceDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length,
                                 max_prompt_length=None, truncation_mode="keep_start", batch_size=args.batch_size,
-                                num_workers=0, shuffle=False)
+                                num_workers=0, shuffle=False, prompt_sharing=args.prompt_sharing == "on")
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
                         accumulate_grad_batches=1, gradient_clip_val=args.max_grad_norm, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -134,7 +134,7 @@ def run_trl(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: P
         def compute_loss(self, model, inputs, *a, **kw):
             loss = super().compute_loss(model, inputs, *a, **kw)
             if model.training:
-                meter.batch(inputs["input_ids"], inputs["attention_mask"], loss.detach())
+                meter.batch(inputs["input_ids"].shape[0] // 2, int(inputs["attention_mask"].sum()), loss.detach())
             return loss
 
     config = DPOConfig(
@@ -189,7 +189,7 @@ def spawn(args: argparse.Namespace, framework: str, mode: str) -> dict | None:
            "--workdir", args.workdir, "--data", args.data, "--batch-size", str(args.batch_size), "--max-length",
            str(args.max_length), "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
            str(args.threads), "--lr", str(args.lr), "--beta", str(args.beta), "--max-grad-norm",
-           str(args.max_grad_norm), "--seed", str(args.seed)]
+           str(args.max_grad_norm), "--seed", str(args.seed), "--prompt-sharing", args.prompt_sharing]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads), TQDM_DISABLE="1",
                HF_HUB_OFFLINE="1", WANDB_DISABLED="true", PYTHONWARNINGS="ignore")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -215,6 +215,8 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--prompt-sharing", default="on", choices=("on", "off"),
+                        help="lightalign's shared-prompt pair layout (off: classic padded chosen/rejected rows)")
     parser.add_argument("--max-load", type=float, help="wait before each run until the 1-min load average is below")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--framework", "--mode", "--model-dir", "--workdir"):
@@ -243,7 +245,7 @@ def main() -> None:
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
             "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW (not fused), wd 0",
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
-            "loss_type": "sigmoid", "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
+            "loss_type": "sigmoid", "lightalign_prompt_sharing": args.prompt_sharing, "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
             "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}",
         }

@@ -9,6 +9,7 @@ import torch
 from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.pair_layout import SharedPromptCollator
 from lightalign.datamodules.formats import (
     DataFormatError,
     check_chat_template,
@@ -21,6 +22,9 @@ from lightalign.datamodules.formats import (
 
 TruncationMode = Literal["keep_start", "keep_end"]
 COMPLETIONS = ("chosen", "rejected")
+# Part of the datasets cache fingerprint of tokenized rows: bump it whenever tokenization changes its output, so
+# caches written by an older lightalign are not reused.
+TOKENIZATION_VERSION = 2
 
 
 def extract_prompt(chosen: Any, rejected: Any, row: int) -> tuple[Any, Any, Any]:
@@ -53,7 +57,11 @@ def extract_prompt(chosen: Any, rejected: Any, row: int) -> tuple[Any, Any, Any]
 
 
 def tokenize_preference_row(row: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
-    """Prompt and completions -> token ids (before truncation); EOS is appended to each completion, as TRL does."""
+    """Prompt and completions -> token ids (before truncation).
+
+    As TRL does, EOS ends each completion of standard (string) rows unless it is already there; conversational
+    completions end where the chat template closes the assistant turn.
+    """
     prompt = row["prompt"]
     out: dict[str, list[int]] = {}
     if is_conversation(prompt):
@@ -62,14 +70,12 @@ def tokenize_preference_row(row: dict[str, Any], tokenizer: Any) -> dict[str, li
             prompt_text, completion_text = render_prompt_completion(tokenizer, prompt, row[key])
             out[f"{key}_input_ids"] = tokenizer(completion_text, add_special_tokens=False)["input_ids"]
         out["prompt_input_ids"] = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    else:
-        out["prompt_input_ids"] = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        for key in COMPLETIONS:
-            out[f"{key}_input_ids"] = tokenizer(row[key], add_special_tokens=False)["input_ids"]
+        return out
+    out["prompt_input_ids"] = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     eos = tokenizer.eos_token_id
-    if eos is not None:
-        for key in COMPLETIONS:
-            out[f"{key}_input_ids"] = out[f"{key}_input_ids"] + [eos]
+    for key in COMPLETIONS:
+        ids = tokenizer(row[key], add_special_tokens=False)["input_ids"]
+        out[f"{key}_input_ids"] = ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
     return out
 
 
@@ -106,7 +112,7 @@ def truncate_pair(
 
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, implicit: bool,
                     max_length: int | None, max_prompt_length: int | None, max_completion_length: int | None,
-                    truncation_mode: str, split: str) -> dict[str, list]:
+                    truncation_mode: str, split: str, version: int = TOKENIZATION_VERSION) -> dict[str, list]:
     out: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": [], "split": [],
                             "index": []}
     for j, row_index in enumerate(indices):
@@ -181,6 +187,12 @@ class PreferenceDataModule(TokenizedDataModule):
         max_completion_length: each completion keeps its first ``max_completion_length`` tokens.
         truncation_mode: how prompt + completion is fitted to ``max_length``: ``keep_end`` (TRL's default)
             drops prompt tokens from the start first; ``keep_start`` cuts the completions' ends.
+        prompt_sharing: batch each pair as one ``[prompt, chosen, rejected]`` segment so the prompt is computed
+            once (``SharedPromptCollator``; same log-probs as the classic layout, fewer tokens, no padding but
+            each row's tail). Needs an attention implementation that takes a 4D mask (``sdpa``, ``eager``);
+            ``False`` gives the classic padded chosen-then-rejected rows (``PreferenceCollator``).
+        pack_length: with ``prompt_sharing``, pairs are packed into rows of this many tokens (a longer pair
+            gets a row of its own); attention cost per row grows with its square.
         **kwargs: the shared arguments of ``TokenizedDataModule`` (``val_path``, ``batch_size`` = pairs per
             micro-batch, ``collator``, ``shuffle``, ``seed``, …).
     """
@@ -194,6 +206,8 @@ class PreferenceDataModule(TokenizedDataModule):
         max_prompt_length: int | None = 512,
         max_completion_length: int | None = None,
         truncation_mode: TruncationMode = "keep_end",
+        prompt_sharing: bool = True,
+        pack_length: int = 512,
         **kwargs: Any,
     ) -> None:
         if truncation_mode not in ("keep_start", "keep_end"):
@@ -202,12 +216,17 @@ class PreferenceDataModule(TokenizedDataModule):
                            ("max_completion_length", max_completion_length)):
             if value is not None and value < 1:
                 raise ValueError(f"{key} must be >= 1 or null, got {value}.")
+        if pack_length < 1:
+            raise ValueError(f"pack_length must be >= 1, got {pack_length}.")
         super().__init__(path, tokenizer, **kwargs)
+        self.prompt_sharing, self.pack_length = prompt_sharing, pack_length
         self.max_length, self.max_prompt_length = max_length, max_prompt_length
         self.max_completion_length, self.truncation_mode = max_completion_length, truncation_mode
         self.reference_logps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def default_collator(self) -> Callable:
+        if self.prompt_sharing:
+            return SharedPromptCollator(self.tokenizer.pad_token_id, self.pack_length)
         return PreferenceCollator(self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------- reference log-probs
@@ -268,6 +287,7 @@ class PreferenceDataModule(TokenizedDataModule):
                 max_completion_length=self.max_completion_length,
                 truncation_mode=self.truncation_mode,
                 split=label,
+                version=TOKENIZATION_VERSION,
             ),
         )
 

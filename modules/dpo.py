@@ -1,20 +1,28 @@
-"""Direct preference optimisation: ``dpo_loss`` (pure tensors; the loss types and knobs of TRL's DPOTrainer),
-``length_desensitized_logps`` (TRL's ``ld_alpha``, LD-DPO), and ``DPOModule``, which wires them to a policy and
-its reference."""
+"""``DPOModule``: direct preference optimisation wired to a policy and its reference (the loss itself is the pure
+function ``dpo_loss`` in ``dpo_loss.py``).
+
+Two batch layouts arrive from ``PreferenceDataModule``: the shared-prompt layout (default; each pair is one
+``[prompt, chosen, rejected]`` segment, the prompt computed once, logits only where a completion token is
+predicted; see ``datamodules/pair_layout.py``) and the classic layout (chosen rows then rejected rows, padded).
+"""
 
 from __future__ import annotations
 
-import math
-import warnings
-from collections.abc import Sequence
+import inspect
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
-from lightalign.modules.logprobs import completion_logps
+from lightalign.modules.dpo_loss import (  # noqa: F401  (re-exported: the public names of the DPO loss)
+    LOSS_TYPES,
+    SMOOTHED_LOSS_TYPES,
+    dpo_loss,
+    length_desensitized_logps,
+    validate_loss_config,
+)
+from lightalign.modules.logprobs import completion_logps, selective_log_softmax
 from lightalign.modules.reference import (
     build_reference,
     cache_path,
@@ -23,207 +31,6 @@ from lightalign.modules.reference import (
     move_reference,
     save_cached,
 )
-
-LOSS_TYPES: tuple[str, ...] = (
-    "sigmoid", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "sppo_hard", "nca_pair",
-    "aot", "aot_pair", "apo_zero", "apo_down", "discopop", "sft",
-)
-# Loss types whose formula uses label_smoothing; the others ignore it (TRL warns, so do we).
-SMOOTHED_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
-
-
-def validate_loss_config(
-    loss_type: str | Sequence[str],
-    loss_weights: Sequence[float] | None,
-    beta: float,
-    label_smoothing: float,
-) -> list[str]:
-    """Check the DPO loss knobs and return the loss types as a list; raise ``ValueError`` saying what to fix."""
-    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
-    valid = ", ".join(repr(t) for t in LOSS_TYPES)
-    if not types:
-        raise ValueError(f"loss_type is empty; give one loss type or a list of them, from: {valid}.")
-    unknown = [t for t in types if t not in LOSS_TYPES]
-    if unknown:
-        raise ValueError(f"Unknown DPO loss_type {', '.join(map(repr, unknown))}; valid names are: {valid}.")
-    if loss_weights is not None and len(loss_weights) != len(types):
-        raise ValueError(
-            f"loss_weights has {len(loss_weights)} value(s) but loss_type names {len(types)} loss(es) {types}; "
-            "give one weight per loss type, or leave loss_weights unset for all 1.0."
-        )
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0 (typical values 0.1-0.5), got {beta}.")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must lie in [0.0, 0.5), got {label_smoothing}.")
-    if "exo_pair" in types and label_smoothing == 0.0:
-        raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper recommends 1e-3).")
-    ignoring = [t for t in types if t not in SMOOTHED_LOSS_TYPES]
-    if label_smoothing > 0 and ignoring:
-        warnings.warn(
-            f"label_smoothing={label_smoothing} is ignored by loss type(s) {ignoring}; it only affects "
-            f"{list(SMOOTHED_LOSS_TYPES)}.",
-            stacklevel=2,
-        )
-    return types
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64, else float32 (half precision and integers are upcast)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def length_desensitized_logps(
-    token_logps_chosen: torch.Tensor,
-    mask_chosen: torch.Tensor,
-    token_logps_rejected: torch.Tensor,
-    mask_rejected: torch.Tensor,
-    ld_alpha: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion log-probs with LD-DPO length desensitisation (TRL's ``ld_alpha``).
-
-    Inputs are per-token log-probs and 0/1 completion masks, ``[B, T]`` (chosen and rejected may have different
-    ``T``). For each pair, the shared length is ``min(len_chosen, len_rejected)``; a completion token counts fully
-    when it is among the first ``shared`` completion tokens of its row (by cumulative sum of the mask, so
-    completions may start at any offset) and is weighted by ``ld_alpha`` beyond that. ``ld_alpha=1`` gives plain
-    sums, ``ld_alpha=0`` keeps only the shared part. Log-probs under a zero mask are never read (they may be -inf).
-    TRL applies the same weighting to the reference model's log-probs; do that too by calling this on them.
-    """
-    if not 0.0 <= ld_alpha <= 1.0:
-        raise ValueError(f"ld_alpha must lie in [0.0, 1.0] (1.0 = plain sums), got {ld_alpha}.")
-    dtype = _compute_dtype(token_logps_chosen, token_logps_rejected)
-    mask_c, mask_r = mask_chosen.bool(), mask_rejected.bool()
-    shared = torch.minimum(mask_c.sum(-1), mask_r.sum(-1)).unsqueeze(-1)  # [B, 1]
-
-    def weighted_sum(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        position = mask.long().cumsum(-1)  # 1-based index among completion tokens
-        logps = logps.to(dtype)
-        zero = torch.zeros((), dtype=dtype, device=logps.device)
-        front = torch.where(mask & (position <= shared), logps, zero).sum(-1)
-        tail = torch.where(mask & (position > shared), logps, zero).sum(-1)
-        return front + ld_alpha * tail
-
-    return weighted_sum(token_logps_chosen, mask_c), weighted_sum(token_logps_rejected, mask_r)
-
-
-def _smoothed_sigmoid(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
-
-
-def dpo_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor | None,
-    ref_rejected_logps: torch.Tensor | None,
-    *,
-    beta: float = 0.1,
-    loss_type: str | Sequence[str] = "sigmoid",
-    loss_weights: Sequence[float] | None = None,
-    label_smoothing: float = 0.0,
-    reference_free: bool = False,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-    bco_delta: torch.Tensor | float = 0.0,
-    discopop_tau: float = 0.05,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-example DPO losses (TRL's loss types) from summed completion log-probs.
-
-    All log-prob tensors are ``[B]`` sums over completion tokens; ``ref_*`` may be ``None`` when
-    ``reference_free`` (reference log-probs are then 0). Several loss types may be combined: the result is
-    ``sum_k loss_weights[k] * loss_k`` (weights default to 1). Computation is in float32 (float64 if an input is
-    float64). Notes per type:
-
-    - ``ipo`` divides both log-ratios by the completion lengths (``chosen_lengths``/``rejected_lengths``,
-      clamped to >= 1), as TRL does; only the ipo term sees the normalised values.
-    - ``sft`` is TRL's mean token NLL over all chosen tokens of the batch: example ``i`` gets
-      ``-policy_chosen_logps[i] / mean(chosen_lengths)``, so ``losses.mean()`` equals
-      ``sum(NLL) / sum(chosen_lengths)`` exactly.
-    - ``bco_pair`` subtracts ``bco_delta``, a running mean of rewards that the caller keeps. To follow TRL's
-      original scheme, update the running mean with ``beta * cat([chosen - ref_chosen, rejected - ref_rejected])
-      .mean()`` of the current batch *before* calling, then pass it; ``0.0`` (default) matches current TRL,
-      which dropped the running mean.
-    - ``aot`` and ``aot_pair`` sort across the batch, so each example's loss depends on the others.
-    - ``label_smoothing`` (cDPO / robust DPO / EXO epsilon) affects sigmoid, robust, exo_pair, aot, aot_pair.
-
-    Returns ``(losses [B], chosen_rewards [B], rejected_rewards [B])``, rewards being
-    ``beta * (policy - reference)`` detached.
-    """
-    types = validate_loss_config(loss_type, loss_weights, beta, label_smoothing)
-    weights = [1.0] * len(types) if loss_weights is None else [float(w) for w in loss_weights]
-    if "discopop" in types and not discopop_tau > 0:
-        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}.")
-
-    if reference_free:
-        refs: tuple[torch.Tensor, ...] = ()
-    elif ref_chosen_logps is None or ref_rejected_logps is None:
-        raise ValueError("ref_chosen_logps and ref_rejected_logps are None: pass reference log-probs or set "
-                         "reference_free=True.")
-    else:
-        refs = (ref_chosen_logps, ref_rejected_logps)
-    dtype = _compute_dtype(policy_chosen_logps, policy_rejected_logps, *refs)
-    device = policy_chosen_logps.device
-    pc = policy_chosen_logps.to(dtype)
-    pr = policy_rejected_logps.to(device=device, dtype=dtype)
-    if pc.dim() != 1 or pr.shape != pc.shape or any(r.shape != pc.shape for r in refs):
-        raise ValueError("dpo_loss expects 1-D [batch] log-prob tensors of one shape; got "
-                         f"{[tuple(t.shape) for t in (policy_chosen_logps, policy_rejected_logps, *refs)]}.")
-    if reference_free:
-        rc = rr = torch.zeros_like(pc)
-    else:
-        rc, rr = (r.to(device=device, dtype=dtype) for r in refs)
-
-    def lengths(value: torch.Tensor | None, name: str, needed_by: str) -> torch.Tensor:
-        if value is None:
-            raise ValueError(f"loss_type {needed_by!r} needs {name} (completion token counts per example, [B]).")
-        return torch.as_tensor(value, device=device).to(dtype).clamp(min=1.0)
-
-    chosen_logratios, rejected_logratios = pc - rc, pr - rr
-    logits = beta * (chosen_logratios - rejected_logratios)
-    eps = label_smoothing
-    losses = torch.zeros_like(pc)
-    for name, weight in zip(types, weights):
-        if name == "sigmoid":
-            term = _smoothed_sigmoid(logits, eps)
-        elif name == "hinge":
-            term = torch.relu(1 - logits)
-        elif name == "ipo":
-            len_c = lengths(chosen_lengths, "chosen_lengths", "ipo")
-            len_r = lengths(rejected_lengths, "rejected_lengths", "ipo")
-            term = (chosen_logratios / len_c - rejected_logratios / len_r - 1 / (2 * beta)) ** 2
-        elif name == "robust":
-            term = (-(1 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
-        elif name == "exo_pair":
-            term = torch.sigmoid(logits) * (F.logsigmoid(logits) - math.log1p(-eps)) + torch.sigmoid(-logits) * (
-                F.logsigmoid(-logits) - math.log(eps)
-            )
-        elif name == "bco_pair":
-            delta = torch.as_tensor(bco_delta, device=device).to(dtype).detach()
-            term = -F.logsigmoid(beta * chosen_logratios - delta) - F.logsigmoid(-(beta * rejected_logratios - delta))
-        elif name == "sppo_hard":
-            term = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
-        elif name == "nca_pair":
-            chosen_r, rejected_r = beta * chosen_logratios, beta * rejected_logratios
-            term = -F.logsigmoid(chosen_r) - 0.5 * F.logsigmoid(-chosen_r) - 0.5 * F.logsigmoid(-rejected_r)
-        elif name == "aot":
-            delta = torch.sort(pc - pr).values - torch.sort(rc - rr).values
-            term = _smoothed_sigmoid(beta * delta, eps)
-        elif name == "aot_pair":
-            delta = torch.sort(chosen_logratios).values - torch.sort(rejected_logratios).values
-            term = _smoothed_sigmoid(beta * delta, eps)
-        elif name == "apo_zero":
-            term = (1 - torch.sigmoid(beta * chosen_logratios)) + torch.sigmoid(beta * rejected_logratios)
-        elif name == "apo_down":
-            term = torch.sigmoid(beta * chosen_logratios) + (1 - torch.sigmoid(logits))
-        elif name == "discopop":
-            mix = torch.sigmoid(logits / discopop_tau)
-            term = (1 - mix) * -F.logsigmoid(logits) + mix * torch.exp(-logits)
-        else:  # "sft"
-            term = -pc / lengths(chosen_lengths, "chosen_lengths", "sft").mean()
-        losses = losses + weight * term
-
-    chosen_rewards = (beta * chosen_logratios).detach()
-    rejected_rewards = (beta * rejected_logratios).detach()
-    return losses, chosen_rewards, rejected_rewards
-
 
 # ============================================================================================== DPOModule
 PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -331,7 +138,7 @@ class DPOModule(PolicyModule):
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         if self.hparams.reference_free:
-            zeros = batch["input_ids"].new_zeros(batch["input_ids"].shape[0] // 2, dtype=torch.float32)
+            zeros = torch.zeros(pair_count(batch), dtype=torch.float32, device=batch["input_ids"].device)
             return zeros, zeros
         self.reference_forward_calls += 1
         if self.ref_model is None:
@@ -343,9 +150,8 @@ class DPOModule(PolicyModule):
 
     # ------------------------------------------------------------------------------------- forward
     def _pair_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-        """One concatenated forward of the 2B sequences -> (chosen_logps [B], rejected_logps [B])."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        token_logps, mask = completion_logps(logits, batch["input_ids"], batch["completion_mask"])
+        """One forward over every pair of the batch -> (chosen_logps [B], rejected_logps [B])."""
+        token_logps, mask = completion_token_logps(model, batch)
         half = token_logps.shape[0] // 2
         if self.hparams.ld_alpha is not None:
             return length_desensitized_logps(token_logps[:half], mask[:half], token_logps[half:], mask[half:],
@@ -357,18 +163,17 @@ class DPOModule(PolicyModule):
         hp = self.hparams
         ref_chosen, ref_rejected = self.reference_logps(batch)
         policy_chosen, policy_rejected = self._pair_logps(self.model, batch)
-        lengths = batch["completion_mask"][:, 1:].sum(-1)
-        half = lengths.shape[0] // 2
+        chosen_lengths, rejected_lengths = completion_lengths(batch)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected,
             beta=hp.beta, loss_type=self.loss_types, loss_weights=hp.loss_weights,
             label_smoothing=hp.label_smoothing, reference_free=hp.reference_free,
-            chosen_lengths=lengths[:half], rejected_lengths=lengths[half:],
+            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
             bco_delta=self._bco_delta(policy_chosen, policy_rejected, ref_chosen, ref_rejected),
             discopop_tau=hp.discopop_tau,
         )
         loss = losses.mean()
-        n = float(half)
+        n = float(chosen_lengths.shape[0])
         values = {
             "loss": loss.detach(),
             "rewards/chosen": chosen_rewards.mean(),
@@ -413,6 +218,7 @@ class DPOModule(PolicyModule):
         self._move_reference()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.last_batch_tokens, self.last_batch_samples = real_token_count(batch), pair_count(batch)
         return self._step(batch, self.train_stats)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -474,3 +280,73 @@ class DPOModule(PolicyModule):
         if self.ref_model is not None:
             self.ref_model = None
             self._ref_released = True
+
+
+# ============================================================================================== batch layouts
+def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> bool:
+    return "target_logit_index" in batch
+
+
+def pair_count(batch: dict[str, torch.Tensor]) -> int:
+    if shared_prompt_layout(batch):
+        return int(batch["chosen_lengths"].shape[0])
+    return int(batch["input_ids"].shape[0]) // 2
+
+
+def real_token_count(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens the model computes that are not padding (the prompt counts once in the shared layout)."""
+    if shared_prompt_layout(batch):
+        return int((batch["role"] >= 0).sum())
+    return int(batch["attention_mask"].sum())
+
+
+def completion_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completion tokens of each chosen and each rejected sequence: ``([B], [B])``."""
+    if shared_prompt_layout(batch):
+        return batch["chosen_lengths"], batch["rejected_lengths"]
+    lengths = batch["completion_mask"][:, 1:].sum(-1)
+    half = lengths.shape[0] // 2
+    return lengths[:half], lengths[half:]
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    base = model.get_base_model() if is_peft_model(model) else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def completion_token_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token completion log-probs of the 2B sequences (chosen first): ``(logps [2B, L], mask [2B, L])``.
+
+    Shared-prompt layout: one forward with the 4D pair mask and restarting position ids; logits only at the
+    positions that predict a completion token (through ``logits_to_keep`` when the model takes it). Classic
+    layout: one forward over the padded chosen and rejected rows. Masked entries hold 0.
+    """
+    if not shared_prompt_layout(batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        return completion_logps(logits, batch["input_ids"], batch["completion_mask"])
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") or "sdpa"
+    mask = batch["attention_mask"]
+    if attn.startswith(("flash", "flex")) or attn not in ("sdpa", "eager"):
+        raise ValueError(
+            f"The shared-prompt pair layout needs a custom 4D attention mask, which attn_implementation='{attn}' "
+            "does not take. Set prompt_sharing=False on the PreferenceDataModule (classic padded pairs), or load "
+            "the model with attn_implementation='sdpa'."
+        )
+    if attn == "eager":  # eager attention adds the mask to the scores
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
+                  use_cache=False)
+    if _accepts_logits_to_keep(model):
+        logits = model(**inputs, logits_to_keep=batch["logits_mask"]).logits
+        if logits.dim() == 3:  # models that ignore a boolean mask return [R, T, V]
+            logits = logits[batch["logits_mask"]]
+    else:
+        logits = model(**inputs).logits[batch["logits_mask"]]
+    token_logps = selective_log_softmax(logits[batch["target_logit_index"]], batch["targets"])
+    sequences, offsets = batch["target_sequence"], batch["target_offset"]
+    n, width = 2 * pair_count(batch), int(offsets.max()) + 1
+    out = token_logps.new_zeros(n, width).index_put((sequences, offsets), token_logps)
+    seen = torch.zeros(n, width, dtype=torch.bool, device=out.device).index_put(
+        (sequences, offsets), torch.ones_like(sequences, dtype=torch.bool))
+    return out, seen

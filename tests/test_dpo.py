@@ -37,6 +37,15 @@ def test_explicit_prompt_rows_and_eos(tiny_dir, data_dir, tokenizer):
     assert row["rejected_input_ids"][-1] == tokenizer.eos_token_id
 
 
+def test_eos_appended_once_to_standard_completions(tokenizer):
+    from lightalign.datamodules.preference import tokenize_preference_row
+
+    eos = tokenizer.eos_token_id
+    ids = tokenize_preference_row({"prompt": "Q:", "chosen": " 1" + tokenizer.eos_token, "rejected": " 2"}, tokenizer)
+    assert ids["chosen_input_ids"].count(eos) == 1 and ids["chosen_input_ids"][-1] == eos
+    assert ids["rejected_input_ids"][-1] == eos and ids["rejected_input_ids"].count(eos) == 1
+
+
 def test_implicit_prompt_extraction():
     assert extract_prompt("Q: 1+1= 2", "Q: 1+1= 3", 0) == ("Q: 1+1=", " 2", " 3")
     conv_c = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
@@ -48,7 +57,8 @@ def test_conversational_preference_masks_prompt(tiny_dir, data_dir, tokenizer):
     dm = _data(data_dir / "chat_preference.jsonl", tiny_dir)
     row = dm.train_dataset[0]
     assert tokenizer.decode(row["prompt_input_ids"]).endswith("<|im_start|>assistant\n")
-    assert tokenizer.decode(row["chosen_input_ids"]).endswith("<|im_end|>\n<|endoftext|>")
+    # conversational completions end where the template closes the turn (no EOS appended, as in TRL)
+    assert tokenizer.decode(row["chosen_input_ids"]).endswith("<|im_end|>\n")
     batch = PreferenceCollator(tokenizer.pad_token_id)([row])
     n_prompt = len(row["prompt_input_ids"])
     assert batch["completion_mask"][0, :n_prompt].sum() == 0

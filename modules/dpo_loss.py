@@ -1,0 +1,212 @@
+"""The DPO loss as pure tensor functions: ``dpo_loss`` (the loss types and knobs of TRL's DPOTrainer),
+``length_desensitized_logps`` (TRL's ``ld_alpha``, LD-DPO) and ``validate_loss_config``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+LOSS_TYPES: tuple[str, ...] = (
+    "sigmoid", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "sppo_hard", "nca_pair",
+    "aot", "aot_pair", "apo_zero", "apo_down", "discopop", "sft",
+)
+# Loss types whose formula uses label_smoothing; the others ignore it (TRL warns, so do we).
+SMOOTHED_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
+
+
+def validate_loss_config(
+    loss_type: str | Sequence[str],
+    loss_weights: Sequence[float] | None,
+    beta: float,
+    label_smoothing: float,
+) -> list[str]:
+    """Check the DPO loss knobs and return the loss types as a list; raise ``ValueError`` saying what to fix."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    valid = ", ".join(repr(t) for t in LOSS_TYPES)
+    if not types:
+        raise ValueError(f"loss_type is empty; give one loss type or a list of them, from: {valid}.")
+    unknown = [t for t in types if t not in LOSS_TYPES]
+    if unknown:
+        raise ValueError(f"Unknown DPO loss_type {', '.join(map(repr, unknown))}; valid names are: {valid}.")
+    if loss_weights is not None and len(loss_weights) != len(types):
+        raise ValueError(
+            f"loss_weights has {len(loss_weights)} value(s) but loss_type names {len(types)} loss(es) {types}; "
+            "give one weight per loss type, or leave loss_weights unset for all 1.0."
+        )
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0 (typical values 0.1-0.5), got {beta}.")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must lie in [0.0, 0.5), got {label_smoothing}.")
+    if "exo_pair" in types and label_smoothing == 0.0:
+        raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper recommends 1e-3).")
+    ignoring = [t for t in types if t not in SMOOTHED_LOSS_TYPES]
+    if label_smoothing > 0 and ignoring:
+        warnings.warn(
+            f"label_smoothing={label_smoothing} is ignored by loss type(s) {ignoring}; it only affects "
+            f"{list(SMOOTHED_LOSS_TYPES)}.",
+            stacklevel=2,
+        )
+    return types
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half precision and integers are upcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def length_desensitized_logps(
+    token_logps_chosen: torch.Tensor,
+    mask_chosen: torch.Tensor,
+    token_logps_rejected: torch.Tensor,
+    mask_rejected: torch.Tensor,
+    ld_alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed completion log-probs with LD-DPO length desensitisation (TRL's ``ld_alpha``).
+
+    Inputs are per-token log-probs and 0/1 completion masks, ``[B, T]`` (chosen and rejected may have different
+    ``T``). For each pair, the shared length is ``min(len_chosen, len_rejected)``; a completion token counts fully
+    when it is among the first ``shared`` completion tokens of its row (by cumulative sum of the mask, so
+    completions may start at any offset) and is weighted by ``ld_alpha`` beyond that. ``ld_alpha=1`` gives plain
+    sums, ``ld_alpha=0`` keeps only the shared part. Log-probs under a zero mask are never read (they may be -inf).
+    TRL applies the same weighting to the reference model's log-probs; do that too by calling this on them.
+    """
+    if not 0.0 <= ld_alpha <= 1.0:
+        raise ValueError(f"ld_alpha must lie in [0.0, 1.0] (1.0 = plain sums), got {ld_alpha}.")
+    dtype = _compute_dtype(token_logps_chosen, token_logps_rejected)
+    mask_c, mask_r = mask_chosen.bool(), mask_rejected.bool()
+    shared = torch.minimum(mask_c.sum(-1), mask_r.sum(-1)).unsqueeze(-1)  # [B, 1]
+
+    def weighted_sum(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        position = mask.long().cumsum(-1)  # 1-based index among completion tokens
+        logps = logps.to(dtype)
+        zero = torch.zeros((), dtype=dtype, device=logps.device)
+        front = torch.where(mask & (position <= shared), logps, zero).sum(-1)
+        tail = torch.where(mask & (position > shared), logps, zero).sum(-1)
+        return front + ld_alpha * tail
+
+    return weighted_sum(token_logps_chosen, mask_c), weighted_sum(token_logps_rejected, mask_r)
+
+
+def _smoothed_sigmoid(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    *,
+    beta: float = 0.1,
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Sequence[float] | None = None,
+    label_smoothing: float = 0.0,
+    reference_free: bool = False,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    bco_delta: torch.Tensor | float = 0.0,
+    discopop_tau: float = 0.05,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-example DPO losses (TRL's loss types) from summed completion log-probs.
+
+    All log-prob tensors are ``[B]`` sums over completion tokens; ``ref_*`` may be ``None`` when
+    ``reference_free`` (reference log-probs are then 0). Several loss types may be combined: the result is
+    ``sum_k loss_weights[k] * loss_k`` (weights default to 1). Computation is in float32 (float64 if an input is
+    float64). Notes per type:
+
+    - ``ipo`` divides both log-ratios by the completion lengths (``chosen_lengths``/``rejected_lengths``,
+      clamped to >= 1), as TRL does; only the ipo term sees the normalised values.
+    - ``sft`` is TRL's mean token NLL over all chosen tokens of the batch: example ``i`` gets
+      ``-policy_chosen_logps[i] / mean(chosen_lengths)``, so ``losses.mean()`` equals
+      ``sum(NLL) / sum(chosen_lengths)`` exactly.
+    - ``bco_pair`` subtracts ``bco_delta``, a running mean of rewards that the caller keeps. To follow TRL's
+      original scheme, update the running mean with ``beta * cat([chosen - ref_chosen, rejected - ref_rejected])
+      .mean()`` of the current batch *before* calling, then pass it; ``0.0`` (default) matches current TRL,
+      which dropped the running mean.
+    - ``aot`` and ``aot_pair`` sort across the batch, so each example's loss depends on the others.
+    - ``label_smoothing`` (cDPO / robust DPO / EXO epsilon) affects sigmoid, robust, exo_pair, aot, aot_pair.
+
+    Returns ``(losses [B], chosen_rewards [B], rejected_rewards [B])``, rewards being
+    ``beta * (policy - reference)`` detached.
+    """
+    types = validate_loss_config(loss_type, loss_weights, beta, label_smoothing)
+    weights = [1.0] * len(types) if loss_weights is None else [float(w) for w in loss_weights]
+    if "discopop" in types and not discopop_tau > 0:
+        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}.")
+
+    if reference_free:
+        refs: tuple[torch.Tensor, ...] = ()
+    elif ref_chosen_logps is None or ref_rejected_logps is None:
+        raise ValueError("ref_chosen_logps and ref_rejected_logps are None: pass reference log-probs or set "
+                         "reference_free=True.")
+    else:
+        refs = (ref_chosen_logps, ref_rejected_logps)
+    dtype = _compute_dtype(policy_chosen_logps, policy_rejected_logps, *refs)
+    device = policy_chosen_logps.device
+    pc = policy_chosen_logps.to(dtype)
+    pr = policy_rejected_logps.to(device=device, dtype=dtype)
+    if pc.dim() != 1 or pr.shape != pc.shape or any(r.shape != pc.shape for r in refs):
+        raise ValueError("dpo_loss expects 1-D [batch] log-prob tensors of one shape; got "
+                         f"{[tuple(t.shape) for t in (policy_chosen_logps, policy_rejected_logps, *refs)]}.")
+    if reference_free:
+        rc = rr = torch.zeros_like(pc)
+    else:
+        rc, rr = (r.to(device=device, dtype=dtype) for r in refs)
+
+    def lengths(value: torch.Tensor | None, name: str, needed_by: str) -> torch.Tensor:
+        if value is None:
+            raise ValueError(f"loss_type {needed_by!r} needs {name} (completion token counts per example, [B]).")
+        return torch.as_tensor(value, device=device).to(dtype).clamp(min=1.0)
+
+    chosen_logratios, rejected_logratios = pc - rc, pr - rr
+    logits = beta * (chosen_logratios - rejected_logratios)
+    eps = label_smoothing
+    losses = torch.zeros_like(pc)
+    for name, weight in zip(types, weights):
+        if name == "sigmoid":
+            term = _smoothed_sigmoid(logits, eps)
+        elif name == "hinge":
+            term = torch.relu(1 - logits)
+        elif name == "ipo":
+            len_c = lengths(chosen_lengths, "chosen_lengths", "ipo")
+            len_r = lengths(rejected_lengths, "rejected_lengths", "ipo")
+            term = (chosen_logratios / len_c - rejected_logratios / len_r - 1 / (2 * beta)) ** 2
+        elif name == "robust":
+            term = (-(1 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
+        elif name == "exo_pair":
+            term = torch.sigmoid(logits) * (F.logsigmoid(logits) - math.log1p(-eps)) + torch.sigmoid(-logits) * (
+                F.logsigmoid(-logits) - math.log(eps)
+            )
+        elif name == "bco_pair":
+            delta = torch.as_tensor(bco_delta, device=device).to(dtype).detach()
+            term = -F.logsigmoid(beta * chosen_logratios - delta) - F.logsigmoid(-(beta * rejected_logratios - delta))
+        elif name == "sppo_hard":
+            term = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+        elif name == "nca_pair":
+            chosen_r, rejected_r = beta * chosen_logratios, beta * rejected_logratios
+            term = -F.logsigmoid(chosen_r) - 0.5 * F.logsigmoid(-chosen_r) - 0.5 * F.logsigmoid(-rejected_r)
+        elif name == "aot":
+            delta = torch.sort(pc - pr).values - torch.sort(rc - rr).values
+            term = _smoothed_sigmoid(beta * delta, eps)
+        elif name == "aot_pair":
+            delta = torch.sort(chosen_logratios).values - torch.sort(rejected_logratios).values
+            term = _smoothed_sigmoid(beta * delta, eps)
+        elif name == "apo_zero":
+            term = (1 - torch.sigmoid(beta * chosen_logratios)) + torch.sigmoid(beta * rejected_logratios)
+        elif name == "apo_down":
+            term = torch.sigmoid(beta * chosen_logratios) + (1 - torch.sigmoid(logits))
+        elif name == "discopop":
+            mix = torch.sigmoid(logits / discopop_tau)
+            term = (1 - mix) * -F.logsigmoid(logits) + mix * torch.exp(-logits)
+        else:  # "sft"
+            term = -pc / lengths(chosen_lengths, "chosen_lengths", "sft").mean()
+        losses = losses + weight * term
+
+    chosen_rewards = (beta * chosen_logratios).detach()
+    rejected_rewards = (beta * rejected_logratios).detach()
+    return losses, chosen_rewards, rejected_rewards
