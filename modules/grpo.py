@@ -17,6 +17,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
+from lightalign.modules.generation import generate_groups
 from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
 from lightalign.modules.logprobs import selective_log_softmax
 from lightalign.modules.reference import build_reference, move_reference
@@ -60,6 +61,9 @@ class GRPOModule(PolicyModule):
         mask_truncated_completions: completions that hit ``max_completion_length`` without EOS get no loss.
         ref_model_name_or_path, ref_model_init_kwargs: a separately loaded reference (when ``beta > 0``).
         log_entropy: log the mean token entropy of the policy on its completions.
+        share_prefill: compute each prompt's prefill once and copy its KV cache to the ``num_generations``
+            completions (same completions as plain ``generate``; turn off for models whose cache is not a
+            ``DynamicCache``).
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
@@ -90,6 +94,7 @@ class GRPOModule(PolicyModule):
         ref_model_name_or_path: str | None = None,
         ref_model_init_kwargs: dict[str, Any] | None = None,
         log_entropy: bool = True,
+        share_prefill: bool = True,
         **kwargs: Any,
     ) -> None:
         validate_grpo_loss_config(loss_type, epsilon, epsilon_high, beta, max_completion_length)
@@ -191,12 +196,12 @@ class GRPOModule(PolicyModule):
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self.model.generate(
-                input_ids=batch["prompt_input_ids"], attention_mask=batch["prompt_attention_mask"],
+            out = generate_groups(
+                self.model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations,
+                share_prefill=hp.share_prefill,
                 do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0, min_p=hp.min_p,
                 repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
-                num_return_sequences=num_generations, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
-                use_cache=True,
+                eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
             )
         finally:
             self.model.train(was_training)
