@@ -81,8 +81,8 @@ def test_completion_mask_ends_at_first_eos(tiny_dir, data_dir, grpo_module, prom
     digit = dm.tokenizer.convert_tokens_to_ids("7")
     fake = torch.tensor([[digit, eos, digit, digit], [digit, digit, digit, digit]])
 
-    def fake_generate(input_ids, **kw):
-        assert kw["num_return_sequences"] == 2 and kw["use_cache"] and not module.model.training
+    def fake_generate(input_ids, **kw):  # the shared prefill hands over the prompts already repeated
+        assert input_ids.shape[0] == 2 and kw["use_cache"] and not module.model.training
         return torch.cat([p.repeat(2, 1), fake], dim=1)
 
     module.model.generate = fake_generate
