@@ -7,8 +7,9 @@ datamodule calls ``resume(epoch, n)`` when it is restored from a checkpoint.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
+import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 
@@ -41,6 +42,38 @@ class EpochSampler(DistributedSampler):
             skip = self._resume[1]
         self._resume = None
         yield from self.order()[skip:]
+
+
+class LengthGroupedSampler(EpochSampler):
+    """``group_by_length``: rows of similar length batched together, so padded batches carry little padding.
+
+    Each epoch's seeded permutation is cut into mega-batches of ``mega_batch_mult x batch_size x replicas``
+    rows; each mega-batch is sorted by length, longest first, then dealt over the ranks like any
+    ``DistributedSampler`` order. The order stays a pure function of (seed, epoch), so resuming works as
+    for ``EpochSampler``; batches are still random across mega-batches.
+    """
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, mega_batch_mult: int = 50, **kwargs) -> None:
+        super().__init__(len(lengths), **kwargs)
+        self.lengths = list(lengths)
+        self.mega = max(1, mega_batch_mult * batch_size * self.num_replicas)
+
+    def order(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            perm = torch.randperm(self.num_rows, generator=g).tolist()
+        else:
+            perm = list(range(self.num_rows))
+        grouped = []
+        for start in range(0, len(perm), self.mega):
+            grouped += sorted(perm[start : start + self.mega], key=lambda i: -self.lengths[i])
+        if self.drop_last:
+            grouped = grouped[: self.total_size]
+        else:
+            while len(grouped) < self.total_size:  # pad by repeating the start, as DistributedSampler does
+                grouped += grouped[: self.total_size - len(grouped)]
+        return grouped[self.rank : self.total_size : self.num_replicas]
 
 
 class RepeatBatchSampler(Sampler[list[int]]):

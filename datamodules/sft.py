@@ -9,6 +9,7 @@ from typing import Any, Callable, Literal
 from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.samplers import EpochSampler, LengthGroupedSampler
 from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator, pack_best_fit
 from lightalign.datamodules.formats import (
     CONVERSATIONAL,
@@ -107,6 +108,8 @@ class SFTDataModule(TokenizedDataModule):
             chat template).
         packing: pack sequences into bins of ``max_length`` tokens (best-fit decreasing), padding-free.
         padding_free: concatenate each batch into one row without padding (implied by ``packing``).
+        group_by_length: batch rows of similar length together (``LengthGroupedSampler``: seeded mega-batches
+            of 50 batches sorted by length), which cuts the padding of padded batches; not with ``packing``.
         **kwargs: the shared arguments of ``TokenizedDataModule``: ``split``, ``name``, ``val_path``,
             ``val_split``, ``val_split_size``, ``test_path``, ``batch_size``, ``val_batch_size``,
             ``chat_template``, ``collator``, ``num_workers``, ``dataset_num_proc``, ``shuffle``, ``seed``.
@@ -124,12 +127,16 @@ class SFTDataModule(TokenizedDataModule):
         assistant_only_loss: bool = False,
         packing: bool = False,
         padding_free: bool = False,
+        group_by_length: bool = False,
         **kwargs: Any,
     ) -> None:
         if truncation_mode not in ("keep_start", "keep_end"):
             raise ValueError(f"truncation_mode='{truncation_mode}' is unknown; use keep_start or keep_end.")
         if packing and max_length is None:
             raise ValueError("packing needs max_length: it is the size of the packed bins.")
+        if packing and group_by_length:
+            raise ValueError("group_by_length sorts rows by length for padded batches; packed bins have no padding "
+                             "to save. Use one of packing / group_by_length.")
         if max_length is not None and max_length < 2:
             raise ValueError(f"max_length must be at least 2, got {max_length}.")
         super().__init__(path, tokenizer, **kwargs)
@@ -138,6 +145,7 @@ class SFTDataModule(TokenizedDataModule):
         self.completion_only_loss = True if completion_only_loss is None else completion_only_loss
         self.assistant_only_loss = assistant_only_loss
         self.packing, self.padding_free = packing, padding_free or packing
+        self.group_by_length = group_by_length
 
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
         """Validate, tokenize (cached by datasets), truncate, drop rows with no target left, pack."""
@@ -220,6 +228,14 @@ class SFTDataModule(TokenizedDataModule):
             rows["completion_mask"].append([t for i in members for t in masks[i]])
             rows["seq_lengths"].append([len(ids[i]) for i in members])
         return Dataset.from_dict(rows)
+
+    def make_epoch_sampler(self) -> EpochSampler:
+        if not self.group_by_length:
+            return super().make_epoch_sampler()
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        lengths = [len(ids) for ids in self.train_dataset["input_ids"]]
+        return LengthGroupedSampler(lengths, self.batch_size, shuffle=self.shuffle, seed=self.seed,
+                                    num_replicas=world, rank=rank)
 
     def default_collator(self) -> Callable:
         if self.padding_free:

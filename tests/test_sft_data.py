@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightalign import SFTDataModule
@@ -185,3 +186,45 @@ def test_user_collator_is_used(tiny_dir, data_dir):
     dm = _setup(str(data_dir / "arithmetic_sft.jsonl"), tiny_dir, collator=collator, batch_size=3)
     next(iter(dm.train_dataloader()))
     assert seen == [3]
+
+
+# ------------------------------------------------------------------------------------------ group_by_length
+def test_length_grouped_sampler_sorts_mega_batches_and_covers_every_row():
+    from lightalign.datamodules.samplers import EpochSampler, LengthGroupedSampler
+
+    lengths = [(i * 37) % 101 + 1 for i in range(64)]
+    sampler = LengthGroupedSampler(lengths, batch_size=4, mega_batch_mult=4, seed=1)  # mega-batch: 16 rows
+    order = sampler.order()
+    assert sorted(order) == list(range(64))
+    for start in range(0, 64, 16):
+        chunk = [lengths[i] for i in order[start:start + 16]]
+        assert chunk == sorted(chunk, reverse=True)
+    sampler.set_epoch(1)
+    assert sampler.order() != order  # reshuffled each epoch, deterministically
+    assert LengthGroupedSampler(lengths, 4, 4, seed=1).order() == order
+
+    def padding(idx):  # padded tokens of batches of 4 in this order
+        return sum(4 * max(lengths[i] for i in idx[s:s + 4]) - sum(lengths[i] for i in idx[s:s + 4])
+                   for s in range(0, 64, 4))
+
+    assert padding(order) < 0.5 * padding(EpochSampler(64, seed=1).order())
+    # 2 ranks: mega-batches of 32 rows, dealt alternately; each rank's 16 of a mega-batch are still sorted
+    ranks = [LengthGroupedSampler(lengths, 4, 4, seed=1, num_replicas=2, rank=r).order() for r in (0, 1)]
+    assert sorted(ranks[0] + ranks[1]) == list(range(64))
+    for share in (ranks[0][:16], ranks[1][16:]):
+        assert [lengths[i] for i in share] == sorted((lengths[i] for i in share), reverse=True)
+
+
+def test_group_by_length_datamodule_resumes_mid_epoch(tiny_dir, data_dir):
+    from lightalign import SFTDataModule
+
+    dm = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=4,
+                       group_by_length=True)
+    dm.setup("fit")
+    full = [b["input_ids"].tolist() for b in dm.train_dataloader()]
+    loader = dm.train_dataloader()
+    dm._train_sampler.resume(0, 3 * 4)  # as after a checkpoint taken at batch 3
+    assert [b["input_ids"].tolist() for b in loader] == full[3:]
+    with pytest.raises(ValueError, match="group_by_length"):
+        SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), packing=True,
+                      group_by_length=True)
