@@ -117,8 +117,19 @@ class DPOModule(PolicyModule):
         hp = self.hparams
         if self.ref_model is not None or hp.reference_free or getattr(self, "_ref_released", False):
             return
+        if self._policy_can_be_reference():
+            # The untrained policy *is* the reference of the one precompute pass: no copy in memory. (Not when
+            # resuming: the policy is then restored to trained weights before the pass.)
+            self._policy_is_reference = True
+            return
         with torch.inference_mode(False):
             self._build_reference()
+
+    def _policy_can_be_reference(self) -> bool:
+        hp = self.hparams
+        separate = hp.ref_model_name_or_path or hp.ref_model_init_kwargs or hp.num_shared_layers
+        fresh_fit = self._trainer is not None and self.trainer.ckpt_path is None
+        return bool(hp.precompute_ref_log_probs and not separate and fresh_fit and not is_peft_model(self.model))
 
     def _build_reference(self) -> None:
         hp = self.hparams
@@ -141,6 +152,8 @@ class DPOModule(PolicyModule):
             zeros = torch.zeros(pair_count(batch), dtype=torch.float32, device=batch["input_ids"].device)
             return zeros, zeros
         self.reference_forward_calls += 1
+        if self.ref_model is None and getattr(self, "_policy_is_reference", False):
+            return self._pair_logps(self.model, batch)
         if self.ref_model is None:
             if not is_peft_model(self.model):
                 raise RuntimeError("The reference model was released (precomputed log-probs) but this batch has none.")
@@ -245,6 +258,8 @@ class DPOModule(PolicyModule):
         extra = {"ld_alpha": hp.ld_alpha}
         if self.ref_model is not None:
             return model_fingerprint(self.ref_model, extra)
+        if getattr(self, "_policy_is_reference", False):
+            return model_fingerprint(self.model, extra)
         with self.model.disable_adapter():
             return model_fingerprint(self.model.get_base_model(), extra)
 
@@ -277,8 +292,9 @@ class DPOModule(PolicyModule):
                     save_cached(path, cached)
             datamodule.set_reference_logps(label, cached["chosen"], cached["rejected"])
         self.train(was_training)
-        if self.ref_model is not None:
+        if self.ref_model is not None or getattr(self, "_policy_is_reference", False):
             self.ref_model = None
+            self._policy_is_reference = False
             self._ref_released = True
 
 

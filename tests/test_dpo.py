@@ -144,7 +144,9 @@ def test_shared_layers_reference(tiny_dir, data_dir):
     assert not torch.equal(policy.model.layers[3].mlp.down_proj.weight, before["model.layers.3.mlp.down_proj.weight"])
 
 
-def test_precomputed_reference_equals_online_and_is_cached(tiny_dir, data_dir, tmp_path, tiny_model):
+def test_precomputed_reference_equals_online_and_is_cached(tiny_dir, data_dir, tmp_path, tiny_model, monkeypatch):
+    import lightalign.modules.dpo as dpo_module
+
     tiny_model.save_pretrained(tmp_path / "m")
     path = str(data_dir / "arithmetic_preference.jsonl")
     cache = str(tmp_path / "cache")
@@ -154,7 +156,9 @@ def test_precomputed_reference_equals_online_and_is_cached(tiny_dir, data_dir, t
 
     pre = module(precompute_ref_log_probs=True)
     data = PreferenceDataModule(path, tokenizer=str(tiny_dir), batch_size=4, val_split_size=0.02)
-    _trainer(max_steps=1, limit_val_batches=0).fit(pre, data)
+    with monkeypatch.context() as m:  # a fresh run's pass uses the untrained policy itself: no reference copy
+        m.setattr(dpo_module, "build_reference", lambda *a, **k: pytest.fail("a reference copy was built"))
+        _trainer(max_steps=1, limit_val_batches=0).fit(pre, data)
     assert pre.ref_model is None  # released after the pass
     assert set(data.reference_logps) == {"train", "validation"}
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 2
@@ -257,3 +261,18 @@ def test_eval_metric_receives_margins(tiny_dir, data_dir):
 
 
 # ------------------------------------------------------------------------------------------ bad input
+
+
+def test_policy_is_the_precompute_reference_only_on_a_fresh_fit(tiny_dir):
+    from types import SimpleNamespace
+
+    module = DPOModule(str(tiny_dir), from_config=True, precompute_ref_log_probs=True)
+    module.configure_model()  # no trainer: the classic frozen copy
+    assert module.ref_model is not None
+    module._trainer = SimpleNamespace(ckpt_path=None)
+    assert module._policy_can_be_reference()
+    module._trainer = SimpleNamespace(ckpt_path="last.ckpt")  # resuming: the policy holds trained weights
+    assert not module._policy_can_be_reference()
+    shared = DPOModule(str(tiny_dir), from_config=True, precompute_ref_log_probs=True, num_shared_layers=1)
+    shared._trainer = SimpleNamespace(ckpt_path=None)
+    assert not shared._policy_can_be_reference()
