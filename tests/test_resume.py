@@ -16,14 +16,17 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).resolve().parent / "resume_worker.py"
 
 
-def _run(out: Path, method: str, *extra: str, expect_kill: bool = False) -> None:
+def _start(out: Path, method: str, *extra: str) -> subprocess.Popen:
+    """The worker in its own session (a kill takes its whole process group), one thread each, so two runs
+    share the machine's cores side by side."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(WORKER), "--method", method, "--out", str(out), *extra],
-                          env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
-    if expect_kill:
-        assert proc.returncode == -9, proc.stderr[-3000:]
-    else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    return subprocess.Popen([sys.executable, str(WORKER), "--method", method, "--out", str(out), *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, expect_kill: bool = False) -> None:
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == (-9 if expect_kill else 0), stderr[-3000:]
 
 
 def _losses(out: Path, key: str = "train/loss") -> dict[int, float]:
@@ -44,12 +47,15 @@ def _losses(out: Path, key: str = "train/loss") -> dict[int, float]:
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, max_steps, every, kill_at, devices):
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--max-steps", str(max_steps), "--every", str(every), "--devices", str(devices)]
-    _run(a, method, *common)
-    _run(b, method, *common, "--kill-at", str(kill_at), expect_kill=True)
+    # the uninterrupted run and the run that gets killed are independent: run them side by side
+    uninterrupted = _start(a, method, *common)
+    killed = _start(b, method, *common, "--kill-at", str(kill_at))
+    _wait(killed, expect_kill=True)
+    _wait(uninterrupted)
     assert not (b / "final.pt").exists()
     resumed_from = (kill_at // every) * every
     assert (b / "ckpt" / "last.ckpt").exists()
-    _run(b, method, *common, "--resume")
+    _wait(_start(b, method, *common, "--resume"))
     final_a = torch.load(a / "final.pt", weights_only=True)
     final_b = torch.load(b / "final.pt", weights_only=True)
     assert final_a.keys() == final_b.keys()
