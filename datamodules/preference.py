@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
-from lightalign.datamodules.pair_layout import SharedPromptCollator
+from lightalign.datamodules.shared_prefix import SharedPromptCollator
 from lightalign.datamodules.formats import (
     DataFormatError,
     check_chat_template,

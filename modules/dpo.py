@@ -3,12 +3,11 @@ function ``dpo_loss`` in ``dpo_loss.py``).
 
 Two batch layouts arrive from ``PreferenceDataModule``: the shared-prompt layout (default; each pair is one
 ``[prompt, chosen, rejected]`` segment, the prompt computed once, logits only where a completion token is
-predicted; see ``datamodules/pair_layout.py``) and the classic layout (chosen rows then rejected rows, padded).
+predicted; see ``datamodules/shared_prefix.py``) and the classic layout (chosen rows then rejected rows, padded).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -22,7 +21,12 @@ from lightalign.modules.dpo_loss import (  # noqa: F401  (re-exported: the publi
     length_desensitized_logps,
     validate_loss_config,
 )
-from lightalign.modules.logprobs import completion_logps, selective_log_softmax
+from lightalign.modules.logprobs import (
+    completion_logps,
+    scatter_to_sequences,
+    selective_log_softmax,
+    shared_prefix_logits,
+)
 from lightalign.modules.reference import (
     build_reference,
     cache_path,
@@ -312,7 +316,7 @@ def pair_count(batch: dict[str, torch.Tensor]) -> int:
 def real_token_count(batch: dict[str, torch.Tensor]) -> int:
     """Tokens the model computes that are not padding (the prompt counts once in the shared layout)."""
     if shared_prompt_layout(batch):
-        return int((batch["role"] >= 0).sum())
+        return int((batch["branch"] >= 0).sum())
     return int(batch["attention_mask"].sum())
 
 
@@ -325,44 +329,14 @@ def completion_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     return lengths[:half], lengths[half:]
 
 
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    base = model.get_base_model() if is_peft_model(model) else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
-
-
 def completion_token_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token completion log-probs of the 2B sequences (chosen first): ``(logps [2B, L], mask [2B, L])``.
 
-    Shared-prompt layout: one forward with the 4D pair mask and restarting position ids; logits only at the
-    positions that predict a completion token (through ``logits_to_keep`` when the model takes it). Classic
-    layout: one forward over the padded chosen and rejected rows. Masked entries hold 0.
+    Shared-prefix layout: one forward, logits only where a completion token is predicted. Classic layout: one
+    forward over the padded chosen and rejected rows. Masked entries hold 0.
     """
     if not shared_prompt_layout(batch):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         return completion_logps(logits, batch["input_ids"], batch["completion_mask"])
-    attn = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") or "sdpa"
-    mask = batch["attention_mask"]
-    if attn.startswith(("flash", "flex")) or attn not in ("sdpa", "eager"):
-        raise ValueError(
-            f"The shared-prompt pair layout needs a custom 4D attention mask, which attn_implementation='{attn}' "
-            "does not take. Set prompt_sharing=False on the PreferenceDataModule (classic padded pairs), or load "
-            "the model with attn_implementation='sdpa'."
-        )
-    if attn == "eager":  # eager attention adds the mask to the scores
-        dtype = next(model.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    inputs = dict(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
-                  use_cache=False)
-    if _accepts_logits_to_keep(model):
-        logits = model(**inputs, logits_to_keep=batch["logits_mask"]).logits
-        if logits.dim() == 3:  # models that ignore a boolean mask return [R, T, V]
-            logits = logits[batch["logits_mask"]]
-    else:
-        logits = model(**inputs).logits[batch["logits_mask"]]
-    token_logps = selective_log_softmax(logits[batch["target_logit_index"]], batch["targets"])
-    sequences, offsets = batch["target_sequence"], batch["target_offset"]
-    n, width = 2 * pair_count(batch), int(offsets.max()) + 1
-    out = token_logps.new_zeros(n, width).index_put((sequences, offsets), token_logps)
-    seen = torch.zeros(n, width, dtype=torch.bool, device=out.device).index_put(
-        (sequences, offsets), torch.ones_like(sequences, dtype=torch.bool))
-    return out, seen
+    token_logps = selective_log_softmax(shared_prefix_logits(model, batch), batch["targets"])
+    return scatter_to_sequences(token_logps, batch, 2 * pair_count(batch))

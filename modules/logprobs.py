@@ -6,6 +6,8 @@ chunk by row chunk, so at most ``chunk_rows x vocab`` float32 values exist at a 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -41,3 +43,46 @@ def sequence_logps(
     """Summed completion log-prob of each sequence and its completion length: ``(logps [N], lengths [N])``."""
     token_logps, mask = completion_logps(logits, input_ids, completion_mask)
     return token_logps.sum(-1), mask.sum(-1)
+
+
+# ---------------------------------------------------------------------------------- shared-prefix layout
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One forward of a shared-prefix batch (``datamodules/shared_prefix.py``) -> ``[targets, V]`` logits, the
+    row ``j`` predicting ``batch["targets"][j]``. Logits are computed only at ``logits_mask`` positions when the
+    model takes ``logits_to_keep``."""
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    if attn not in ("sdpa", "eager"):
+        raise ValueError(
+            f"The shared-prefix layout needs a custom 4D attention mask, which attn_implementation='{attn}' does "
+            "not take. Set prompt_sharing=False (PreferenceDataModule / GRPOModule) for the classic padded "
+            "layout, or load the model with attn_implementation='sdpa'."
+        )
+    mask = batch["attention_mask"]
+    if attn == "eager":  # eager attention adds the mask to the scores
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
+                  use_cache=False)
+    if _accepts_logits_to_keep(model):
+        logits = model(**inputs, logits_to_keep=batch["logits_mask"]).logits
+        if logits.dim() == 3:  # a model that ignores a boolean mask returns [R, T, V]
+            logits = logits[batch["logits_mask"]]
+    else:
+        logits = model(**inputs).logits[batch["logits_mask"]]
+    return logits[batch["target_logit_index"]]
+
+
+def scatter_to_sequences(values: torch.Tensor, batch: dict[str, torch.Tensor], num_sequences: int,
+                         width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-target values of a shared-prefix batch -> ``([num_sequences, width], mask)`` by (sequence, offset)."""
+    sequences, offsets = batch["target_sequence"], batch["target_offset"]
+    width = int(offsets.max()) + 1 if width is None else width
+    out = values.new_zeros(num_sequences, width).index_put((sequences, offsets), values)
+    seen = torch.zeros(num_sequences, width, dtype=torch.bool, device=values.device).index_put(
+        (sequences, offsets), torch.ones_like(sequences, dtype=torch.bool))
+    return out, seen

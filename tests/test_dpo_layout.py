@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightalign import DPOModule, PreferenceDataModule
-from lightalign.datamodules.pair_layout import CHOSEN, PAD, PROMPT, REJECTED, SharedPromptCollator, pack_first_fit
+from lightalign.datamodules.shared_prefix import CHOSEN, PAD, PROMPT, REJECTED, SharedPromptCollator, pack_first_fit
 from lightalign.datamodules.preference import PreferenceCollator
 from lightalign.modules.dpo import completion_token_logps
 
@@ -31,7 +31,7 @@ def test_layout_positions_roles_and_mask():
     batch = SharedPromptCollator(pad_token_id=0, pack_length=1)(ROWS[:1])
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4, 5]]  # rejected restarts after the prompt
-    assert batch["role"].tolist() == [[PROMPT] * 3 + [CHOSEN] * 2 + [REJECTED] * 3]
+    assert batch["branch"].tolist() == [[PROMPT] * 3 + [CHOSEN] * 2 + [REJECTED] * 3]
     mask = batch["attention_mask"][0, 0]
     chosen, rejected = [3, 4], [5, 6, 7]
     assert not mask[rejected][:, chosen].any()  # rejected never sees chosen
@@ -51,7 +51,7 @@ def test_packing_keeps_segments_apart_and_pads_only_row_tails():
     lengths = [8, 6, 8]
     assert pack_first_fit(lengths, 16) == [[0, 2], [1]]
     assert batch["input_ids"].shape == (2, 16)
-    assert int((batch["role"] == PAD).sum()) == 2 * 16 - sum(lengths)
+    assert int((batch["branch"] == PAD).sum()) == 2 * 16 - sum(lengths)
     mask = batch["attention_mask"][0, 0]
     first, second = slice(0, 8), slice(8, 16)  # pair 0 then pair 2 in row 0
     assert not mask[second, first].any()
@@ -74,7 +74,7 @@ def test_shared_logps_equal_classic(tiny_dir, data_dir, attn, pack_length):
     # the same per-token values, in completion order
     torch.testing.assert_close(shared[shared_mask], classic[classic_mask], atol=1e-5, rtol=0)
     tokens_classic = int(PreferenceCollator(0)(rows)["attention_mask"].sum())
-    tokens_shared = int((SharedPromptCollator(0, pack_length)(rows)["role"] >= 0).sum())
+    tokens_shared = int((SharedPromptCollator(0, pack_length)(rows)["branch"] >= 0).sum())
     prompt_tokens = sum(len(r["prompt_input_ids"]) for r in rows)
     assert tokens_classic - tokens_shared == prompt_tokens  # each prompt computed once instead of twice
 
