@@ -221,11 +221,16 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     summary = []
+    measured = [r for r in runs if "unavailable" not in r]
     for variant in args.variants:
         row = {"variant": variant}
         for fw in args.frameworks:
             for key in ("tokens_per_sec", "model_flops_per_sec", "peak_rss_mb"):
-                row[f"{fw}_{key}"] = harness.median_of(runs, key, framework=fw, variant=variant)
+                row[f"{fw}_{key}"] = harness.median_of(measured, key, framework=fw, variant=variant)
+            missing = [r["unavailable"] for r in runs if r["framework"] == fw and r["variant"] == variant
+                       and "unavailable" in r]
+            if missing:
+                row[f"{fw}_unavailable"] = missing[0]
         row["ratio"] = harness.ratio(row.get("lightalign_tokens_per_sec"), row.get("trl_tokens_per_sec"))
         summary.append(row)
     return {"settings": settings, "runs": runs, "summary": summary, "n_params": args.n_params}

@@ -59,8 +59,8 @@ def rows_of(bench: str, result: dict, model: str, shape: str, peak: float) -> li
     """One uniform row per variant: figure of each side, ratio, MFU, peak RSS."""
     out = []
 
-    def row(variant, unit, la, tr, la_flops, tr_flops, la_rss, tr_rss):
-        out.append({"benchmark": bench, "model": model, "shape": shape, "variant": variant, "unit": unit,
+    def row(variant, unit, la, tr, la_flops, tr_flops, la_rss, tr_rss, note=None):
+        out.append({"benchmark": bench, "model": model, "shape": shape, "variant": variant, "unit": unit, "note": note,
                     "lightalign": la, "trl": tr, "ratio": harness.ratio(la, tr),
                     "lightalign_mfu": harness.mfu(la_flops, peak), "trl_mfu": harness.mfu(tr_flops, peak),
                     "lightalign_peak_rss_mb": la_rss, "trl_peak_rss_mb": tr_rss})
@@ -69,7 +69,8 @@ def rows_of(bench: str, result: dict, model: str, shape: str, peak: float) -> li
         for r in result["summary"]:
             row(r["variant"], "tokens/s", r.get("lightalign_tokens_per_sec"), r.get("trl_tokens_per_sec"),
                 r.get("lightalign_model_flops_per_sec"), r.get("trl_model_flops_per_sec"),
-                r.get("lightalign_peak_rss_mb"), r.get("trl_peak_rss_mb"))
+                r.get("lightalign_peak_rss_mb"), r.get("trl_peak_rss_mb"),
+                r.get("lightalign_unavailable") or r.get("trl_unavailable"))
     elif bench == "dpo":
         for r in result["summary"]:
             row(f"{r['mode']} ref, prompt_sharing {r['prompt_sharing']}", "pairs/s", r["lightalign_pairs_per_sec"],
@@ -109,7 +110,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['benchmark']} | {r['model']} | {r['shape']} | {r['variant']} | {r['unit']} "
               f"| {f(r['lightalign'], '.2f')} | {f(r['trl'], '.2f')} | {f(r['ratio'], '.2f')}x "
               f"| {pct(r['lightalign_mfu'])} | {pct(r['trl_mfu'])} | {f(r['lightalign_peak_rss_mb'], '.0f')} "
-              f"| {f(r['trl_peak_rss_mb'], '.0f')} |")
+              f"| {f(r['trl_peak_rss_mb'], '.0f')} |" + (f" n/a: {r['note']}" if r.get("note") else ""))
 
 
 def plot(payload: dict, out: Path) -> Path | None:
