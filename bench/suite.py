@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-contention", type=float, default=0.05,
                    help="wait before each run until other processes use less of the machine (--quick: no wait)")
     p.add_argument("--matmul-n", type=int, default=4096, help="size of the square fp32 matmul of the peak")
+    p.add_argument("--out", default="suite.json", help="file name under bench/results/ (the chart: same, .png)")
     p.add_argument("--plot-only", metavar="JSON", help="only redraw the chart of a suite.json")
     return p
 
@@ -205,7 +206,7 @@ def main() -> None:
         print("  (--quick: tiny settings on a possibly busy machine; these figures say nothing about performance)")
     payload = {"settings": settings, "matmul_peak_gflops": peak / 1e9, "threads": args.threads, "rows": rows,
                "targets": checks, "details": details, "wall_seconds": time.time() - started}
-    out = harness.write_json("suite.json", payload)
+    out = harness.write_json(args.out, payload)
     print(f"\nwrote {out.relative_to(harness.ROOT)}")
     png = plot(payload, out.with_suffix(".png"))
     if png:
