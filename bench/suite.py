@@ -108,7 +108,7 @@ def print_table(rows: list[dict]) -> None:
           "| peak RSS MB lightalign | peak RSS MB TRL |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['benchmark']} | {r['model']} | {r['shape']} | {r['variant']} | {r['unit']} "
-              f"| {f(r['lightalign'], '.2f')} | {f(r['trl'], '.2f')} | {f(r['ratio'], '.2f')}x "
+              f"| {f(r['lightalign'], '.2f')} | {f(r['trl'], '.2f')} | {f(r['ratio'], '.2f')}{'x' if r['ratio'] else ''} "
               f"| {pct(r['lightalign_mfu'])} | {pct(r['trl_mfu'])} | {f(r['lightalign_peak_rss_mb'], '.0f')} "
               f"| {f(r['trl_peak_rss_mb'], '.0f')} |" + (f" n/a: {r['note']}" if r.get("note") else ""))
 
@@ -139,7 +139,7 @@ def plot(payload: dict, out: Path) -> Path | None:
     ax.invert_yaxis()
     ax.set_xlabel("lightalign / TRL throughput (dotted: issue #8 target)")
     ax.set_title(f"lightalign vs TRL, matmul peak {payload['matmul_peak_gflops']:.0f} GFLOP/s, "
-                 f"{payload['threads']} threads")
+                 f"threads {payload['threads']}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
