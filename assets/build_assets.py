@@ -67,6 +67,9 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # ~30M params (tied embeddings)
     "small": ("qwen2", dict(hidden_size=512, intermediate_size=1920, num_hidden_layers=8,
                             num_attention_heads=8, num_key_value_heads=4)),
+    # ~96M params (tied embeddings): the wider model of the benchmark suite (bench/suite.py)
+    "medium": ("qwen2", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                             num_attention_heads=16, num_key_value_heads=8)),
 }
 
 

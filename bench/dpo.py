@@ -5,6 +5,7 @@ Run by hand from the repository root, in a separate venv so TRL never enters the
     python3 -m venv /work/benchvenv && /work/benchvenv/bin/pip install torch==2.13.0
     /work/benchvenv/bin/pip install -e '.[bench]'
     /work/benchvenv/bin/python bench/dpo.py [--data examples/data/arithmetic_preference.jsonl] [--repeats 3]
+    /work/benchvenv/bin/python bench/dpo.py --shape longtail --prompt-sharing on off   # generated data
 
 The `small` config (~30M params) is built once under a fixed seed and saved to a temporary folder; both frameworks
 load that folder (same weights). Two modes: `online` (a frozen reference model forwards every batch) and
@@ -12,7 +13,9 @@ load that folder (same weights). Two modes: `online` (a frozen reference model f
 (framework, mode) runs in its own process (peak RSS = ru_maxrss of that process), frameworks alternating; pairs/s
 counts the pairs of the --steps optimizer steps after --warmup steps, timed from step end to step end by a callback
 (Lightning `on_train_batch_end`, transformers `on_step_end`). Each process gets fresh dataset and log-prob caches.
-Results: a table on stdout and JSON in bench/results/dpo.json (medians over --repeats).
+Results: a table on stdout and JSON in bench/results/dpo.json (medians over --repeats). MFU: the model FLOPs of
+the timed window's pairs (bench/harness.py's formula; see `window_flops`) per second; bench/suite.py divides it by
+the measured matmul peak.
 """
 
 from __future__ import annotations
@@ -20,17 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-FRAMEWORKS = ("lightalign", "trl")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import data as bench_data  # noqa: E402
+import harness  # noqa: E402
+
+ROOT, FRAMEWORKS = harness.ROOT, harness.FRAMEWORKS
 MODES = ("online", "precomputed")
 
 
@@ -65,18 +69,6 @@ class Meter:
             if step == self.last:
                 self.end = now
                 self.threads = torch.get_num_threads()
-
-
-def build_model(model_config_dir: str, out_dir: Path, seed: int) -> int:
-    """Random weights from the config under a fixed seed, saved with the tokenizer files; returns the param count."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    shutil.copytree(model_config_dir, out_dir)  # tokenizer + chat template + config
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config_dir), dtype=torch.float32)
-    model.save_pretrained(out_dir)
-    return sum(p.numel() for p in model.parameters())
 
 
 def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: Path) -> dict:
@@ -170,40 +162,43 @@ def run_one(args: argparse.Namespace) -> dict:
     return {"framework": args.framework, "mode": args.mode, "pairs_per_sec": meter.pairs / seconds,
             "tokens_per_sec": meter.tokens / seconds, "seconds": seconds, "pairs": meter.pairs,
             "tokens": meter.tokens, "last_loss": meter.loss, "threads": meter.threads,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": harness.peak_rss_mb(),
             "median_step_seconds": statistics.median(meter.step_seconds), "step_seconds": meter.step_seconds,
             "load_avg_1min": os.getloadavg()[0], **extra}
 
 
-def wait_for_idle(max_load: float | None, timeout: float = 900.0) -> None:
-    """On a shared machine: wait (up to ``timeout`` s) until the 1-minute load average drops below ``max_load``."""
-    deadline = time.monotonic() + timeout
-    while max_load is not None and os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
-        time.sleep(10)
+def window_flops(args: argparse.Namespace, online: bool) -> float:
+    """Model FLOPs of the timed window (rows warmup*B .. (warmup+steps)*B in file order, as both sides read them):
+    policy forward + backward of prompt+chosen and prompt+rejected (truncated to max_length), plus a reference
+    forward when the reference runs online. The same figure for both frameworks: the work the method needs."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    rows = [json.loads(line) for line in open(args.data) if line.strip()]
+    rows = rows[args.warmup * args.batch_size:(args.warmup + args.steps) * args.batch_size]
+
+    def length(prompt, completion) -> int:
+        if isinstance(prompt, list):  # conversational
+            n = len(tok.apply_chat_template(prompt + completion, tokenize=True, return_dict=True)["input_ids"])
+        else:
+            n = len(tok(prompt + completion, add_special_tokens=False)["input_ids"])
+        return min(n, args.max_length) if args.max_length else n
+
+    lengths = [length(r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected")]
+    shape = harness.model_shape(args.model_dir)
+    flops = harness.train_flops(args.n_params, shape["layers"], shape["hidden"], lengths)
+    if online:
+        flops += harness.forward_flops(args.n_params, shape["layers"], shape["hidden"], lengths)
+    return flops
 
 
-def spawn(args: argparse.Namespace, framework: str, mode: str) -> dict | None:
-    wait_for_idle(args.max_load)
-    load_before = os.getloadavg()[0]
-    cmd = [sys.executable, __file__, "--one", "--framework", framework, "--mode", mode, "--model-dir", args.model_dir,
-           "--workdir", args.workdir, "--data", args.data, "--batch-size", str(args.batch_size), "--max-length",
-           str(args.max_length), "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
-           str(args.threads), "--lr", str(args.lr), "--beta", str(args.beta), "--max-grad-norm",
-           str(args.max_grad_norm), "--seed", str(args.seed), "--prompt-sharing", args.prompt_sharing]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads), TQDM_DISABLE="1",
-               HF_HUB_OFFLINE="1", WANDB_DISABLED="true", PYTHONWARNINGS="ignore")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        print(f"{framework}/{mode}: failed (exit {out.returncode})\n{out.stderr[-3000:]}", flush=True)
-        return None
-    return {**json.loads(line[len("RESULT "):]), "load_avg_before": load_before}
-
-
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "assets" / "models" / "small"), help="config + tokenizer folder")
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "chat_preference.jsonl"))
+    parser.add_argument("--shape", choices=bench_data.SHAPES, help="generate preference data of this length shape "
+                        "(bench/data.py) instead of --data")
+    parser.add_argument("--mean-length", type=int, default=64, help="mean words per generated pair side")
     parser.add_argument("--batch-size", type=int, default=8, help="pairs per step (per device, no accumulation)")
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--steps", type=int, default=15)
@@ -215,87 +210,108 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--prompt-sharing", default="on", choices=("on", "off"),
-                        help="lightalign's shared-prompt pair layout (off: classic padded chosen/rejected rows)")
+    parser.add_argument("--prompt-sharing", nargs="+", default=["on"], choices=("on", "off"),
+                        help="lightalign's shared-prompt pair layout (off: classic padded chosen/rejected rows); "
+                             "`on off` runs lightalign both ways against the same TRL runs")
+    parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    parser.add_argument("--max-contention", type=float,
+                        help="wait before each run until other processes use less than this share of the machine")
     parser.add_argument("--max-load", type=float, help="wait before each run until the 1-min load average is below")
+    parser.add_argument("--out", default="dpo.json", help="file name under bench/results/")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--framework", "--mode", "--model-dir", "--workdir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.data = str(Path(args.data).resolve())
+    return parser
 
-    if args.one:
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
-        return
 
-    import torch
-    import transformers
-    import trl
-
+def run(args: argparse.Namespace) -> dict:
+    """Build the model (and data), run every (mode, framework[, prompt sharing]) --repeats times; return the result."""
     args.workdir = tempfile.mkdtemp(prefix="bench-dpo-")
     try:
         args.model_dir = str(Path(args.workdir) / "model")
-        n_params = build_model(args.model, Path(args.model_dir), args.seed)
+        args.n_params = n_params = harness.build_model(args.model, Path(args.model_dir), args.seed)
+        if args.shape:
+            n = max(64, 2 * (args.warmup + args.steps) * args.batch_size)
+            args.data = str(bench_data.write(Path(args.workdir) / "pref.jsonl", "preference", args.shape, n,
+                                             args.mean_length, args.seed))
         rows = sum(1 for line in open(args.data) if line.strip())
         if (args.warmup + args.steps) * args.batch_size > rows:
-            parser.error(f"{args.data} has {rows} rows: fewer than (warmup + steps) x batch-size; lower --steps.")
+            raise SystemExit(f"{args.data} has {rows} rows: fewer than (warmup + steps) x batch-size; lower --steps.")
         settings = {
             "model": f"{Path(args.model).name}: {n_params / 1e6:.1f}M params, seed {args.seed}, saved once, both load",
-            "data": Path(args.data).name, "batch_pairs": args.batch_size, "grad_accum": 1,
+            "data": f"generated preference, shape {args.shape}, mean {args.mean_length} words per side"
+            if args.shape else Path(args.data).name, "batch_pairs": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
             "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW (not fused), wd 0",
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
-            "loss_type": "sigmoid", "lightalign_prompt_sharing": args.prompt_sharing, "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
+            "loss_type": "sigmoid", "lightalign_prompt_sharing": " / ".join(args.prompt_sharing),
+            "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
-            "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}",
+            "versions": harness.versions(),
         }
-        print("DPO benchmark: lightalign DPOModule vs TRL DPOTrainer")
-        for key, value in settings.items():
-            print(f"  {key}: {value}")
-        print("  (TRL 1.x has no max_prompt_length, so lightalign gets None too. No eval, checkpoints or loggers.)\n"
-              "  load = 1-min load average before -> after the run: above ~0.5 another process shares the 2 cores.\n",
+        harness.print_settings("DPO benchmark: lightalign DPOModule vs TRL DPOTrainer", settings)
+        print("  (TRL 1.x has no max_prompt_length, so lightalign gets None too. No eval, checkpoints or loggers.)\n",
               flush=True)
-
+        flops = {mode: window_flops(args, mode == "online") for mode in args.modes}
         runs = []
         for r in range(args.repeats):
             for mode in args.modes:
-                for framework in FRAMEWORKS if r % 2 == 0 else FRAMEWORKS[::-1]:
-                    res = spawn(args, framework, mode)
+                jobs = [(fw, ps) for fw in harness.alternate(args.frameworks, r)
+                        for ps in (args.prompt_sharing if fw == "lightalign" else [None])]
+                for framework, sharing in jobs:
+                    harness.wait_for_load(args.max_load)
+                    harness.wait_for_quiet(args.max_contention)
+                    load_before = os.getloadavg()[0]
+                    argv = ["--framework", framework, "--mode", mode, "--model-dir", args.model_dir, "--workdir",
+                            args.workdir, "--data", args.data, "--batch-size", args.batch_size, "--max-length",
+                            args.max_length, "--steps", args.steps, "--warmup", args.warmup, "--threads",
+                            args.threads, "--lr", args.lr, "--beta", args.beta, "--max-grad-norm",
+                            args.max_grad_norm, "--seed", args.seed, "--prompt-sharing", sharing or "on"]
+                    res = harness.spawn(__file__, argv, args.threads, f"dpo {mode} {framework}")
                     if res is None:
                         continue
+                    res.update(load_avg_before=load_before, prompt_sharing=sharing, repeat=r + 1,
+                               model_flops_per_sec=flops[mode] / res["seconds"])
                     runs.append(res)
                     pre = f"  precompute {res['precompute_seconds']:.1f} s" if res["precompute_seconds"] else ""
-                    step = res["median_step_seconds"]
-                    print(f"[{r + 1}/{args.repeats}] {mode} {framework}: {res['pairs_per_sec']:.2f} pairs/s "
-                          f"({res['tokens'] / args.steps:.0f} tokens/step, median step {step:.2f} s)"
-                          f"  peak RSS {res['peak_rss_mb']:.0f} MB  last loss {res['last_loss']:.4f}  threads "
-                          f"{res['threads']}  load {res['load_avg_before']:.1f}->{res['load_avg_1min']:.1f}{pre}",
-                          flush=True)
+                    tag = f"{framework}" + (f" (prompt_sharing {sharing})" if sharing else "")
+                    print(f"[{r + 1}/{args.repeats}] {mode} {tag}: {res['pairs_per_sec']:.2f} pairs/s "
+                          f"(median step {res['median_step_seconds']:.2f} s)  peak RSS {res['peak_rss_mb']:.0f} MB"
+                          f"  last loss {res['last_loss']:.4f}  threads {res['threads']}  "
+                          f"load {res['load_avg_before']:.1f}->{res['load_avg_1min']:.1f}{pre}", flush=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
-    def med(framework: str, mode: str, key: str):
-        values = [r[key] for r in runs if r["framework"] == framework and r["mode"] == mode and r[key] is not None]
-        return statistics.median(values) if values else None
-
     summary = []
-    print("\n| mode | lightalign pairs/s | TRL pairs/s | ratio | lightalign peak RSS MB | TRL peak RSS MB "
-          "| precompute s (lightalign / TRL) |\n|---|---|---|---|---|---|---|")
     for mode in args.modes:
-        row = {"mode": mode, **{f"{fw}_{k}": med(fw, mode, k) for fw in FRAMEWORKS
-                                for k in ("pairs_per_sec", "peak_rss_mb", "precompute_seconds")}}
-        la, tr = row["lightalign_pairs_per_sec"], row["trl_pairs_per_sec"]
-        row["ratio"] = la / tr if la and tr else None
-        summary.append(row)
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        pre = ("-" if mode == "online" else
+        for sharing in args.prompt_sharing:
+            row = {"mode": mode, "prompt_sharing": sharing}
+            for fw, match in (("lightalign", {"prompt_sharing": sharing}), ("trl", {})):
+                for k in ("pairs_per_sec", "model_flops_per_sec", "peak_rss_mb", "precompute_seconds"):
+                    row[f"{fw}_{k}"] = harness.median_of(runs, k, framework=fw, mode=mode, **match)
+            row["ratio"] = harness.ratio(row["lightalign_pairs_per_sec"], row["trl_pairs_per_sec"])
+            summary.append(row)
+    return {"settings": settings, "runs": runs, "summary": summary, "n_params": n_params}
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    args.data = str(Path(args.data).resolve())
+    if args.one:
+        args.prompt_sharing = args.prompt_sharing[0]
+        harness.emit(run_one(args))
+        return
+    result = run(args)
+    print("\n| mode | prompt sharing | lightalign pairs/s | TRL pairs/s | ratio | lightalign peak RSS MB "
+          "| TRL peak RSS MB | precompute s (lightalign / TRL) |\n|---|---|---|---|---|---|---|---|")
+    fmt = harness.fmt
+    for row in result["summary"]:
+        pre = ("-" if row["mode"] == "online" else
                f"{fmt(row['lightalign_precompute_seconds'], '.1f')} / {fmt(row['trl_precompute_seconds'], '.1f')}")
-        print(f"| {mode} | {fmt(la, '.2f')} | {fmt(tr, '.2f')} | {fmt(row['ratio'], '.2f')}x "
+        print(f"| {row['mode']} | {row['prompt_sharing']} | {fmt(row['lightalign_pairs_per_sec'], '.2f')} "
+              f"| {fmt(row['trl_pairs_per_sec'], '.2f')} | {fmt(row['ratio'], '.2f')}x "
               f"| {fmt(row['lightalign_peak_rss_mb'], '.0f')} | {fmt(row['trl_peak_rss_mb'], '.0f')} | {pre} |")
-    out = ROOT / "bench" / "results" / "dpo.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary}, indent=2))
-    print(f"\nwrote {out.relative_to(ROOT)}")
+    print(f"\nwrote {harness.write_json(args.out, result).relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Run by hand from the repository root, in a separate venv so TRL never enters the
     python3 -m venv /work/benchvenv && /work/benchvenv/bin/pip install torch==2.13.0
     /work/benchvenv/bin/pip install -e '.[bench]'
     /work/benchvenv/bin/python bench/grpo.py [--steps 8] [--warmup 2] [--repeats 3] [--grad-accum 4]
+    /work/benchvenv/bin/python bench/grpo.py --shape longtail      # generated prompts of a long-tailed length mix
 
 The `small` config (~30M params) is built once under a fixed seed and saved with the tokenizer to a temporary folder
 that both frameworks load. Prompts: examples/data/arithmetic_prompts.jsonl; reward: `digit_fraction_reward` (TRL's
@@ -20,6 +21,7 @@ in that window per second. Also reported: generation and reward time shares and 
 EOS included: completions may stop early). Two threads on two shared cores collapse when anything else runs, so each
 run waits for a quiet machine, measures the CPU share other processes took during its window (/proc/stat) and is
 retried above --max-contention (kept and marked after --retries). Results: stdout and bench/results/grpo.json.
+MFU: completions/s x the model FLOPs of one completion (`completion_flops`), over the measured matmul peak.
 """
 
 from __future__ import annotations
@@ -27,17 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-FRAMEWORKS = ("lightalign", "trl")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import data as bench_data  # noqa: E402
+import harness  # noqa: E402
+from harness import machine_busy_seconds  # noqa: E402
+
+ROOT, FRAMEWORKS = harness.ROOT, harness.FRAMEWORKS
 
 
 class Meter:
@@ -78,27 +82,6 @@ class Meter:
                 "others_cpu_share": max(0.0, self.busy - self.cpu) / (seconds * (os.cpu_count() or 1)),
                 "generation_share": sum(r["gen_s"] for r in timed) / seconds,
                 "reward_share": sum(r["reward_s"] for r in timed) / seconds}
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds all processes of the machine have used (Linux /proc/stat); others' share = contention."""
-    try:
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-
-
-def build_model(config_dir: str, out_dir: Path, seed: int) -> int:
-    """Random weights from the config under a fixed seed, saved with the tokenizer files; returns the param count."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    shutil.copytree(config_dir, out_dir)  # tokenizer + chat template + config + generation config
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
-    model.save_pretrained(out_dir)
-    return sum(p.numel() for p in model.parameters())
 
 
 def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
@@ -198,41 +181,35 @@ def run_one(args: argparse.Namespace) -> dict:
     meter = Meter(args.warmup, args.steps)
     extra = (run_lightalign if args.framework == "lightalign" else run_trl)(args, meter, workdir)
     return {"framework": args.framework, **meter.summary(), "threads": torch.get_num_threads(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
-
-
-def wait_for_quiet(max_share: float, timeout: float) -> float:
-    """Wait until other processes use at most ``max_share`` of the machine over 5 s (or ``timeout`` s pass)."""
-    deadline = time.time() + timeout
-    while True:
-        busy, start = machine_busy_seconds(), time.time()
-        time.sleep(5)
-        share = (machine_busy_seconds() - busy) / ((time.time() - start) * (os.cpu_count() or 1))
-        if not share > max_share or time.time() > deadline:  # NaN (no /proc/stat): do not wait
-            return share
+            "peak_rss_mb": harness.peak_rss_mb(), **extra}
 
 
 def spawn(args: argparse.Namespace, framework: str) -> dict | None:
-    cmd = [sys.executable, __file__, "--one", "--framework", framework, "--model-dir", args.model_dir, "--workdir",
-           args.workdir, "--data", args.data]
+    argv = ["--framework", framework, "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
     for name in ("num_generations", "generation_batch", "grad_accum", "max_completion_length", "max_prompt_length",
                  "steps", "warmup", "threads", "lr", "max_grad_norm", "seed"):
         if getattr(args, name) is not None:
-            cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads), TQDM_DISABLE="1",
-               HF_HUB_OFFLINE="1", WANDB_DISABLED="true", PYTHONWARNINGS="ignore")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        print(f"{framework}: failed (exit {out.returncode})\n{out.stderr[-3000:]}", flush=True)
-        return None
-    return json.loads(line[len("RESULT "):])
+            argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return harness.spawn(__file__, argv, args.threads, f"grpo {framework}")
 
 
-def main() -> None:
+def completion_flops(args: argparse.Namespace, mean_prompt: float, mean_completion: float) -> float:
+    """Model FLOPs per completion (bench/harness.py's formula, on mean lengths): generation (one forward over the
+    prompt and completion tokens, with the KV cache) plus the policy forward + backward over prompt + completion.
+    beta 0 and one iteration per rollout: no reference and no old-policy pass is needed."""
+    shape = harness.model_shape(args.model_dir)
+    s = [round(mean_prompt + mean_completion)]
+    return (harness.forward_flops(args.n_params, shape["layers"], shape["hidden"], s)
+            + harness.train_flops(args.n_params, shape["layers"], shape["hidden"], s))
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "assets" / "models" / "small"), help="config + tokenizer folder")
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "arithmetic_prompts.jsonl"))
+    parser.add_argument("--shape", choices=bench_data.SHAPES, help="generate prompts of this length shape "
+                        "(bench/data.py) instead of --data")
+    parser.add_argument("--mean-length", type=int, default=24, help="mean words per generated prompt")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--generation-batch", type=int, default=32, help="completions per rollout (= per step)")
     parser.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (micro-batch = G / A)")
@@ -249,39 +226,44 @@ def main() -> None:
                         help="a run during which other processes used more of the machine is retried")
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    parser.add_argument("--out", default="grpo.json", help="file name under bench/results/")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--framework", "--model-dir", "--workdir"):  # set by the parent for its subprocesses
         parser.add_argument(hidden, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.data = str(Path(args.data).resolve())
+    return parser
+
+
+def check(args: argparse.Namespace) -> None:
     if args.warmup < 1:
-        parser.error("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
+        raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
     if args.generation_batch % args.num_generations or args.generation_batch % args.grad_accum:
-        parser.error("--generation-batch must be divisible by --num-generations and by --grad-accum.")
+        raise SystemExit("--generation-batch must be divisible by --num-generations and by --grad-accum.")
 
-    if args.one:
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
-        return
 
-    import torch
-    import transformers
-    import trl
+def run(args: argparse.Namespace) -> dict:
+    """Build the model (and prompts), run each framework --repeats times (retrying contended runs)."""
     from transformers import AutoTokenizer
 
+    check(args)
     args.workdir = tempfile.mkdtemp(prefix="bench-grpo-")
     try:
         args.model_dir = str(Path(args.workdir) / "model")
-        n_params = build_model(args.model, Path(args.model_dir), args.seed)
+        args.n_params = n_params = harness.build_model(args.model, Path(args.model_dir), args.seed)
+        per_rollout = args.generation_batch // args.num_generations
+        if args.shape:
+            n = max(64, 2 * (args.warmup + args.steps) * per_rollout)
+            args.data = str(bench_data.write(Path(args.workdir) / "prompts.jsonl", "prompts", args.shape, n,
+                                             args.mean_length, args.seed))
         tok = AutoTokenizer.from_pretrained(args.model_dir)
         prompts = [json.loads(line)["prompt"] for line in open(args.data) if line.strip()]
         prompt_lens = [len(ids) for ids in tok(prompts)["input_ids"]]
-        per_rollout = args.generation_batch // args.num_generations
         if (args.warmup + args.steps) * per_rollout > len(prompts):
-            parser.error(f"{args.data} has {len(prompts)} prompts: fewer than (warmup + steps) x {per_rollout}.")
+            raise SystemExit(f"{args.data} has {len(prompts)} prompts: fewer than (warmup + steps) x {per_rollout}.")
         settings = {
             "model": f"{Path(args.model).name} ({n_params / 1e6:.1f}M params, seed {args.seed}, saved once, "
                      "loaded by both)",
-            "data": f"{Path(args.data).name} ({len(prompts)} prompts, {min(prompt_lens)}-{max(prompt_lens)} tokens)",
+            "data": (f"generated prompts, shape {args.shape}" if args.shape else Path(args.data).name)
+            + f" ({len(prompts)} prompts, {min(prompt_lens)}-{max(prompt_lens)} tokens)",
             "reward": "lightalign.rewards.digit_fraction_reward", "num_generations": args.num_generations,
             "generation_batch_size": args.generation_batch, "micro_batch": args.generation_batch // args.grad_accum,
             "grad_accum": args.grad_accum, "steps_per_generation": f"default (= grad_accum = {args.grad_accum})",
@@ -292,26 +274,28 @@ def main() -> None:
             "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW (not fused), wd 0",
             "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
-            "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}",
+            "versions": harness.versions(),
         }
-        print("GRPO benchmark: lightalign GRPOModule vs TRL GRPOTrainer (one rollout = one optimizer step)\n"
-              + "".join(f"  {key}: {value}\n" for key, value in settings.items()), flush=True)
-
+        harness.print_settings("GRPO benchmark: lightalign GRPOModule vs TRL GRPOTrainer "
+                               "(one rollout = one optimizer step)", settings)
+        mean_prompt = statistics.mean(prompt_lens)
         runs = []
         for r in range(args.repeats):
-            order = args.frameworks if r % 2 == 0 else args.frameworks[::-1]
-            for framework in order:
+            for framework in harness.alternate(args.frameworks, r):
                 for attempt in range(args.retries + 1):  # 2 shared cores: a busy machine skews everything
-                    quiet = wait_for_quiet(args.max_contention, timeout=900)
+                    quiet = harness.wait_for_quiet(args.max_contention, timeout=900)
                     res = spawn(args, framework)
-                    if res is None or res["others_cpu_share"] <= args.max_contention:
+                    if res is None or args.max_contention is None or res["others_cpu_share"] <= args.max_contention:
                         break
                     print(f"[{r + 1}/{args.repeats}] {framework:>10}: other processes used "
                           f"{100 * res['others_cpu_share']:.0f}% of the machine (before: {100 * quiet:.0f}%); "
                           f"{'retrying' if attempt < args.retries else 'kept, marked contended'}", flush=True)
                 if res is None:
                     continue
-                res["repeat"], res["contended"] = r + 1, res["others_cpu_share"] > args.max_contention
+                res["repeat"] = r + 1
+                res["contended"] = args.max_contention is not None and res["others_cpu_share"] > args.max_contention
+                res["model_flops_per_sec"] = res["completions_per_sec"] * completion_flops(
+                    args, mean_prompt, res["mean_completion_length"])
                 runs.append(res)
                 print(f"[{r + 1}/{args.repeats}] {framework:>10}: {res['completions_per_sec']:6.2f} completions/s "
                       f"{res['completion_tokens_per_sec']:6.0f} tokens/s  "
@@ -324,24 +308,32 @@ def main() -> None:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
     keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "reward_share",
-            "others_cpu_share")
-    summary = {fw: {k: statistics.median([r[k] for r in runs if r["framework"] == fw]) for k in keys}
+            "others_cpu_share", "model_flops_per_sec")
+    summary = {fw: {k: harness.median_of(runs, k, framework=fw) for k in keys}
                for fw in args.frameworks if any(r["framework"] == fw for r in runs)}
+    la, tr = (summary.get(fw, {}).get("completions_per_sec") for fw in FRAMEWORKS)
+    return {"settings": settings, "runs": runs, "summary": summary, "ratio": harness.ratio(la, tr),
+            "n_params": n_params}
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    args.data = str(Path(args.data).resolve())
+    if args.one:
+        check(args)
+        harness.emit(run_one(args))
+        return
+    result = run(args)
     print("\n| framework | completions/s | mean completion length | peak RSS MB |\n|---|---|---|---|")
-    for fw, row in summary.items():
+    for fw, row in result["summary"].items():
         print(f"| {fw} | {row['completions_per_sec']:.2f} | {row['mean_completion_length']:.2f} "
               f"| {row['peak_rss_mb']:.0f} |")
-    la, tr = (summary.get(fw, {}).get("completions_per_sec") for fw in FRAMEWORKS)
-    ratio = la / tr if la and tr else None
-    if ratio is not None:
-        print(f"\nlightalign / TRL completions/s: {ratio:.2f}x (median of {args.repeats} run(s) each)")
-    contended = sum(r["contended"] for r in runs)
+    if result["ratio"] is not None:
+        print(f"\nlightalign / TRL completions/s: {result['ratio']:.2f}x (median of {args.repeats} run(s) each)")
+    contended = sum(r["contended"] for r in result["runs"])
     if contended:
         print(f"WARNING: {contended} run(s) shared the machine with other processes (see above); figures are skewed.")
-    out = ROOT / "bench" / "results" / "grpo.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary, "ratio": ratio}, indent=2))
-    print(f"\nwrote {out.relative_to(ROOT)}")
+    print(f"\nwrote {harness.write_json(args.out, result).relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

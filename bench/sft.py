@@ -1,109 +1,259 @@
-"""SFT throughput and peak memory: padding vs padding-free vs packing, on the `small` config (~30M params).
+"""SFT throughput, MFU and peak memory: lightalign's SFTModule vs TRL's SFTTrainer, same model, data and settings.
 
-Run by hand from the repository root:   python bench/sft.py [--steps 20] [--model assets/models/small]
-Each setting runs in its own process (peak RSS is per process) and prints one line; a table closes the run.
-Tokens/s counts the non-padding tokens trained, measured after --warmup optimizer steps.
+Run from the repository root in the benchmark venv (TRL is a benchmark-only extra: `pip install -e '.[bench]'`):
+
+    python bench/sft.py [--model assets/models/small] [--shape longtail] [--steps 20] [--repeats 3]
+    python bench/sft.py --data examples/data/chat_sft.jsonl --frameworks lightalign   # no TRL needed
+
+Variants (both sides): `padding` (padded rows), `padding_free` (rows concatenated, position_ids restart per
+document), `packing` (documents packed into max_length bins; TRL: bfd), `group_by_length` (padded rows, batches of
+similar lengths; TRL: train_sampling_strategy="group_by_length"; lightalign: used only if SFTDataModule accepts
+`group_by_length`, else the row says n/a). Data: a generated prompt-completion set of the chosen --shape
+(bench/data.py) unless --data is given; loss on the completion on both sides. Tokens/s counts the non-padding
+tokens of the optimizer steps --warmup+1 .. --warmup+--steps; MFU uses bench/harness.py's formula on the real
+sequence lengths of those steps. Each (framework, variant) runs in its own process, frameworks alternating;
+figures are medians over --repeats. Results: a table and bench/results/sft.json (--out to change).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import inspect
 import os
-import resource
-import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = {
-    "padding": {},
-    "padding_free": {"padding_free": True},
-    "packing": {"packing": True},
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import data as bench_data  # noqa: E402
+import harness  # noqa: E402
+
+VARIANTS = ("padding", "padding_free", "packing", "group_by_length")
+LIGHTALIGN = {"padding": {}, "padding_free": {"padding_free": True}, "packing": {"packing": True},
+              "group_by_length": {"group_by_length": True}}
+TRL = {"padding": {}, "padding_free": {"padding_free": True}, "packing": {"packing": True, "packing_strategy": "bfd"},
+       "group_by_length": {"train_sampling_strategy": "group_by_length"}}
 
 
-def run_one(args: argparse.Namespace, setting: str) -> dict:
+class Meter:
+    """Sums the real sequence lengths of the micro-batches of optimizer steps warmup+1 .. warmup+steps."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.last = warmup, warmup + steps
+        self.window = harness.Window()
+        self.pending: list[int] = []
+        self.lengths: list[int] = []
+        self.seen = 0
+
+    def batch(self, batch) -> None:
+        self.pending += harness.sequence_lengths(batch)
+
+    def step_end(self, step: int) -> None:
+        if step == self.seen:
+            return  # still accumulating
+        self.seen = step
+        if step == self.warmup:
+            self.window.start()
+        elif self.window.running:
+            self.lengths += self.pending
+            if step == self.last:
+                self.window.stop()
+        self.pending = []
+
+
+def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
     import lightning as L
-    import torch
 
     from lightalign import SFTDataModule, SFTModule
-    from lightalign.callbacks.throughput import batch_tokens
+
+    extra = LIGHTALIGN[args.variant]
+    if extra and not all(k in inspect.signature(SFTDataModule.__init__).parameters for k in extra):
+        return {"unavailable": f"SFTDataModule has no {', '.join(extra)}"}
 
     class Clock(L.Callback):
-        def __init__(self) -> None:
-            self.tokens = 0
-            self.start = None
-            self.steps = 0
-
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == args.warmup and self.start is None:
-                self.start = time.perf_counter()
-                return
-            if self.start is not None:
-                self.tokens += batch_tokens(batch)
-                self.steps = trainer.global_step - args.warmup
+            meter.batch(batch)
+            meter.step_end(trainer.global_step)
 
-    L.seed_everything(0)
-    torch.set_num_threads(args.threads)
-    module = SFTModule(args.model, from_config=True, learning_rate=1e-4)
-    data = SFTDataModule(args.data, tokenizer=args.model, max_length=args.max_length, batch_size=args.batch_size,
-                         **SETTINGS[setting])
-    clock = Clock()
-    trainer = L.Trainer(accelerator="cpu", max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                        limit_val_batches=0)
+    L.seed_everything(args.seed, verbose=False)
+    module = SFTModule(args.model_dir, learning_rate=args.lr, lr_scheduler_type="constant",
+                       gradient_checkpointing=args.gradient_checkpointing == "on")
+    data = SFTDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length, batch_size=args.batch_size,
+                         num_workers=0, shuffle=args.variant == "group_by_length", seed=args.seed, **extra)
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+                        accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.max_grad_norm, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
     trainer.fit(module, data)
-    elapsed = time.perf_counter() - clock.start
-    n_params = sum(p.numel() for p in module.model.parameters())
-    return {
-        "setting": setting,
-        "tokens_per_sec": clock.tokens / elapsed,
-        "steps": clock.steps,
-        "seconds": elapsed,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "params_m": n_params / 1e6,
-    }
+    return {"attn": module.model.config._attn_implementation}
+
+
+def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            meter.step_end(state.global_step)
+
+    class MeteredSFTTrainer(SFTTrainer):
+        def compute_loss(self, model, inputs, *a, **kw):
+            if model.training:
+                meter.batch(inputs)
+            return super().compute_loss(model, inputs, *a, **kw)
+
+    variant = {"train_sampling_strategy": "sequential", **TRL[args.variant]}
+    if args.variant == "padding_free":  # TRL refuses max_length with padding_free and no packing (not enforced)
+        variant["max_length"] = None
+    config = SFTConfig(
+        output_dir=str(workdir / "trl_out"), per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, max_steps=meter.last, learning_rate=args.lr,
+        lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        **{"max_length": args.max_length, **variant}, truncation_mode="keep_start", completion_only_loss=True,
+        bf16=False, fp16=False,
+        gradient_checkpointing=args.gradient_checkpointing == "on", use_cpu=True, dataloader_num_workers=0,
+        eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10,
+        seed=args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    dataset = load_dataset("json", data_files=args.data, split="train")
+    trainer = MeteredSFTTrainer(model=args.model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
+                                callbacks=[Clock()])
+    trainer.train()
+    return {"attn": trainer.model.config._attn_implementation}
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    workdir = Path(tempfile.mkdtemp(prefix=f"sft-{args.framework}-{args.variant}-", dir=args.workdir))
+    os.environ["HF_DATASETS_CACHE"] = str(workdir / "datasets")  # no dataset cache hit across runs
+    meter = Meter(args.warmup, args.steps)
+    extra = run_lightalign(args, meter) if args.framework == "lightalign" else run_trl(args, meter, workdir)
+    base = {"framework": args.framework, "variant": args.variant, "threads": torch.get_num_threads(),
+            "peak_rss_mb": harness.peak_rss_mb()}
+    if "unavailable" in extra:
+        return {**base, **extra}
+    if meter.window.seconds is None:
+        raise RuntimeError(f"training stopped before step {meter.last}: too few rows for the requested steps?")
+    seconds = meter.window.seconds
+    shape = harness.model_shape(args.model_dir)
+    flops = harness.train_flops(args.n_params, shape["layers"], shape["hidden"], meter.lengths)
+    return {**base, "tokens_per_sec": sum(meter.lengths) / seconds, "sequences_per_sec": len(meter.lengths) / seconds,
+            "model_flops_per_sec": flops / seconds, "seconds": seconds, "tokens": sum(meter.lengths),
+            "others_cpu_share": meter.window.others_cpu_share, **extra}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(harness.ROOT / "assets" / "models" / "small"), help="config + tokenizer")
+    p.add_argument("--data", help="JSONL (any TRL SFT format); default: generated, see --shape")
+    p.add_argument("--shape", default="longtail", choices=bench_data.SHAPES)
+    p.add_argument("--mean-length", type=int, default=96, help="mean words per generated example")
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--gradient-checkpointing", default="off", choices=("on", "off"))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", "--settings", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--frameworks", nargs="+", default=list(harness.FRAMEWORKS), choices=harness.FRAMEWORKS)
+    p.add_argument("--max-contention", type=float, help="wait before each run until others use less of the machine")
+    p.add_argument("--out", default="sft.json", help="file name under bench/results/")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--framework", "--variant", "--model-dir", "--workdir", "--n-params"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    return p
+
+
+CHILD_FLAGS = ("data", "max_length", "batch_size", "grad_accum", "gradient_checkpointing", "steps", "warmup",
+               "threads", "lr", "max_grad_norm", "seed", "model_dir", "workdir", "n_params")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Build the model and data, run every (variant, framework) --repeats times; return settings, runs, summary."""
+    import shutil
+
+    args.workdir = tempfile.mkdtemp(prefix="bench-sft-")
+    try:
+        args.model_dir = str(Path(args.workdir) / "model")
+        args.n_params = harness.build_model(args.model, Path(args.model_dir), args.seed)
+        rows = (args.warmup + args.steps) * args.batch_size * args.grad_accum
+        if args.data is None:
+            args.data = str(bench_data.write(Path(args.workdir) / "sft.jsonl", "sft", args.shape, max(4 * rows, 64),
+                                             args.mean_length, args.seed))
+        settings = {
+            "model": f"{Path(args.model).name}: {args.n_params / 1e6:.1f}M params, seed {args.seed}, saved once, "
+                     "both load", "data": args.data if "bench-sft-" not in args.data
+            else f"generated prompt-completion, shape {args.shape}, mean {args.mean_length} words",
+            "max_length": args.max_length, "truncation_mode": "keep_start", "loss": "completion only",
+            "batch": args.batch_size, "grad_accum": args.grad_accum,
+            "gradient_checkpointing": args.gradient_checkpointing, "precision": "fp32",
+            "optimizer": "torch AdamW (not fused), wd 0", "lr": f"{args.lr} constant",
+            "max_grad_norm": args.max_grad_norm, "trl_padding_free": "max_length=None (TRL does not truncate "
+            "padding-free batches without packing and refuses max_length; tokens/s counts what was trained)",
+            "threads": args.threads, "dataloader_workers": 0,
+            "data_order": "sequential (group_by_length: length-grouped)", "warmup_steps": args.warmup,
+            "timed_steps": args.steps, "repeats": args.repeats, "versions": harness.versions(),
+        }
+        harness.print_settings("SFT benchmark: lightalign SFTModule vs TRL SFTTrainer", settings)
+        argv = [x for name in CHILD_FLAGS for x in ("--" + name.replace("_", "-"), getattr(args, name))]
+        runs = []
+        for r in range(args.repeats):
+            for variant in args.variants:
+                for fw in harness.alternate(args.frameworks, r):
+                    harness.wait_for_quiet(args.max_contention)
+                    res = harness.spawn(__file__, argv + ["--framework", fw, "--variant", variant], args.threads,
+                                        f"sft {variant} {fw}")
+                    if res is None:
+                        continue
+                    runs.append({**res, "repeat": r + 1})
+                    print(f"[{r + 1}/{args.repeats}] {variant} {fw}: " + (
+                        res["unavailable"] if "unavailable" in res else
+                        f"{res['tokens_per_sec']:.0f} tokens/s  peak RSS {res['peak_rss_mb']:.0f} MB  "
+                        f"others {100 * (res['others_cpu_share'] or 0):.0f}% of the machine"), flush=True)
+    finally:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    summary = []
+    measured = [r for r in runs if "unavailable" not in r]
+    for variant in args.variants:
+        row = {"variant": variant}
+        for fw in args.frameworks:
+            for key in ("tokens_per_sec", "model_flops_per_sec", "peak_rss_mb"):
+                row[f"{fw}_{key}"] = harness.median_of(measured, key, framework=fw, variant=variant)
+            missing = [r["unavailable"] for r in runs if r["framework"] == fw and r["variant"] == variant
+                       and "unavailable" in r]
+            if missing:
+                row[f"{fw}_unavailable"] = missing[0]
+        row["ratio"] = harness.ratio(row.get("lightalign_tokens_per_sec"), row.get("trl_tokens_per_sec"))
+        summary.append(row)
+    return {"settings": settings, "runs": runs, "summary": summary, "n_params": args.n_params}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(ROOT / "assets" / "models" / "small"))
-    parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "chat_sft.jsonl"))
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser = build_parser()
     args = parser.parse_args()
-
     if args.one:
-        print("RESULT " + json.dumps(run_one(args, args.one)), flush=True)
+        args.n_params = int(args.n_params)
+        harness.emit(run_one(args))
         return
-
-    print(f"model={args.model} data={Path(args.data).name} max_length={args.max_length} batch={args.batch_size} "
-          f"steps={args.steps} (+{args.warmup} warmup) threads={args.threads} precision=fp32")
-    results = []
-    for setting in args.settings:
-        cmd = [sys.executable, __file__, "--one", setting] + [
-            a for a in sys.argv[1:] if a != "--settings" and a not in args.settings
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            print(f"{setting}: failed\n{out.stderr[-2000:]}")
-            continue
-        res = json.loads(line[len("RESULT "):])
-        results.append(res)
-        print(f"{setting:>13}: {res['tokens_per_sec']:8.0f} tokens/s  peak RSS {res['peak_rss_mb']:6.0f} MB")
-    print(f"\n| setting | tokens/s | vs padding | peak RSS (MB) |\n|---|---|---|---|")
-    base = next((r["tokens_per_sec"] for r in results if r["setting"] == "padding"), None)
-    for r in results:
-        ratio = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
-        print(f"| {r['setting']} | {r['tokens_per_sec']:.0f} | {ratio} | {r['peak_rss_mb']:.0f} |")
+    if args.data:
+        args.data = str(Path(args.data).resolve())
+    result = run(args)
+    print("\n| variant | lightalign tokens/s | TRL tokens/s | ratio | lightalign peak RSS MB | TRL peak RSS MB |\n"
+          "|---|---|---|---|---|---|")
+    for row in result["summary"]:
+        print(f"| {row['variant']} | {harness.fmt(row.get('lightalign_tokens_per_sec'), '.0f')} "
+              f"| {harness.fmt(row.get('trl_tokens_per_sec'), '.0f')} | {harness.fmt(row['ratio'], '.2f')} "
+              f"| {harness.fmt(row.get('lightalign_peak_rss_mb'), '.0f')} "
+              f"| {harness.fmt(row.get('trl_peak_rss_mb'), '.0f')} |")
+    print(f"\nwrote {harness.write_json(args.out, result).relative_to(harness.ROOT)}")
 
 
 if __name__ == "__main__":

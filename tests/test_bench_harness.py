@@ -1,0 +1,70 @@
+"""Pure helpers of the benchmark suite (bench/harness.py, bench/data.py): the FLOP count behind MFU, the sequence
+lengths it is computed on, and the length shapes of the generated data. No benchmark is run here."""
+
+import importlib.util
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+harness, data = load("harness"), load("data")
+
+
+def test_train_flops_is_6N_per_token_plus_the_attention_term():
+    # 2 sequences of 3 and 5 tokens, N=1000 params, 2 layers of width 4:
+    # 6*1000*(3+5) + 12*2*4*(9+25) = 48000 + 3264
+    assert harness.train_flops(1000, 2, 4, [3, 5]) == 48000 + 3264
+    assert harness.forward_flops(1000, 2, 4, [3, 5]) == pytest.approx((48000 + 3264) / 3)
+    # attention grows with the square of the length: one sequence of 8 costs more than two of 4
+    assert harness.train_flops(1000, 2, 4, [8]) > harness.train_flops(1000, 2, 4, [4, 4])
+
+
+def test_mfu_is_a_ratio_and_none_without_a_figure():
+    assert harness.mfu(25e9, 100e9) == 0.25
+    assert harness.mfu(None, 100e9) is None and harness.mfu(1e9, None) is None
+
+
+def test_sequence_lengths_of_padded_and_padding_free_batches():
+    padded = {"input_ids": torch.zeros(3, 5), "attention_mask": torch.tensor(
+        [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])}
+    assert harness.sequence_lengths(padded) == [3, 5, 1]
+    flat = {"input_ids": torch.zeros(1, 9), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}
+    assert harness.sequence_lengths(flat) == [3, 2, 4]
+
+
+def test_alternate_and_median_of():
+    assert harness.alternate(["a", "b"], 0) == ["a", "b"] and harness.alternate(["a", "b"], 1) == ["b", "a"]
+    runs = [{"fw": "a", "x": 1.0}, {"fw": "a", "x": 3.0}, {"fw": "a", "x": 2.0}, {"fw": "b", "x": 9.0}]
+    assert harness.median_of(runs, "x", fw="a") == 2.0 and harness.median_of(runs, "x", fw="c") is None
+
+
+def test_length_shapes_have_the_same_mean_and_differ_in_spread():
+    uniform = data.draw_lengths("uniform", 40, 4000, random.Random(0))
+    tail = data.draw_lengths("longtail", 40, 4000, random.Random(0))
+    assert set(uniform) == {40}
+    assert statistics.mean(tail) == pytest.approx(40, rel=0.1)
+    assert statistics.median(tail) < 35 and max(tail) == 160 and min(tail) >= 4  # most short, a clipped long tail
+    with pytest.raises(ValueError, match="shape"):
+        data.draw_lengths("bimodal", 40, 10, random.Random(0))
+
+
+def test_generated_rows_are_deterministic_and_in_trl_formats(tmp_path):
+    path = data.write(tmp_path / "p.jsonl", "preference", "longtail", 5, 20, seed=3)
+    again = data.write(tmp_path / "q.jsonl", "preference", "longtail", 5, 20, seed=3)
+    assert path.read_text() == again.read_text()
+    row = data.rows("preference", "uniform", 1, 20)[0]
+    assert set(row) == {"prompt", "chosen", "rejected"}
+    assert len(row["prompt"].split()) + len(row["chosen"].split()) == 20
+    assert set(data.rows("sft", "uniform", 1, 20)[0]) == {"prompt", "completion"}
