@@ -191,7 +191,11 @@ def test_progress_lines_and_summary(csv_run):
     loss_line = next(line for line in printed.splitlines() if line.strip().startswith("train/loss "))
     assert f"final {losses[-1]:.4g}" in loss_line and f"best {min(losses):.4g}" in loss_line
     assert "HF export" in printed and str(run_dir / "hf_model") in printed
-    assert str(run_dir / "curves.png") in printed and (run_dir / "curves.png").is_file()
+    assert str(run_dir / "curves.png") in printed
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(run_dir / "curves.png").shape  # loss, token_accuracy, lr panels
+    assert (width, height) == (3 * 450, 320)
 
 
 def test_accumulated_loss_is_the_token_mean_of_the_step(tiny_dir, data_dir, tmp_path):
@@ -229,3 +233,49 @@ def test_accumulated_loss_is_the_token_mean_of_the_step(tiny_dir, data_dir, tmp_
                 nll, tokens = nll + float(stats["nll_sum"]), tokens + float(stats["num_tokens"])
             expected.append(nll / tokens)
     assert [v for _, v in logged] == pytest.approx(expected, rel=1e-5)
+
+
+def test_grpo_completions_table_reaches_tensorboard(grpo_module, prompt_data, tmp_path):
+    """CompletionSamples writes the rollout's prompts, completions and rewards as a TensorBoard text table."""
+    pytest.importorskip("tensorboard")
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightalign import CompletionSamples
+
+    module = grpo_module(generation_batch_size=8)
+    logger = TensorBoardLogger(tmp_path, name="grpo")
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=logger, log_every_n_steps=1,
+                        callbacks=[CompletionSamples(every_n_steps=1, max_rows=3)], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(module, prompt_data())
+    logger.experiment.flush()
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    assert "train/reward/mean" in events.Tags()["scalars"]
+    (tag,) = [t for t in events.Tags()["tensors"] if t.startswith("completions")]
+    tables = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors(tag)}
+    assert sorted(tables) == [1, 2]  # every optimizer step
+    lines = tables[2].strip().splitlines()
+    assert lines[0].startswith("| step | prompt | completion | reward") and len(lines) == 2 + 3  # header, rule, 3 rows
+    last = module.last_samples[0]
+    cells = [c.strip() for c in lines[2].strip("|").split(" | ")]
+    assert cells[0] == "2" and cells[1] == str(last["prompt"]).replace("\n", " ").replace("|", "\\|").strip()
+    assert float(cells[3]) == pytest.approx(last["reward"])
+
+
+def test_cli_progress_bar_steps_aside(repo, tiny_dir, tmp_path):
+    """enable_progress_bar: false, or a progress bar of the config's own, replaces the StepProgressBar (which
+    is the default: test_progress_lines_and_summary reads its lines)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lightalign.cli import LightalignCLI
+
+    base = ["--config", str(repo / "configs" / "quickstart.yaml"), "--model.model_name_or_path", str(tiny_dir),
+            "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    assert LightalignCLI(args=[*base, "--trainer.enable_progress_bar", "false"], run=False).trainer.progress_bar_callback is None
+    own = LightalignCLI(args=[*base, "--trainer.callbacks+", "TQDMProgressBar", "--trainer.callbacks.refresh_rate", "7"],
+                        run=False).trainer.progress_bar_callback
+    assert type(own) is TQDMProgressBar and own.refresh_rate == 7
