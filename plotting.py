@@ -167,7 +167,8 @@ def main(args: Sequence[str] | None = None) -> Any:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (runs/<name>/version_N)")
     parser.add_argument("--metrics", nargs="+", default=None,
                         help="metric names as logged (train/loss val/loss lr-AdamW ...); default: per method")
-    parser.add_argument("--out", default=None, help="PNG path; default: RUN_DIR/curves.png for one run, else curves.png")
+    parser.add_argument("--out", default=None,
+                        help="PNG path; default: RUN_DIR/curves.png for one run, else curves.png")
     parsed = parser.parse_args(args)
     out = Path(parsed.out) if parsed.out else (
         find_run_dir(parsed.run_dirs[0]) / "curves.png" if len(parsed.run_dirs) == 1 else Path("curves.png"))

@@ -8,4 +8,5 @@ from lightalign.callbacks.run_config import SaveRunConfig
 from lightalign.callbacks.summary import RunSummary
 from lightalign.callbacks.throughput import TokenThroughput
 
-__all__ = ["CompletionSamples", "HFExport", "PlotCurves", "RunSummary", "SaveRunConfig", "StepProgressBar", "TokenThroughput"]
+__all__ = ["CompletionSamples", "HFExport", "PlotCurves", "RunSummary", "SaveRunConfig", "StepProgressBar",
+           "TokenThroughput"]

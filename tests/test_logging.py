@@ -4,6 +4,7 @@ the non-interactive progress lines, the end-of-fit summary, once-per-optimizer-s
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import struct
@@ -32,10 +33,11 @@ def sft_args(tmp_path_factory, repo, data_dir, tiny_dir):
     return ["fit", "--config", str(repo / "configs" / "quickstart.yaml"), "--model.model_name_or_path", str(tiny_dir),
             "--data.path", str(folder / "train.jsonl"), "--data.val_path", str(folder / "val.jsonl"),
             "--data.batch_size", "4", "--trainer.max_steps", str(MAX_STEPS), "--trainer.accumulate_grad_batches", "2",
-            "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0"]
+            "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1",
+            "--trainer.num_sanity_val_steps", "0"]
 
 
-def run_cli(args: list[str], tmp_path, logger: dict, *extra: str) -> str:
+def run_cli(args: list[str], tmp_path, logger: dict | list[dict], *extra: str) -> str:
     """Run ``lightalign fit`` in-process with ``trainer.logger`` from a YAML file; return what it printed."""
     logger_yaml = tmp_path / "logger.yaml"
     logger_yaml.write_text(yaml.safe_dump({"trainer": {"logger": logger}}))
@@ -105,9 +107,6 @@ def backend_curves(backend: str, tmp) -> tuple[dict, object]:
         assert {"config.yaml", "versions.json"} <= artifacts
         return curves, tmp / "mlruns"
     if backend == "wandb":
-        import wandb
-
-        wandb.finish()  # flush the offline run file
         (run_dir,) = (tmp / "wandb").glob("offline-run-*")
         curves: dict = {}
         for row in read_wandb_history(next(run_dir.glob("run-*.wandb"))):
@@ -129,16 +128,35 @@ LOGGERS = {
 }
 
 
+@pytest.fixture(scope="module")
+def backends_run(sft_args, tmp_path_factory):
+    """The same tiny run as csv_run, logged to TensorBoard, MLflow (file store) and W&B (offline) at once (one
+    run for the three keeps the test time down; each backend is still read back with its own reader)."""
+    tmp = tmp_path_factory.mktemp("backends")
+    installed = [name for name in LOGGERS if importlib.util.find_spec(name) is not None]
+    if not installed:
+        pytest.skip("none of tensorboard, mlflow, wandb is installed (pip install 'lightalign[loggers]')")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true",
+           "WANDB_DIR": str(tmp), "WANDB_CONFIG_DIR": str(tmp), "WANDB_CACHE_DIR": str(tmp), "WANDB_DATA_DIR": str(tmp),
+           "MLFLOW_ALLOW_FILE_STORE": "true"}  # mlflow 3 wants an opt-in for its file store
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        run_cli(sft_args, tmp, [LOGGERS[name](tmp) for name in installed], "--export.enabled", "false",
+                "--checkpoint.save_last", "false")
+        if "wandb" in installed:
+            import wandb
+
+            wandb.finish()  # flush the offline run file
+    return tmp, installed
+
+
 @pytest.mark.parametrize("backend", list(LOGGERS))
-def test_logger_backend_reads_back_names_and_steps(backend, sft_args, csv_run, tmp_path, monkeypatch):
-    pytest.importorskip({"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}[backend])
-    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
-                       "WANDB_DISABLE_CODE": "true", "WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path),
-                       "WANDB_CACHE_DIR": str(tmp_path), "WANDB_DATA_DIR": str(tmp_path),
-                       "MLFLOW_ALLOW_FILE_STORE": "true"}.items():  # mlflow 3 wants an opt-in for its file store
-        monkeypatch.setenv(key, value)
-    run_cli(sft_args, tmp_path, LOGGERS[backend](tmp_path), "--export.enabled", "false")
-    curves, _ = backend_curves(backend, tmp_path)
+def test_logger_backend_reads_back_names_and_steps(backend, backends_run, csv_run):
+    tmp, installed = backends_run
+    if backend not in installed:
+        pytest.skip(f"{backend} is not installed (pip install 'lightalign[loggers]')")
+    curves, _ = backend_curves(backend, tmp)
     reference = read_csv_metrics(csv_run[0] / "metrics.csv")
     assert EXPECTED <= set(curves), sorted(curves)
     assert train_val_steps(curves) == train_val_steps(reference)
@@ -235,20 +253,22 @@ def test_accumulated_loss_is_the_token_mean_of_the_step(tiny_dir, data_dir, tmp_
     assert [v for _, v in logged] == pytest.approx(expected, rel=1e-5)
 
 
-def test_grpo_completions_table_reaches_tensorboard(grpo_module, prompt_data, tmp_path):
-    """CompletionSamples writes the rollout's prompts, completions and rewards as a TensorBoard text table."""
+def test_grpo_completions_table_reaches_tensorboard(grpo_module, prompt_data, tmp_path, capsys):
+    """CompletionSamples writes the rollout's prompts, completions and rewards as a TensorBoard text table; the
+    progress line shows the reward mean."""
     pytest.importorskip("tensorboard")
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from lightalign import CompletionSamples
+    from lightalign.callbacks import StepProgressBar
 
     module = grpo_module(generation_batch_size=8)
     logger = TensorBoardLogger(tmp_path, name="grpo")
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=logger, log_every_n_steps=1,
-                        callbacks=[CompletionSamples(every_n_steps=1, max_rows=3)], enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[CompletionSamples(every_n_steps=1, max_rows=3), StepProgressBar(interactive=False)],
+                        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
     trainer.fit(module, prompt_data())
     logger.experiment.flush()
@@ -264,6 +284,9 @@ def test_grpo_completions_table_reaches_tensorboard(grpo_module, prompt_data, tm
     cells = [c.strip() for c in lines[2].strip("|").split(" | ")]
     assert cells[0] == "2" and cells[1] == str(last["prompt"]).replace("\n", " ").replace("|", "\\|").strip()
     assert float(cells[3]) == pytest.approx(last["reward"])
+    reward = events.Scalars("train/reward/mean")[-1].value
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 2/2")][0]
+    assert f"train/reward/mean {reward:.4g}" in line and "lr " in line
 
 
 def test_cli_progress_bar_steps_aside(repo, tiny_dir, tmp_path):
@@ -275,7 +298,8 @@ def test_cli_progress_bar_steps_aside(repo, tiny_dir, tmp_path):
 
     base = ["--config", str(repo / "configs" / "quickstart.yaml"), "--model.model_name_or_path", str(tiny_dir),
             "--trainer.logger.init_args.save_dir", str(tmp_path)]
-    assert LightalignCLI(args=[*base, "--trainer.enable_progress_bar", "false"], run=False).trainer.progress_bar_callback is None
-    own = LightalignCLI(args=[*base, "--trainer.callbacks+", "TQDMProgressBar", "--trainer.callbacks.refresh_rate", "7"],
-                        run=False).trainer.progress_bar_callback
+    off = LightalignCLI(args=[*base, "--trainer.enable_progress_bar", "false"], run=False)
+    assert off.trainer.progress_bar_callback is None
+    own = LightalignCLI(args=[*base, "--trainer.callbacks+", "TQDMProgressBar", "--trainer.callbacks.refresh_rate",
+                              "7"], run=False).trainer.progress_bar_callback
     assert type(own) is TQDMProgressBar and own.refresh_rate == 7

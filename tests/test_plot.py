@@ -28,9 +28,10 @@ def write_run(folder, train_loss, val_loss, lr):
 
 @pytest.fixture
 def two_runs(tmp_path):
-    a = write_run(tmp_path / "runs" / "a" / "version_0", [7.0, 5.0, 4.0, 3.5], {1: 5.5, 3: 4.1}, [1e-3, 2e-3, 2e-3, 1e-3])
-    write_run(tmp_path / "runs" / "b" / "version_0", [9.0, 9.0], {}, [0.1, 0.1])  # an older version of b
-    b = write_run(tmp_path / "runs" / "b" / "version_1", [6.5, 4.0, 3.0, 2.5], {1: 5.0, 3: 3.0}, [1e-3, 1e-3, 1e-3, 1e-3])
+    runs = tmp_path / "runs"
+    a = write_run(runs / "a" / "version_0", [7.0, 5.0, 4.0, 3.5], {1: 5.5, 3: 4.1}, [1e-3, 2e-3, 2e-3, 1e-3])
+    write_run(runs / "b" / "version_0", [9.0, 9.0], {}, [0.1, 0.1])  # an older version of b
+    b = write_run(runs / "b" / "version_1", [6.5, 4.0, 3.0, 2.5], {1: 5.0, 3: 3.0}, [1e-3, 1e-3, 1e-3, 1e-3])
     return a, b
 
 
