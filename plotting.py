@@ -132,14 +132,15 @@ def draw(runs: Sequence[Curves], labels: Sequence[str], metrics: Sequence[str], 
     for index, panel in enumerate(panels):
         ax = axes[index // ncols][index % ncols]
         for run_index, (curves, label) in enumerate(zip(runs, labels)):
-            for metric in (m for m in metrics if panel_of(m) == panel):
+            for metric_index, metric in enumerate(m for m in metrics if panel_of(m) == panel):
                 points = sorted(curves.get(metric, []))
                 if not points:
                     continue
                 steps, values = zip(*points)
-                sparse = len(points) <= 20 or not metric.startswith("train/")
+                sparse = len(points) <= 20 or metric.startswith(("val/", "test/"))
                 name = metric if len(runs) == 1 else f"{label}: {metric}"
-                ax.plot(steps, values, label=name, color=colors[run_index % len(colors)],
+                color = colors[(run_index if len(runs) > 1 else metric_index) % len(colors)]  # per run, or metric
+                ax.plot(steps, values, label=name, color=color,
                         linestyle="--" if metric.startswith("val/") else "-", marker="o" if sparse else None,
                         markersize=3)
         ax.set_title(panel)
@@ -157,8 +158,12 @@ def draw(runs: Sequence[Curves], labels: Sequence[str], metrics: Sequence[str], 
 
 
 def _run_labels(run_dirs: Sequence[Path]) -> list[str]:
-    """Short distinct names: ``name/version_N`` of each run folder."""
-    return [f"{d.parent.name}/{d.name}" if d.name.startswith("version_") else d.name for d in run_dirs]
+    """Short distinct names: the last two parts of each run folder (``name/version_N``), more if they collide."""
+    for depth in range(2, max(len(d.resolve().parts) for d in run_dirs) + 1):
+        labels = ["/".join(d.resolve().parts[-depth:]) for d in run_dirs]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(d) for d in run_dirs]
 
 
 def main(args: Sequence[str] | None = None) -> Any:
