@@ -4,18 +4,23 @@ The config names a module (``model: class_path: lightalign.SFTModule``) and a da
 (``data: class_path: lightalign.SFTDataModule``). The module's ``model_name_or_path`` is linked to the
 datamodule's ``tokenizer``, so a config names the model once. Always present and configurable:
 ``--checkpoint.*`` (a ModelCheckpoint that keeps ``last.ckpt``), ``--export.*`` (the Hugging Face export at the
-end of fit) and ``--throughput.*`` (tokens/s in the progress bar and the logger).
+end of fit), ``--throughput.*`` (tokens/s in the progress bar and the logger), ``--progress_bar.*`` (one line
+every N steps when stdout is not a terminal), ``--summary.*`` (a table at the end of fit) and ``--plot.*`` (the
+learning curves as ``curves.png``). ``config.yaml`` and ``versions.json`` are saved in every run's folder.
+``lightalign plot RUN_DIR ...`` draws the curves of finished runs (``lightalign.plotting``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from lightalign.callbacks import CompletionSamples, HFExport, TokenThroughput
+from lightalign.callbacks import (CompletionSamples, HFExport, PlotCurves, RunSummary, SaveRunConfig, StepProgressBar,
+                                  TokenThroughput)
 from lightalign.modules.base import PolicyModule
 
 TRAINER_DEFAULTS = {
@@ -34,6 +39,7 @@ The method and data knobs belong to the classes a config names; list them with
   lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule)
   lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config
+Learning curves of finished runs: lightalign plot RUN_DIR [RUN_DIR ...] (see lightalign plot --help)
 """
 
 
@@ -48,6 +54,7 @@ class LightalignCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", TRAINER_DEFAULTS)
         kwargs.setdefault("seed_everything_default", 42)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("save_config_callback", SaveRunConfig)  # config.yaml + versions.json in the run folder
         # Optimizers and schedules belong to the module (they must see the lazily built model and step per
         # optimizer step), so the top-level --optimizer/--lr_scheduler of LightningCLI are not offered.
         kwargs.setdefault("auto_configure_optimizers", False)
@@ -63,10 +70,28 @@ class LightalignCLI(LightningCLI):
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.add_lightning_class_args(CompletionSamples, "completions")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
+        parser.add_lightning_class_args(StepProgressBar, "progress_bar")
+        parser.add_lightning_class_args(PlotCurves, "plot")
+        parser.add_lightning_class_args(RunSummary, "summary")  # after PlotCurves: the table names the PNG
+
+    def instantiate_trainer(self, **kwargs):
+        # The StepProgressBar steps aside when the progress bar is off or the config brings its own (Lightning
+        # refuses both situations otherwise).
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        own = config.get("callbacks") or []
+        own = own if isinstance(own, list) else [own]
+        skip_bar = config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in own)
+        keys = [k for k in self._parser(self.subcommand).callback_keys if not (k == "progress_bar" and skip_bar)]
+        return self._instantiate_trainer(config, [self._get(self.config_init, k) for k in keys])
 
 
-def main(args: list[str] | None = None) -> None:
+def main(args: list[str] | None = None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["plot"]:  # not a Trainer subcommand: handled before LightningCLI parses
+        from lightalign.plotting import main as plot_main
+
+        return plot_main(argv[1:])  # the matplotlib Figure
     LightalignCLI(args=args)
 
 

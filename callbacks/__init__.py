@@ -2,6 +2,11 @@
 
 from lightalign.callbacks.completions import CompletionSamples
 from lightalign.callbacks.hf_export import HFExport
+from lightalign.callbacks.plot import PlotCurves
+from lightalign.callbacks.progress import StepProgressBar
+from lightalign.callbacks.run_config import SaveRunConfig
+from lightalign.callbacks.summary import RunSummary
 from lightalign.callbacks.throughput import TokenThroughput
 
-__all__ = ["CompletionSamples", "HFExport", "TokenThroughput"]
+__all__ = ["CompletionSamples", "HFExport", "PlotCurves", "RunSummary", "SaveRunConfig", "StepProgressBar",
+           "TokenThroughput"]

@@ -45,7 +45,9 @@ def test_quickstart_end_to_end(repo, tmp_path):
     assert len(metrics["val/loss"]) == 2 and metrics["val/loss"][-1][1] < metrics["val/loss"][0][1] + 1e-6
     assert "train/tokens_per_sec" in metrics and "train/token_accuracy" in metrics
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
-    assert (run_dir / "config.yaml").exists()
+    assert (run_dir / "config.yaml").exists() and (run_dir / "versions.json").exists()
+    assert (run_dir / "curves.png").exists()  # plot.enabled in the quickstart config
+    assert "lightalign run summary" in proc.stdout
     # the Hugging Face export loads with the plain transformers API and generates
     hf = run_dir / "hf_model"
     assert f"Hugging Face model written to {hf.relative_to(repo) if hf.is_relative_to(repo) else hf}" in proc.stdout + proc.stderr
@@ -144,6 +146,7 @@ def test_grpo_quickstart_reward_rises(repo, tmp_path):
     assert rewards[0] < 0.1 and sum(rewards[-5:]) / 5 > rewards[0] + 0.4
     assert read_metrics(run_dir)["val/reward/mean"][-1][1] > 0.5
     assert (run_dir / "completions.csv").exists() and (run_dir / "hf_model" / "model.safetensors").exists()
+    assert (run_dir / "curves.png").exists()
 
 
 def test_grpo_template_on_a_local_folder(repo, tmp_path, tiny_model, tokenizer):

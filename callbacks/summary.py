@@ -1,0 +1,97 @@
+"""``RunSummary``: a short table at the end of fit — steps, tokens, time, throughput, metrics, where things went."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightalign.callbacks.throughput import batch_tokens
+
+#: Metrics worth a line in the summary (any stage): their final and best values.
+SUMMARY_KEYS = ("loss", "perplexity", "token_accuracy", "rewards/accuracies", "rewards/margins", "reward/mean", "kl")
+LOWER_IS_BETTER = ("loss", "perplexity", "kl")
+
+
+class RunSummary(L.Callback):
+    """Print, from rank 0, a table at the end of fit (also kept as ``self.table`` and ``self.values``).
+
+    Tokens are the non-padding tokens trained on, summed over ranks. Best values are taken over every logged
+    value of the run (minimum for losses, perplexity and KL, maximum otherwise), with the step they were seen at.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.table = ""
+        self.values: dict[str, Any] = {}
+        self._start = 0.0
+        self._tokens = 0
+        self._step = -1
+        self._final: dict[str, tuple[int, float]] = {}
+        self._best: dict[str, tuple[int, float]] = {}
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start, self._tokens, self._step = time.perf_counter(), 0, trainer.global_step
+        self._final, self._best = {}, {}
+
+    def _record(self, trainer: L.Trainer, stages: tuple[str, ...]) -> None:
+        for name, value in trainer.callback_metrics.items():
+            stage, _, key = name.partition("/")
+            if stage not in stages or key not in SUMMARY_KEYS:
+                continue
+            value = float(value)
+            self._final[name] = (trainer.global_step, value)
+            best = self._best.get(name)
+            lower = key in LOWER_IS_BETTER
+            if best is None or (value < best[1] if lower else value > best[1]):
+                self._best[name] = (trainer.global_step, value)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._tokens += getattr(pl_module, "last_batch_tokens", None) or batch_tokens(batch)
+        if trainer.global_step != self._step:  # an optimizer step ended: its metrics are logged
+            self._step = trainer.global_step
+            self._record(trainer, ("train",))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._record(trainer, ("val",))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.enabled:
+            return
+        tokens = torch.tensor(float(self._tokens), dtype=torch.float64, device=pl_module.device)
+        if trainer.world_size > 1:
+            tokens = trainer.strategy.reduce(tokens, reduce_op="sum")
+        if not trainer.is_global_zero:
+            return
+        seconds = time.perf_counter() - self._start
+        self.values = {"steps": trainer.global_step, "tokens": int(tokens.item()), "seconds": seconds,
+                       "tokens_per_sec": tokens.item() / max(seconds, 1e-9),
+                       "final": {k: v for k, (_, v) in self._final.items()},
+                       "best": {k: v for k, (_, v) in self._best.items()}}
+        rows = [("steps", f"{trainer.global_step:,}"), ("tokens", f"{self.values['tokens']:,}"),
+                ("wall time", f"{seconds:.1f} s"), ("tokens/s (wall)", f"{self.values['tokens_per_sec']:,.0f}")]
+        for name in sorted(self._final, key=lambda n: (n.partition("/")[2], n)):
+            best_step, best = self._best[name]
+            rows.append((name, f"final {self._final[name][1]:.4g}   best {best:.4g} (step {best_step})"))
+        for label, path in self._outputs(trainer):
+            rows.append((label, str(path)))
+        width = max(len(label) for label, _ in rows)
+        self.table = "\n".join(["lightalign run summary"] + [f"  {label.ljust(width)}  {text}" for label, text in rows])
+        print(self.table, flush=True)
+
+    @staticmethod
+    def _outputs(trainer: L.Trainer) -> list[tuple[str, Any]]:
+        out = []
+        checkpoint = trainer.checkpoint_callback
+        if checkpoint is not None and (checkpoint.last_model_path or checkpoint.best_model_path):
+            out.append(("checkpoint", checkpoint.last_model_path or checkpoint.best_model_path))
+        for callback in trainer.callbacks:
+            if getattr(callback, "last_export", None) is not None:
+                out.append(("HF export", callback.last_export))
+            if getattr(callback, "last_path", None) is not None and str(callback.last_path).endswith(".png"):
+                out.append(("curves", callback.last_path))
+        return out

@@ -1,0 +1,105 @@
+"""``lightalign plot``: the figure's panels and lines hold what the runs logged; default selections; bad input."""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+import pytest
+
+from lightalign.cli import main
+from lightalign.plotting import DPI, PANEL_HEIGHT, PANEL_WIDTH, default_metrics, find_run_dir, plot_runs
+
+pytest.importorskip("matplotlib")
+
+
+def write_run(folder, train_loss, val_loss, lr):
+    """A metrics.csv laid out as Lightning's CSVLogger writes it (one row per step, blanks elsewhere)."""
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["epoch", "lr-AdamW", "step", "train/loss", "val/loss"])
+        writer.writeheader()
+        for step, (loss, rate) in enumerate(zip(train_loss, lr)):
+            writer.writerow({"epoch": 0, "step": step, "train/loss": loss, "lr-AdamW": rate})
+            if step in val_loss:
+                writer.writerow({"epoch": 0, "step": step, "val/loss": val_loss[step]})
+    return folder
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    runs = tmp_path / "runs"
+    a = write_run(runs / "a" / "version_0", [7.0, 5.0, 4.0, 3.5], {1: 5.5, 3: 4.1}, [1e-3, 2e-3, 2e-3, 1e-3])
+    write_run(runs / "b" / "version_0", [9.0, 9.0], {}, [0.1, 0.1])  # an older version of b
+    b = write_run(runs / "b" / "version_1", [6.5, 4.0, 3.0, 2.5], {1: 5.0, 3: 3.0}, [1e-3, 1e-3, 1e-3, 1e-3])
+    return a, b
+
+
+def lines_of(figure):
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for ax in figure.axes if ax.get_visible() for line in ax.get_lines()}
+
+
+def test_plot_cli_compares_runs_one_line_per_metric_and_run(two_runs, tmp_path, capsys):
+    a, b = two_runs
+    out = tmp_path / "curves.png"
+    # the parent folder of b resolves to its newest version
+    figure = main(["plot", str(a), str(b.parent), "--metrics", "train/loss", "val/loss", "lr-AdamW", "--out", str(out)])
+    assert f"Learning curves written to {out}" in capsys.readouterr().out
+    panels = [ax.get_title() for ax in figure.axes if ax.get_visible()]
+    assert panels == ["loss", "lr-AdamW"]  # train/loss and val/loss share a panel
+    lines = lines_of(figure)
+    assert len(lines) == 3 * 2  # 3 metrics x 2 runs
+    assert lines["a/version_0: train/loss"] == ([0, 1, 2, 3], [7.0, 5.0, 4.0, 3.5])
+    assert lines["b/version_1: val/loss"] == ([1, 3], [5.0, 3.0])
+    assert lines["b/version_1: lr-AdamW"][1] == [1e-3] * 4
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert (width, height) == (round(2 * PANEL_WIDTH * DPI), round(PANEL_HEIGHT * DPI))
+
+
+def test_plot_default_out_is_inside_the_run(two_runs):
+    a, _ = two_runs
+    figure = main(["plot", str(a)])
+    assert (a / "curves.png").is_file()
+    assert set(lines_of(figure)) == {"train/loss", "val/loss", "lr-AdamW"}  # the SFT default selection
+
+
+def test_default_selection_per_method():
+    sft = ["train/loss", "val/loss", "train/token_accuracy", "train/tokens_seen", "lr-AdamW/pg1", "lr-AdamW/pg2"]
+    assert default_metrics(sft) == ["train/loss", "val/loss", "train/token_accuracy", "lr-AdamW/pg1"]
+    dpo = ["train/loss", "train/rewards/margins", "train/rewards/accuracies", "val/loss", "train/logps/chosen"]
+    assert default_metrics(dpo) == ["train/loss", "val/loss", "train/rewards/accuracies", "train/rewards/margins"]
+    grpo = ["train/loss", "train/reward/mean", "train/kl", "train/completions/mean_length", "train/clip_ratio"]
+    assert default_metrics(grpo) == ["train/reward/mean", "train/loss", "train/kl", "train/completions/mean_length"]
+
+
+def test_plot_reads_tensorboard_runs(tmp_path):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step, value in enumerate([3.0, 2.0, 1.5]):
+        writer.add_scalar("train/loss", value, step)
+    writer.close()
+    figure = plot_runs([tmp_path / "tb"], metrics=["train/loss"])
+    assert lines_of(figure) == {"train/loss": ([0, 1, 2], [3.0, 2.0, 1.5])}
+
+
+def test_plot_bad_inputs_say_what_to_do(two_runs, tmp_path, monkeypatch):
+    a, _ = two_runs
+    with pytest.raises(ValueError, match=r"'train/reward/mean' was not logged .*Logged metrics: lr-AdamW, train/loss"):
+        plot_runs([a], metrics=["train/reward/mean"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_run_dir(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="expected a metrics.csv"):
+        find_run_dir(tmp_path / "empty")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"lightalign\[plot\]"):
+        plot_runs([a])
+    from lightalign.callbacks import PlotCurves
+
+    with pytest.raises(ImportError, match=r"lightalign\[plot\]"):  # at setup, not after the run
+        PlotCurves(enabled=True).setup(None, None, "fit")
