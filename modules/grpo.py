@@ -173,6 +173,7 @@ class GRPOModule(PolicyModule):
                 )
 
     def on_fit_start(self) -> None:
+        super().on_fit_start()  # NEFTune, when asked
         move_reference(self.ref_model, self.device)
 
     # ------------------------------------------------------------------------------------- rollout
