@@ -54,6 +54,7 @@ class TokenThroughput(L.Callback):
         self.peak_flops = peak_flops
         self.show_lr = show_lr
         self._shape = (0, 0, 0)
+        self._lr: float | None = None
         self._tokens = 0
         self._samples = 0
         self._start: float | None = None
@@ -64,6 +65,9 @@ class TokenThroughput(L.Callback):
         config = getattr(model, "config", None)
         params = sum(p.numel() for p in model.parameters())
         self._shape = (params, int(getattr(config, "num_hidden_layers", 0) or 0), int(getattr(config, "hidden_size", 0) or 0))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._lr = float(optimizer.param_groups[0]["lr"])  # the step's lr (the schedule moves on right after)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start = time.perf_counter()
@@ -90,7 +94,7 @@ class TokenThroughput(L.Callback):
             pl_module.log("train/tflops_per_sec", flops / 1e12, on_step=True)
             if self.peak_flops is not None:
                 pl_module.log("train/mfu", flops / (self.peak_flops * trainer.world_size), on_step=True, prog_bar=self.prog_bar)
-        if self.show_lr and trainer.optimizers:
-            pl_module.log("train/lr", float(trainer.optimizers[0].param_groups[0]["lr"]), on_step=True, prog_bar=self.prog_bar)
+        if self.show_lr and self._lr is not None:
+            pl_module.log("train/lr", self._lr, on_step=True, prog_bar=self.prog_bar)
         self._tokens = self._samples = 0
         self._start = now
