@@ -46,19 +46,16 @@ class WeightedTokenSFT(SFTModule):
 
     def __init__(self, *args, token_weights: dict[int, float] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.token_weights = {int(k): float(v) for k, v in (token_weights or {}).items()}
+        self.token_weights = token_weights or {}
 
     def compute_loss(self, logits, batch, num_items_in_batch=None):
         _, stats = super().compute_loss(logits, batch, num_items_in_batch)  # keep the logged stats
         labels = batch["labels"][:, 1:]
         mask = labels != -100
-        targets = labels[mask]
-        nll = F.cross_entropy(logits[:, :-1][mask].float(), targets, reduction="none")
-        weights = torch.ones_like(nll)
-        for token, w in self.token_weights.items():
-            weights = torch.where(targets == token, torch.full_like(weights, w), weights)
+        nll = F.cross_entropy(logits[:, :-1][mask].float(), labels[mask], reduction="none")
+        w = torch.tensor([self.token_weights.get(int(t), 1.0) for t in labels[mask]], device=nll.device)
         denom = stats["num_tokens"] if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
-        return (nll * weights).sum() / denom.clamp(min=1), stats
+        return (nll * w).sum() / denom.clamp(min=1), stats
 
 
 class SGDSFT(SFTModule):

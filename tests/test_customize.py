@@ -241,3 +241,10 @@ def test_override_optimizer_step_hook_and_dataloader(examples, tiny_dir, sft_dat
     assert "train/loss" in trainer.callback_metrics  # ... without losing the module's own logging
     assert sizes and all(n >= 4 for row in sizes for n in row)  # the collator changed the batch composition
     assert any(len(row) < 8 for row in sizes)  # (2/3 of the rows have fewer than 4 targets)
+
+
+def test_grpo_eval_metrics_see_the_rewards(grpo_module, prompt_data, data_dir, quiet_trainer):
+    module = grpo_module(eval_metrics={"mean_reward": lambda rewards, target: rewards.mean()})
+    data = prompt_data(val_path=str(data_dir / "arithmetic_prompts.jsonl"), batch_size=4)
+    logged = quiet_trainer(limit_val_batches=1).validate(module, datamodule=data)[0]
+    assert logged["val/mean_reward"] == pytest.approx(logged["val/reward/mean"], abs=1e-6)
