@@ -394,6 +394,10 @@ class PolicyModule(L.LightningModule):
         """The optimizer over the trainable parameters: ``optimizer`` factory, ``optim`` preset, or AdamW.
         Override to build your own; the schedule (``create_lr_scheduler``) still applies."""
         hp = self.hparams
+        if isinstance(self.optimizer_factory, torch.optim.Optimizer):  # an instance, built over this model (Python)
+            from lightalign.modules.optimizers import check_optimizer_instance
+
+            return check_optimizer_instance(self.optimizer_factory, self.model)
         if self.optimizer_factory is not None:
             return self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])
         betas = (hp.adam_beta1, hp.adam_beta2)
@@ -410,7 +414,9 @@ class PolicyModule(L.LightningModule):
         """The schedule, stepped every optimizer step: ``lr_scheduler`` factory, or warmup + ``lr_scheduler_type``
         over ``total_steps`` (default: the Trainer's estimate)."""
         hp = self.hparams
-        if self.lr_scheduler_factory is not None:
+        if isinstance(self.lr_scheduler_factory, torch.optim.lr_scheduler.LRScheduler):
+            scheduler = self.lr_scheduler_factory  # an instance, over the optimizer instance passed with it
+        elif self.lr_scheduler_factory is not None:
             scheduler = self.lr_scheduler_factory(optimizer)
         else:
             total = total_steps or (int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1)

@@ -41,6 +41,20 @@ def _import(module: str, extra: str, what: str):
         raise ImportError(f"optim '{what}' needs the {module.split('.')[0]} package: pip install 'lightalign[{extra}]'") from err
 
 
+def check_optimizer_instance(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """An optimizer passed ready-made must hold this model's trainable parameters only (and all of them)."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if held != trainable:
+        raise ValueError(
+            f"The optimizer passed as `optimizer` holds {len(held - trainable)} parameter(s) that are not trainable "
+            f"parameters of the model and misses {len(trainable - held)} trainable one(s). Build it over "
+            "[p for p in model.parameters() if p.requires_grad] of the model you pass, or pass a factory "
+            "(params -> optimizer) instead (needed when the module loads the model itself, or with peft_config)."
+        )
+    return optimizer
+
+
 def galore_target_parameters(model: torch.nn.Module, target_modules: list[str] | str) -> list[torch.nn.Parameter]:
     """Weights of the trainable ``nn.Linear`` modules whose name matches a target (a regex matching the whole
     name, or a plain substring of it), as the transformers Trainer selects them for GaLore."""

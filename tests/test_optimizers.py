@@ -125,3 +125,15 @@ def test_module_builds_the_preset(tiny_dir):
     assert sorted(g["weight_decay"] for g in opt.param_groups) == [0.0, 0.1]  # none on norms and biases
     module.create_lr_scheduler(opt, total_steps=4)  # the warmup schedule applies to presets too
     assert opt.param_groups[0]["lr"] == 0.0
+
+
+def test_optimizer_and_scheduler_instances(tiny_model):
+    tiny_model.model.embed_tokens.requires_grad_(False)
+    trainable = [p for p in tiny_model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    module = SFTModule(model=tiny_model, optimizer=opt, lr_scheduler=sched)
+    config = module.configure_optimizers()
+    assert config["optimizer"] is opt and config["lr_scheduler"]["scheduler"] is sched
+    with pytest.raises(ValueError, match="not trainable"):  # the frozen embedding in it
+        SFTModule(model=tiny_model, optimizer=torch.optim.SGD(tiny_model.parameters(), lr=0.1)).create_optimizer()
