@@ -11,11 +11,11 @@ Python API::
 
 from pathlib import Path
 
-from lightalign.callbacks import CompletionSamples, HFExport, TokenThroughput
+from lightalign.callbacks import CompletionSamples, DeviceCacheCleanup, HFExport, TokenThroughput
 from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
 from lightalign.strategies import AtomicCheckpointIO, CheckpointError
-from lightalign.modules import DPOModule, GRPOModule, PolicyModule, SFTModule, create_reference_model, dpo_loss, grpo_loss, sft_loss
+from lightalign.modules import DPOModule, GRPOModule, IterativeSFT, NEFTune, PolicyModule, SFTModule, create_reference_model, dpo_loss, grpo_loss, sft_loss
 
 __version__ = "0.1.0"
 
@@ -28,10 +28,13 @@ __all__ = [
     "CheckpointError",
     "CompletionSamples",
     "DPOModule",
+    "DeviceCacheCleanup",
     "DataFormatError",
     "GRPOModule",
     "HFExport",
+    "IterativeSFT",
     "ModelNotFoundError",
+    "NEFTune",
     "PolicyModule",
     "PreferenceDataModule",
     "PromptDataModule",

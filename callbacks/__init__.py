@@ -1,6 +1,7 @@
 """Lightning callbacks of lightalign."""
 
 from lightalign.callbacks.completions import CompletionSamples
+from lightalign.callbacks.device_cache import DeviceCacheCleanup
 from lightalign.callbacks.hf_export import HFExport
 from lightalign.callbacks.plot import PlotCurves
 from lightalign.callbacks.progress import StepProgressBar
@@ -8,5 +9,5 @@ from lightalign.callbacks.run_config import SaveRunConfig
 from lightalign.callbacks.summary import RunSummary
 from lightalign.callbacks.throughput import TokenThroughput
 
-__all__ = ["CompletionSamples", "HFExport", "PlotCurves", "RunSummary", "SaveRunConfig", "StepProgressBar",
-           "TokenThroughput"]
+__all__ = ["CompletionSamples", "DeviceCacheCleanup", "HFExport", "PlotCurves", "RunSummary", "SaveRunConfig",
+           "StepProgressBar", "TokenThroughput"]

@@ -167,6 +167,11 @@ class PolicyModule(L.LightningModule):
             object; only adapter parameters are trained.
         optimizer: a factory ``params -> Optimizer`` (YAML: ``class_path: torch.optim.SGD``); default AdamW
             built from ``learning_rate``, ``weight_decay``, ``adam_beta1/2``, ``adam_epsilon``.
+        optim: a named preset instead (TRL/transformers names): ``adamw_8bit``, ``adam_8bit``,
+            ``paged_adamw_8bit``, ``lion``, ``lion_8bit``, ``galore_adamw``, ``galore_adafactor``,
+            ``galore_adamw_8bit`` (GPU), ``adamw_torch``; built with ``learning_rate`` and the settings above.
+        optim_args: extra keyword arguments of the preset (GaLore: ``rank``, ``update_proj_gap``, ``scale``).
+        optim_target_modules: GaLore only: regexes or substrings naming the linear layers to project.
         lr_scheduler: a factory ``optimizer -> LRScheduler``, stepped every optimizer step; default: linear
             warmup then ``lr_scheduler_type``.
         learning_rate: peak learning rate of the default optimizer.
@@ -178,6 +183,9 @@ class PolicyModule(L.LightningModule):
         eval_metrics: extra validation/test metrics, logged as ``val/<name>``: torchmetrics objects (YAML
             ``class_path: torchmetrics.classification.BinaryAccuracy``) or callables ``fn(preds, target) -> float``
             (averaged over batches, weighted by batch size). Each method says what ``preds``/``target`` are.
+        neftune_noise_alpha: NEFTune noise on the input embeddings during training (e.g. 5); off when None.
+        torch_compile: ``torch.compile`` the model in place (``True`` or ``torch.compile`` keyword arguments).
+        use_liger_kernel: Liger's fused Triton kernels (needs ``liger-kernel`` and a CUDA GPU).
         nonfinite: what a NaN/inf gradient does: ``skip`` the optimizer step (warning, ``train/nonfinite_steps``
             counter; the weights stay finite), ``stop`` with an error naming the step, batch and parameter, or
             ``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the guard stays off.
@@ -206,6 +214,12 @@ class PolicyModule(L.LightningModule):
         min_lr_rate: float = 0.0,
         eval_metrics: dict[str, Metric | Callable] | None = None,
         nonfinite: Literal["skip", "stop", "off"] = "skip",
+        optim: str | None = None,
+        optim_args: dict[str, Any] | None = None,
+        optim_target_modules: list[str] | str | None = None,
+        neftune_noise_alpha: float | None = None,
+        torch_compile: bool | dict[str, Any] = False,
+        use_liger_kernel: bool = False,
     ) -> None:
         super().__init__()
         if model is None and model_name_or_path is None:
@@ -218,6 +232,14 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"nonfinite='{nonfinite}' is unknown; use skip, stop or off.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        if optim is not None:
+            from lightalign.modules.optimizers import check_optim_name
+
+            check_optim_name(optim)
+            if optimizer is not None:
+                raise ValueError("Pass either optim (a named preset) or optimizer (a factory), not both.")
+        if neftune_noise_alpha is not None and neftune_noise_alpha <= 0:
+            raise ValueError(f"neftune_noise_alpha must be > 0 (TRL suggests 5), got {neftune_noise_alpha}.")
         self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics"])
         self.model_name_or_path = model_name_or_path
         self.model = model
@@ -231,6 +253,7 @@ class PolicyModule(L.LightningModule):
                 raise TypeError(f"eval_metrics['{name}'] must be a torchmetrics Metric or a callable, got {type(fn).__name__}.")
         self._eval_fn_totals: dict[str, list[float]] = {}
         self.nonfinite_steps = 0
+        self.neftune = None
         if model is not None:
             self._prepare_model()
 
@@ -254,8 +277,27 @@ class PolicyModule(L.LightningModule):
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes as they are
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
+        if hp.get("use_liger_kernel"):
+            from lightalign.modules.acceleration import apply_liger_kernel
+
+            apply_liger_kernel(self.model)
         if hp.peft_config is not None and not is_peft_model(self.model):
             self.model = apply_peft(self.model, hp.peft_config)
+        if hp.get("torch_compile"):
+            from lightalign.modules.acceleration import compile_model
+
+            compile_model(self.model, hp.torch_compile)
+
+    def on_fit_start(self) -> None:
+        if self.hparams.get("neftune_noise_alpha"):  # noise while fitting only; on_fit_end restores the embeddings
+            from lightalign.modules.neftune import NEFTune
+
+            self.neftune = NEFTune(self.model, self.hparams.neftune_noise_alpha).attach()
+
+    def on_fit_end(self) -> None:
+        if self.neftune is not None:
+            self.neftune.detach()
+            self.neftune = None
 
     def forward(self, **inputs: torch.Tensor):
         return self.model(**inputs)
@@ -344,27 +386,46 @@ class PolicyModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- optim
     def configure_optimizers(self):
+        optimizer = self.create_optimizer()
+        scheduler = self.create_lr_scheduler(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the trainable parameters: ``optimizer`` factory, ``optim`` preset, or AdamW.
+        Override to build your own; the schedule (``create_lr_scheduler``) still applies."""
         hp = self.hparams
+        if isinstance(self.optimizer_factory, torch.optim.Optimizer):  # an instance, built over this model (Python)
+            from lightalign.modules.optimizers import check_optimizer_instance
+
+            return check_optimizer_instance(self.optimizer_factory, self.model)
         if self.optimizer_factory is not None:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            optimizer = self.optimizer_factory(params)
-        else:
-            optimizer = torch.optim.AdamW(
-                decay_parameter_groups(self.model, hp.weight_decay),
-                lr=hp.learning_rate,
-                betas=(hp.adam_beta1, hp.adam_beta2),
-                eps=hp.adam_epsilon,
-            )
-        if self.lr_scheduler_factory is not None:
+            return self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])
+        betas = (hp.adam_beta1, hp.adam_beta2)
+        if hp.get("optim") is not None:
+            from lightalign.modules.optimizers import build_named_optimizer
+
+            return build_named_optimizer(hp.optim, self.model, lr=hp.learning_rate, weight_decay=hp.weight_decay,
+                                         betas=betas, eps=hp.adam_epsilon, optim_args=hp.optim_args,
+                                         optim_target_modules=hp.optim_target_modules)
+        return torch.optim.AdamW(decay_parameter_groups(self.model, hp.weight_decay), lr=hp.learning_rate,
+                                 betas=betas, eps=hp.adam_epsilon)
+
+    def create_lr_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int | None = None) -> torch.optim.lr_scheduler.LRScheduler:
+        """The schedule, stepped every optimizer step: ``lr_scheduler`` factory, or warmup + ``lr_scheduler_type``
+        over ``total_steps`` (default: the Trainer's estimate)."""
+        hp = self.hparams
+        if isinstance(self.lr_scheduler_factory, torch.optim.lr_scheduler.LRScheduler):
+            scheduler = self.lr_scheduler_factory  # an instance, over the optimizer instance passed with it
+        elif self.lr_scheduler_factory is not None:
             scheduler = self.lr_scheduler_factory(optimizer)
         else:
-            total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+            total = total_steps or (int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1)
             warmup = hp.warmup_steps or math.ceil(hp.warmup_ratio * total)
             scheduler = LambdaLR(
                 optimizer,
                 lambda step: schedule_factor(step, total, warmup, hp.lr_scheduler_type, hp.min_lr_rate),
             )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+        return scheduler
 
     # ----------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False) -> Path:

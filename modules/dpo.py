@@ -230,6 +230,7 @@ class DPOModule(PolicyModule):
         self._move_reference()
         if self.hparams.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)
+        super().on_fit_start()  # NEFTune, when asked: after the reference pass, which must see clean embeddings
 
     def on_validation_start(self) -> None:
         self._move_reference()

@@ -178,6 +178,7 @@ class GRPOModule(PolicyModule):
                 )
 
     def on_fit_start(self) -> None:
+        super().on_fit_start()  # NEFTune, when asked
         move_reference(self.ref_model, self.device)
 
     # ------------------------------------------------------------------------------------- rollout
@@ -246,6 +247,9 @@ class GRPOModule(PolicyModule):
              "reward": float(r), **{n: float(per_func[i, j]) for j, n in enumerate(self.reward_names)}}
             for i, (p, t, r) in enumerate(zip(rollout["prompts"], rollout["texts"], total.tolist()))
         ]
+        if not self.training and (self.eval_metric_objects or self.eval_metric_fns):
+            scored = total[~torch.isnan(total)]  # eval_metrics see each scored completion's total reward, and ones
+            self.update_eval_metrics(scored, torch.ones_like(scored, dtype=torch.long))
         rewards = total
         if self.reward_normalizer is not None and self.training:
             rewards = self.reward_normalizer.normalize(rewards)
@@ -364,6 +368,7 @@ class GRPOModule(PolicyModule):
 
     def on_validation_epoch_end(self) -> None:
         self._log_stats(self.eval_stats, "val")
+        self.log_eval_metrics("val")
 
     # ------------------------------------------------------------------------------------- state
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -81,10 +81,16 @@ class SFTModule(PolicyModule):
             group_tokens = self.trainer.strategy.reduce(group_tokens.float(), reduce_op="sum")
         return group_tokens, float(accumulate * world)
 
+    def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor],
+                     num_items_in_batch: torch.Tensor | int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training loss of one micro-batch and its stats (``sft_loss``). Override to change the loss only:
+        the accumulation scaling, metrics and logging of ``training_step`` stay as they are."""
+        return sft_loss(logits, batch["labels"], num_items_in_batch=num_items_in_batch)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         local_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         denom, scale = self._step_denominator(batch, local_tokens)
-        loss, stats = sft_loss(self._logits(batch), batch["labels"], num_items_in_batch=denom)
+        loss, stats = self.compute_loss(self._logits(batch), batch, num_items_in_batch=denom)
         n = stats["num_tokens"].clamp(min=1)
         self.train_loss.update(stats["nll_sum"] / n, weight=stats["num_tokens"])
         self.train_accuracy.update(stats["num_correct"] / n, weight=stats["num_tokens"])
