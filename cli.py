@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightalign.callbacks import CompletionSamples, HFExport, TokenThroughput
 from lightalign.modules.base import PolicyModule
+from lightalign.strategies.launch import RankLogging, check_multinode_env
 
 TRAINER_DEFAULTS = {
     "logger": {
@@ -63,6 +64,10 @@ class LightalignCLI(LightningCLI):
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.add_lightning_class_args(CompletionSamples, "completions")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
+        parser.add_lightning_class_args(RankLogging, "logging")
+
+    def before_fit(self) -> None:
+        check_multinode_env(self.trainer.num_nodes)  # before any process group: a missing variable would hang
 
 
 def main(args: list[str] | None = None) -> None:

@@ -20,6 +20,7 @@ from lightalign.modules.base import PolicyModule, is_peft_model
 from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
 from lightalign.modules.logprobs import selective_log_softmax
 from lightalign.modules.reference import build_reference, move_reference
+from lightalign.strategies.sharding import sharded_generate
 from lightalign.rewards import (
     RunningRewardNormalizer,
     check_reward_weights,
@@ -191,8 +192,8 @@ class GRPOModule(PolicyModule):
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self.model.generate(
-                input_ids=batch["prompt_input_ids"], attention_mask=batch["prompt_attention_mask"],
+            out = sharded_generate(  # self.model.generate, with parameters gathered under FSDP2 / ZeRO-3
+                self.model, input_ids=batch["prompt_input_ids"], attention_mask=batch["prompt_attention_mask"],
                 do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0, min_p=hp.min_p,
                 repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
                 num_return_sequences=num_generations, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
