@@ -130,7 +130,8 @@ def fit(args, method: str, max_steps: int, ckpt_dir: Path | None = None, ckpt_pa
         callbacks.append(SaveInitial(out / f"{method}_init.pt"))
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1, save_last=True))
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy(args.strategy, args.devices),
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args.strategy, args.devices),
+                        num_nodes=args.num_nodes,
                         max_steps=max_steps, logger=False, enable_checkpointing=ckpt_dir is not None,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=callbacks)
@@ -145,12 +146,17 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--methods", default="sft,dpo,grpo")
     parser.add_argument("--batch-mult", type=int, default=1)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--resume-check", action="store_true", help="SFT: save at step 1, resume to --steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
-    from lightalign.strategies import full_state_dict
+    out.mkdir(parents=True, exist_ok=True)
+    from lightalign.strategies import check_multinode_env, full_state_dict
+
+    check_multinode_env(args.num_nodes)  # as the CLI does
 
     for method in args.methods.split(","):
         trainer, module = fit(args, method, args.steps)
