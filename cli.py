@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightalign.callbacks import (CompletionSamples, HFExport, PlotCurves, RunSummary, SaveRunConfig, StepProgressBar,
                                   TokenThroughput)
 from lightalign.modules.base import PolicyModule
+from lightalign.strategies.launch import RankLogging, check_multinode_env
 
 TRAINER_DEFAULTS = {
     "logger": {
@@ -73,6 +74,7 @@ class LightalignCLI(LightningCLI):
         parser.add_lightning_class_args(StepProgressBar, "progress_bar")
         parser.add_lightning_class_args(PlotCurves, "plot")
         parser.add_lightning_class_args(RunSummary, "summary")  # after PlotCurves: the table names the PNG
+        parser.add_lightning_class_args(RankLogging, "logging")
 
     def instantiate_trainer(self, **kwargs):
         # The StepProgressBar steps aside when the progress bar is off or the config brings its own (Lightning
@@ -83,6 +85,9 @@ class LightalignCLI(LightningCLI):
         skip_bar = config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in own)
         keys = [k for k in self._parser(self.subcommand).callback_keys if not (k == "progress_bar" and skip_bar)]
         return self._instantiate_trainer(config, [self._get(self.config_init, k) for k in keys])
+
+    def before_fit(self) -> None:
+        check_multinode_env(self.trainer.num_nodes)  # before any process group: a missing variable would hang
 
 
 def main(args: list[str] | None = None):

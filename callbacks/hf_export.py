@@ -46,8 +46,12 @@ class HFExport(L.Callback):
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule, output_dir: Path) -> None:
         if not hasattr(pl_module, "export_hf"):
             raise TypeError(f"{type(pl_module).__name__} has no export_hf(); HFExport works with lightalign modules.")
+        from lightalign.strategies.sharding import full_state_dict
+
+        state = full_state_dict(pl_module.model)  # sharded (FSDP, ZeRO-3): a collective, so every rank gathers
         if trainer.is_global_zero:
-            pl_module.export_hf(output_dir, tokenizer=self._tokenizer(trainer, pl_module), merge_lora=self.merge_lora)
+            pl_module.export_hf(output_dir, tokenizer=self._tokenizer(trainer, pl_module), merge_lora=self.merge_lora,
+                                state_dict=state)
             self.last_export = output_dir
             rank_zero_info(f"Hugging Face model written to {output_dir}")
         trainer.strategy.barrier("hf_export")

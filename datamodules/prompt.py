@@ -112,5 +112,9 @@ class PromptDataModule(TokenizedDataModule):
         sampler = RepeatBatchSampler(self.make_epoch_sampler(), self.prompts_per_generation, self.repeat)
         self._train_sampler = sampler
         self._apply_resume()
-        return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.collate_fn(),
-                          num_workers=self.num_workers)
+        loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.collate_fn(),
+                            num_workers=self.num_workers)
+        # Expose the rank-aware EpochSampler (a DistributedSampler) so Lightning's DDP/FSDP/DeepSpeed see the
+        # loader is already sharded; otherwise they try to inject a sampler into the batch sampler and fail.
+        object.__setattr__(loader, "sampler", sampler.sampler)
+        return loader

@@ -428,12 +428,14 @@ class PolicyModule(L.LightningModule):
         return scheduler
 
     # ----------------------------------------------------------------------------------------- export
-    def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False) -> Path:
+    def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
+                  state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """Write a Hugging Face model folder (``save_pretrained`` of model and tokenizer), atomically.
 
         The folder is written under a temporary name beside ``output_dir`` and renamed into place, so a crash
         mid-write leaves the previous export intact. With LoRA, the adapters are saved; ``merge_lora`` saves a
-        merged full model instead (merged on a copy, so training can go on).
+        merged full model instead (merged on a copy, so training can go on). ``state_dict``: the full weights of
+        a sharded model (``lightalign.strategies.full_state_dict``), written instead of the local shards.
         """
         output_dir = Path(output_dir)
         output_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -447,7 +449,7 @@ class PolicyModule(L.LightningModule):
             if config is not None:
                 config.use_cache = True  # generation from the export should use the KV cache
             try:
-                model.save_pretrained(tmp, safe_serialization=True)
+                model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
             finally:
                 if config is not None and use_cache is not None:
                     config.use_cache = use_cache

@@ -21,6 +21,7 @@ from lightalign.modules.generation import generate_groups
 from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
 from lightalign.modules.logprobs import selective_log_softmax
 from lightalign.modules.reference import build_reference, move_reference
+from lightalign.strategies.sharding import generation_context
 from lightalign.rewards import (
     RunningRewardNormalizer,
     check_reward_weights,
@@ -197,13 +198,14 @@ class GRPOModule(PolicyModule):
         was_training = self.model.training
         self.model.eval()
         try:
-            out = generate_groups(
-                self.model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations,
-                share_prefill=hp.share_prefill,
-                do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0, min_p=hp.min_p,
-                repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
-                eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
-            )
+            with generation_context(self.model) as extra:  # full parameters under FSDP2 / ZeRO-3, released after
+                out = generate_groups(
+                    self.model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations,
+                    share_prefill=hp.share_prefill, **extra,
+                    do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0,
+                    min_p=hp.min_p, repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
+                    eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
+                )
         finally:
             self.model.train(was_training)
         prompt_len = batch["prompt_input_ids"].shape[1]

@@ -129,7 +129,10 @@ def build_reference(
         return freeze(ref)
     if is_peft_model(policy):
         return None
-    return create_reference_model(policy, num_shared_layers)
+    from lightalign.strategies.sharding import full_parameters_for_copy
+
+    with full_parameters_for_copy(policy):  # ZeRO-3: copy whole weights; the copy stays replicated and unwrapped
+        return create_reference_model(policy, num_shared_layers)
 
 
 def move_reference(ref: torch.nn.Module | None, device: torch.device) -> None:

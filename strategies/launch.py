@@ -1,0 +1,83 @@
+"""Multi-node launch checks and rank-aware logging.
+
+``check_multinode_env``: with ``num_nodes > 1`` and a plain launch (no torchrun, no SLURM), every node needs
+``MASTER_ADDR``, ``MASTER_PORT`` and ``NODE_RANK``; without them Lightning picks a local address, a random port
+or node 0 and the processes wait for each other forever. This turns that hang into an immediate error.
+(``WORLD_SIZE`` is not read: Lightning computes it from ``--trainer.num_nodes`` x ``--trainer.devices``.)
+
+``RankLogging``: the main process logs at ``log_level``, the others at ``log_level_replica``; with
+``log_on_each_node`` the main process of every node counts as main (the transformers Trainer's knobs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping
+
+import lightning as L
+
+REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
+def launched_by_torchrun_or_slurm(environ: Mapping[str, str]) -> bool:
+    return "TORCHELASTIC_RUN_ID" in environ or ("SLURM_NTASKS" in environ and "SLURM_JOB_NAME" in environ
+                                                 and environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"))
+
+
+def check_multinode_env(num_nodes: int, environ: Mapping[str, str] | None = None) -> None:
+    """Raise ``RuntimeError`` before any process group exists if a multi-node plain launch lacks its variables."""
+    environ = os.environ if environ is None else environ
+    if num_nodes <= 1 or launched_by_torchrun_or_slurm(environ):
+        return
+    missing = [name for name in REQUIRED if not environ.get(name)]
+    if missing:
+        raise RuntimeError(
+            f"num_nodes={num_nodes} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: the "
+            "processes would wait for each other forever. On every node export MASTER_ADDR (the address of node 0), "
+            "MASTER_PORT (the same free port everywhere) and NODE_RANK (0..num_nodes-1), or launch with torchrun "
+            "(--nnodes, --node-rank, --master-addr, --master-port) or SLURM (srun)."
+        )
+    node_rank = environ["NODE_RANK"]
+    if not node_rank.isdigit() or int(node_rank) >= num_nodes:
+        raise RuntimeError(f"NODE_RANK={node_rank!r} must be an integer in 0..{num_nodes - 1} (num_nodes={num_nodes}).")
+    port = environ["MASTER_PORT"]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise RuntimeError(f"MASTER_PORT={port!r} is not a TCP port number.")
+
+
+LOGGERS = ("lightalign", "lightning.pytorch", "lightning.fabric", "transformers", "datasets")
+
+
+def _level(name: str | int) -> int:
+    if isinstance(name, int):
+        return name
+    value = logging.getLevelName(str(name).upper())
+    if not isinstance(value, int):
+        raise ValueError(f"Unknown log level '{name}'; use debug, info, warning, error or critical.")
+    return value
+
+
+class RankLogging(L.Callback):
+    """Log levels per rank (``--logging.log_level info --logging.log_level_replica warning``).
+
+    Args:
+        log_level: level of the main process (``debug`` | ``info`` | ``warning`` | ``error`` | ``critical``).
+        log_level_replica: level of every other process.
+        log_on_each_node: True: the first process of each node is a main process; False: only global rank 0.
+    """
+
+    def __init__(self, log_level: str = "info", log_level_replica: str = "warning", log_on_each_node: bool = True) -> None:
+        self.log_level, self.log_level_replica = _level(log_level), _level(log_level_replica)
+        self.log_on_each_node = log_on_each_node
+
+    def is_main(self, trainer: L.Trainer) -> bool:
+        return trainer.local_rank == 0 if self.log_on_each_node else trainer.global_rank == 0
+
+    def level_for(self, trainer: L.Trainer) -> int:
+        return self.log_level if self.is_main(trainer) else self.log_level_replica
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        level = self.level_for(trainer)
+        for name in LOGGERS:
+            logging.getLogger(name).setLevel(level)

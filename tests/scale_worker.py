@@ -1,0 +1,185 @@
+"""Train SFT, DPO and GRPO for a few steps under one strategy and dump the weights (used by tests/test_scale.py).
+
+python tests/scale_worker.py --strategy ddp --devices 2 --out DIR [--methods sft,dpo,grpo] [--batch-mult 2]
+Writes DIR/<method>_rank<r>.pt (each rank's own view: replicated strategies) and, from rank 0, DIR/<method>.pt
+(the full weights: gathered under sharding) and DIR/<method>_hf (the HF export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from datasets import Dataset
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+TINY = str(REPO / "assets" / "models" / "tiny")
+DATA = REPO / "examples" / "data"
+
+
+def rows(name: str, n: int) -> Dataset:
+    return Dataset.from_list([json.loads(line) for line in (DATA / name).read_text().splitlines()[:n]])
+
+
+def completion_chars(prompts, completions, **columns):
+    """A reward that varies inside every group of an untrained model's completions (so advantages are not 0)."""
+    return [len(c) / 10 for c in completions]
+
+
+class SaveInitial(L.Callback):
+    """Rank 0 writes the full weights at the start of training (to check that training moved them)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from lightalign.strategies import full_state_dict
+
+        full = full_state_dict(pl_module.model)
+        if trainer.is_global_zero:
+            torch.save(full if full is not None else pl_module.model.state_dict(), self.path)
+
+
+MAX_NEW = 6
+
+
+def equal_length_prompts(n: int) -> Dataset:
+    """Prompts of one token length: no padding, so a prompt's log-probs do not depend on its batch-mates."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    data = rows("arithmetic_prompts.jsonl", 200)
+    return data.filter(lambda r: len(tok(r["prompt"])["input_ids"]) == 6).select(range(n))
+
+
+def seeded_grpo_class():
+    """GRPOModule whose sampling depends only on (prompt, step), not on which rank or batch the prompt is in:
+    one seeded ``generate`` per prompt, completions right-padded to ``max_completion_length``. With it, 2 ranks x 2
+    prompts and 1 process x 4 prompts sample the same completions, so their updates can be compared."""
+    import zlib
+
+    from lightalign import GRPOModule
+
+    class SeededGRPO(GRPOModule):
+        def generate(self, batch, num_generations):
+            parts = []
+            for i, prompt in enumerate(batch["prompts"]):
+                one = {"prompt_input_ids": batch["prompt_input_ids"][i:i + 1],
+                       "prompt_attention_mask": batch["prompt_attention_mask"][i:i + 1], "prompts": [prompt],
+                       "columns": {k: [v[i]] for k, v in batch["columns"].items()}}
+                torch.manual_seed(zlib.crc32(str(prompt).encode()) + 1000 * self.global_step)
+                part = super().generate(one, num_generations)
+                short = MAX_NEW - part["completion_ids"].shape[1]
+                part["completion_ids"] = torch.nn.functional.pad(part["completion_ids"], (0, short),
+                                                                 value=self.tokenizer.pad_token_id)
+                part["completion_mask"] = torch.nn.functional.pad(part["completion_mask"], (0, short), value=0)
+                parts.append(part)
+            merged = {k: torch.cat([p[k] for p in parts]) if torch.is_tensor(parts[0][k]) else
+                      sum((p[k] for p in parts), []) for k in parts[0] if k != "columns"}
+            merged["columns"] = {k: sum((p["columns"][k] for p in parts), []) for k in parts[0]["columns"]}
+            return merged
+
+    return SeededGRPO
+
+
+def build(method: str, mult: int):
+    from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
+
+    # SGD: the update is linear in the gradient, so float noise stays noise (Adam's first steps turn a gradient
+    # of 1e-9 into a full-size update of either sign)
+    common = dict(from_config=True, optimizer=lambda params: torch.optim.SGD(params, lr=0.5), lr_scheduler_type="constant")
+    if method == "sft":
+        return SFTModule(TINY, **common), SFTDataModule(rows("arithmetic_sft.jsonl", 32), tokenizer=TINY,
+                                                        batch_size=4 * mult, max_length=32)
+    if method == "dpo":
+        return DPOModule(TINY, **common), PreferenceDataModule(rows("arithmetic_preference.jsonl", 32), tokenizer=TINY,
+                                                               batch_size=4 * mult)
+    if method == "grpo":  # beta > 0: a frozen reference next to the policy
+        module = seeded_grpo_class()(TINY, reward_funcs=[completion_chars], num_generations=4, beta=0.1,
+                                     generation_batch_size=8 * mult, max_completion_length=MAX_NEW, **common)
+        return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
+    raise SystemExit(f"unknown method {method}")
+
+
+def strategy(name: str, devices: int):
+    if name == "single":
+        return "auto"
+    if name.startswith("zero"):
+        from cpu_strategies import CPUDeepSpeedStrategy
+
+        from lightalign.strategies import deepspeed_config
+        return CPUDeepSpeedStrategy(config=deepspeed_config(int(name[-1])), process_group_backend="gloo")
+    from lightalign.strategies import make_strategy
+    return make_strategy(name)
+
+
+def fit(args, method: str, max_steps: int, ckpt_dir: Path | None = None, ckpt_path: str | None = None):
+    from lightalign.callbacks import HFExport
+
+    L.seed_everything(1234)
+    module, data = build(method, args.batch_mult)
+    out = Path(args.out)
+    callbacks = [HFExport(output_dir=str(out / f"{method}_hf"))]
+    if ckpt_dir is None and ckpt_path is None:
+        callbacks.append(SaveInitial(out / f"{method}_init.pt"))
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1, save_last=True))
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args.strategy, args.devices),
+                        num_nodes=args.num_nodes,
+                        max_steps=max_steps, logger=False, enable_checkpointing=ckpt_dir is not None,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=callbacks)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--methods", default="sft,dpo,grpo")
+    parser.add_argument("--batch-mult", type=int, default=1)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--resume-check", action="store_true", help="SFT: save at step 1, resume to --steps")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from lightalign.strategies import check_multinode_env, full_state_dict
+
+    check_multinode_env(args.num_nodes)  # as the CLI does
+
+    for method in args.methods.split(","):
+        trainer, module = fit(args, method, args.steps)
+        full = full_state_dict(module.model)
+        torch.save({k: v.detach().cpu() for k, v in module.model.state_dict().items()} if full is None else {},
+                   out / f"{method}_rank{trainer.global_rank}.pt")
+        if trainer.is_global_zero:
+            torch.save(full if full is not None else module.model.state_dict(), out / f"{method}.pt")
+            ref = getattr(module, "ref_model", None)
+            if ref is not None:  # where the frozen reference ended up
+                info = {"trainable": sum(p.requires_grad for p in ref.parameters()),
+                        "in_optimizer": any(p is q for g in trainer.optimizers[0].param_groups for q in g["params"]
+                                            for p in ref.parameters()),
+                        "numel": sum(p.numel() for p in ref.parameters())}
+                (out / f"{method}_ref.json").write_text(json.dumps(info))
+    if args.resume_check:
+        fit(args, "sft", 1, ckpt_dir=out / "ckpt")
+        trainer, module = fit(args, "sft", args.steps, ckpt_path=str(out / "ckpt" / "last.ckpt"))
+        full = full_state_dict(module.model)
+        if trainer.is_global_zero:
+            torch.save(full if full is not None else module.model.state_dict(), out / "sft_resumed.pt")
+    print("DONE", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
