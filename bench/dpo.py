@@ -131,7 +131,7 @@ def run_trl(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: P
 
     config = DPOConfig(
         output_dir=str(workdir / "trl_out"), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
-        max_steps=meter.last, learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch",
+        max_steps=meter.last, learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch_fused",
         weight_decay=0.0, max_grad_norm=args.max_grad_norm, beta=args.beta, loss_type=["sigmoid"],
         max_length=args.max_length, truncation_mode="keep_start", precompute_ref_log_probs=precompute,
         bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, dataloader_num_workers=0,
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
             "data": f"generated preference, shape {args.shape}, mean {args.mean_length} words per side"
             if args.shape else Path(args.data).name, "batch_pairs": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
-            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW (not fused), wd 0",
+            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
             "loss_type": "sigmoid", "lightalign_prompt_sharing": " / ".join(args.prompt_sharing),
             "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",

@@ -109,7 +109,7 @@ def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
     config = SFTConfig(
         output_dir=str(workdir / "trl_out"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, max_steps=meter.last, learning_rate=args.lr,
-        lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        lr_scheduler_type="constant", optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
         **{"max_length": args.max_length, **variant}, truncation_mode="keep_start", completion_only_loss=True,
         bf16=False, fp16=False,
         gradient_checkpointing=args.gradient_checkpointing == "on", use_cpu=True, dataloader_num_workers=0,
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
             "max_length": args.max_length, "truncation_mode": "keep_start", "loss": "completion only",
             "batch": args.batch_size, "grad_accum": args.grad_accum,
             "gradient_checkpointing": args.gradient_checkpointing, "precision": "fp32",
-            "optimizer": "torch AdamW (not fused), wd 0", "lr": f"{args.lr} constant",
+            "optimizer": "torch AdamW fused (both defaults), wd 0", "lr": f"{args.lr} constant",
             "max_grad_norm": args.max_grad_norm, "trl_padding_free": "max_length=None (TRL does not truncate "
             "padding-free batches without packing and refuses max_length; tokens/s counts what was trained)",
             "threads": args.threads, "dataloader_workers": 0,

@@ -46,6 +46,20 @@ def schedule_factor(
     raise ValueError(f"Unknown lr_scheduler_type '{schedule}'; use one of linear, cosine, constant, cosine_with_min_lr.")
 
 
+def fused_adamw_applies(groups: list[dict[str, Any]], trainer: Any = None) -> bool:
+    """The fused AdamW kernel (transformers' default ``adamw_torch_fused``): one kernel per step instead of a
+    Python loop of per-tensor ops. Used for plain floating-point tensors on CPU or CUDA; not under DeepSpeed
+    (its ZeRO optimizer drives the steps) nor with sharded (DTensor) parameters."""
+    strategy = type(getattr(trainer, "strategy", None)).__name__ if trainer is not None else ""
+    if "DeepSpeed" in strategy:
+        return False
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(
+        type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
+        for p in params
+    )
+
+
 def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Trainable parameters split like the transformers Trainer: no weight decay on biases and norm weights."""
     decay, no_decay = [], []
@@ -407,8 +421,9 @@ class PolicyModule(L.LightningModule):
             return build_named_optimizer(hp.optim, self.model, lr=hp.learning_rate, weight_decay=hp.weight_decay,
                                          betas=betas, eps=hp.adam_epsilon, optim_args=hp.optim_args,
                                          optim_target_modules=hp.optim_target_modules)
-        return torch.optim.AdamW(decay_parameter_groups(self.model, hp.weight_decay), lr=hp.learning_rate,
-                                 betas=betas, eps=hp.adam_epsilon)
+        groups = decay_parameter_groups(self.model, hp.weight_decay)
+        return torch.optim.AdamW(groups, lr=hp.learning_rate, betas=betas, eps=hp.adam_epsilon,
+                                 fused=fused_adamw_applies(groups, self._trainer))
 
     def create_lr_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int | None = None) -> torch.optim.lr_scheduler.LRScheduler:
         """The schedule, stepped every optimizer step: ``lr_scheduler`` factory, or warmup + ``lr_scheduler_type``

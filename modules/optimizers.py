@@ -14,6 +14,7 @@ import torch
 #: preset name -> (package to import, what it is); the keys are the accepted ``optim`` values.
 PRESETS = {
     "adamw_torch": "torch.optim.AdamW",
+    "adamw_torch_fused": "torch.optim.AdamW(fused=True)",
     "adamw_8bit": "bitsandbytes AdamW8bit",
     "adamw_bnb_8bit": "bitsandbytes AdamW8bit",
     "adam_8bit": "bitsandbytes Adam8bit",
@@ -99,8 +100,9 @@ def build_named_optimizer(
     if optim_target_modules is not None:
         raise ValueError(f"optim_target_modules only applies to the galore_* presets, not optim='{optim}'.")
     groups = decay_parameter_groups(model, weight_decay)
-    if optim == "adamw_torch":
-        return torch.optim.AdamW(groups, **{"lr": lr, "betas": betas, "eps": eps, **args})
+    if optim in ("adamw_torch", "adamw_torch_fused"):
+        fused = {"fused": True} if optim == "adamw_torch_fused" else {}
+        return torch.optim.AdamW(groups, **{"lr": lr, "betas": betas, "eps": eps, **fused, **args})
     if optim == "lion":
         lion = _import("lion_pytorch", "optim", optim)
         return lion.Lion(groups, **{"lr": lr, "betas": (0.9, 0.99), **args})

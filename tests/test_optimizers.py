@@ -137,3 +137,26 @@ def test_optimizer_and_scheduler_instances(tiny_model):
     assert config["optimizer"] is opt and config["lr_scheduler"]["scheduler"] is sched
     with pytest.raises(ValueError, match="not trainable"):  # the frozen embedding in it
         SFTModule(model=tiny_model, optimizer=torch.optim.SGD(tiny_model.parameters(), lr=0.1)).create_optimizer()
+
+
+def test_default_adamw_is_fused_on_plain_tensors_and_steps_like_the_loop(tiny_dir):
+    from lightalign import SFTModule
+    from lightalign.modules.base import decay_parameter_groups, fused_adamw_applies
+
+    module = SFTModule(model=_model(tiny_dir), learning_rate=1e-3, weight_decay=0.01)
+    opt = module.create_optimizer()
+    assert all(g["fused"] for g in opt.param_groups)  # transformers' default adamw_torch_fused
+    assert not fused_adamw_applies([{"params": [torch.zeros(2, dtype=torch.long)]}])  # not for integer tensors
+    # the fused kernel steps like the per-tensor loop (TRL's adamw_torch)
+    models = [_model(tiny_dir) for _ in range(2)]
+    ids = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(0))
+    for model, fused in zip(models, (True, False)):
+        step = torch.optim.AdamW(decay_parameter_groups(model, 0.01), lr=1e-3, fused=fused)
+        for _ in range(3):
+            step.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            step.step()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        if name.endswith("k_proj.bias"):  # softmax ignores key biases: their gradient is float noise, which
+            continue                      # Adam scales to full-size steps, differently per kernel
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
