@@ -31,7 +31,7 @@ quickstart: install
 	$(BIN)/lightalign fit --config configs/quickstart.yaml
 
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2
 
 $(BENCH_BIN)/python:
 	$(PYTHON) -m venv $(BENCH_VENV)

@@ -49,9 +49,10 @@ def schedule_factor(
 def fused_adamw_applies(groups: list[dict[str, Any]], trainer: Any = None) -> bool:
     """The fused AdamW kernel (transformers' default ``adamw_torch_fused``): one kernel per step instead of a
     Python loop of per-tensor ops. Used for plain floating-point tensors on CPU or CUDA; not under DeepSpeed
-    (its ZeRO optimizer drives the steps) nor with sharded (DTensor) parameters."""
+    (its ZeRO optimizer drives the steps), with sharded (DTensor) parameters, or with Lightning's mixed
+    precision (which refuses gradient clipping for optimizers that unscale gradients themselves)."""
     strategy = type(getattr(trainer, "strategy", None)).__name__ if trainer is not None else ""
-    if "DeepSpeed" in strategy:
+    if "DeepSpeed" in strategy or "mixed" in str(getattr(trainer, "precision", "")):
         return False
     params = [p for g in groups for p in g["params"]]
     return bool(params) and all(

@@ -160,3 +160,18 @@ def test_default_adamw_is_fused_on_plain_tensors_and_steps_like_the_loop(tiny_di
         if name.endswith("k_proj.bias"):  # softmax ignores key biases: their gradient is float noise, which
             continue                      # Adam scales to full-size steps, differently per kernel
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_fused_adamw_steps_aside_for_mixed_precision_and_deepspeed():
+    from types import SimpleNamespace
+
+    from lightalign.modules.base import fused_adamw_applies
+
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
+    assert fused_adamw_applies(groups, SimpleNamespace(precision="32-true", strategy=object()))
+    assert not fused_adamw_applies(groups, SimpleNamespace(precision="bf16-mixed", strategy=object()))
+
+    class DeepSpeedStrategy:
+        pass
+
+    assert not fused_adamw_applies(groups, SimpleNamespace(precision="32-true", strategy=DeepSpeedStrategy()))
