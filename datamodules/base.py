@@ -146,8 +146,12 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def make_epoch_sampler(self) -> EpochSampler:
         """The training order: seeded per epoch, this rank's shard under DDP, resumable mid-epoch."""
+        return EpochSampler(len(self.train_dataset), **self.sampler_kwargs())
+
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """Shuffle, seed and this rank's place among the replicas: what every training sampler is built with."""
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
-        return EpochSampler(len(self.train_dataset), shuffle=self.shuffle, seed=self.seed, num_replicas=world, rank=rank)
+        return {"shuffle": self.shuffle, "seed": self.seed, "num_replicas": world, "rank": rank}
 
     # ------------------------------------------------------------------------------------- exact resume
     def state_dict(self) -> dict[str, Any]:

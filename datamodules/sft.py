@@ -232,10 +232,8 @@ class SFTDataModule(TokenizedDataModule):
     def make_epoch_sampler(self) -> EpochSampler:
         if not self.group_by_length:
             return super().make_epoch_sampler()
-        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         lengths = [len(ids) for ids in self.train_dataset["input_ids"]]
-        return LengthGroupedSampler(lengths, self.batch_size, shuffle=self.shuffle, seed=self.seed,
-                                    num_replicas=world, rank=rank)
+        return LengthGroupedSampler(lengths, self.batch_size, **self.sampler_kwargs())
 
     def default_collator(self) -> Callable:
         if self.padding_free:
