@@ -405,6 +405,14 @@ class PolicyModule(L.LightningModule):
         scheduler = self.create_lr_scheduler(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Lightning's step, then the gradients are freed at once. Lightning itself zeroes them only after the next
+        step's forward, so a whole model's worth of gradients would sit through that forward (the peak of a step);
+        the transformers Trainer frees them here too. DeepSpeed owns its gradient buffers and is left alone."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self._trainer is None or "deepspeed" not in type(self.trainer.strategy).__name__.lower():
+            optimizer.zero_grad(set_to_none=True)
+
     def create_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer over the trainable parameters: ``optimizer`` factory, ``optim`` preset, or AdamW.
         Override to build your own; the schedule (``create_lr_scheduler``) still applies."""

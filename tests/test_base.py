@@ -184,3 +184,19 @@ def test_user_eval_metrics_torchmetrics_and_callable(tiny_dir, data_dir):
     # both equal the module's own token accuracy (same predictions, same targets)
     assert logged["val/acc"] == pytest.approx(logged["val/token_accuracy"], abs=1e-6)
     assert logged["val/match"] == pytest.approx(logged["val/token_accuracy"], abs=1e-2)
+
+
+def test_gradients_freed_right_after_the_optimizer_step(tiny_dir, data_dir):
+    """Lightning zeroes gradients only after the next step's forward; the module frees them after the step, so no
+    forward runs with a model's worth of stale gradients (the step's memory peak). Accumulation keeps them."""
+    seen = []  # (micro-batch index, any gradient alive when the micro-batch starts)
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((batch_idx, any(p.grad is not None for p in pl_module.parameters())))
+
+    module = SFTModule(str(tiny_dir), from_config=True, learning_rate=1e-3)
+    data = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=4)
+    _trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[Record()]).fit(module, data)
+    # odd micro-batches continue an accumulation (gradients present), even ones start a step (none)
+    assert seen == [(i, i % 2 == 1) for i in range(6)]
