@@ -20,7 +20,6 @@ from lightalign.datamodules.formats import (
     detect_format,
     is_conversation,
     iter_rows,
-    load_rows,
     render_prompt_completion,
     require_format,
     validate_field,

@@ -1,4 +1,4 @@
-"""The policy-loading base every method builds on: model loading, LoRA, optimizers, schedules, export."""
+"""The policy-loading base every method builds on: model loading, LoRA, the optimizer hooks, checkpoints, export."""
 
 from __future__ import annotations
 
@@ -18,61 +18,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
 from lightalign.hub import load_causal_lm
-
-ScheduleType = Literal["linear", "cosine", "constant", "cosine_with_min_lr"]
-
-
-def schedule_factor(
-    step: int,
-    total_steps: int,
-    warmup_steps: int,
-    schedule: ScheduleType,
-    min_lr_rate: float = 0.0,
-) -> float:
-    """Multiplier of the peak learning rate at optimizer step ``step`` (linear warmup, then the schedule)."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return step / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    if schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "cosine":
-        return cosine
-    if schedule == "cosine_with_min_lr":
-        return min_lr_rate + (1.0 - min_lr_rate) * cosine
-    raise ValueError(f"Unknown lr_scheduler_type '{schedule}'; use one of linear, cosine, constant, cosine_with_min_lr.")
-
-
-def fused_adamw_applies(groups: list[dict[str, Any]], trainer: Any = None) -> bool:
-    """The fused AdamW kernel (transformers' default ``adamw_torch_fused``): one kernel per step instead of a
-    Python loop of per-tensor ops. Used for plain floating-point tensors on CPU or CUDA; not under DeepSpeed
-    (its ZeRO optimizer drives the steps), with sharded (DTensor) parameters, or with Lightning's mixed
-    precision (which refuses gradient clipping for optimizers that unscale gradients themselves)."""
-    strategy = type(getattr(trainer, "strategy", None)).__name__ if trainer is not None else ""
-    if "DeepSpeed" in strategy or "mixed" in str(getattr(trainer, "precision", "")):
-        return False
-    params = [p for g in groups for p in g["params"]]
-    return bool(params) and all(
-        type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
-        for p in params
-    )
-
-
-def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Trainable parameters split like the transformers Trainer: no weight decay on biases and norm weights."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if param.ndim < 2 or "norm" in name.lower() or name.endswith(".bias"):
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+from lightalign.modules.optimizers import (  # noqa: F401  (re-exported: the schedule and groups were defined here)
+    ScheduleType,
+    decay_parameter_groups,
+    fused_adamw_applies,
+    schedule_factor,
+)
+from lightalign.modules.rng_state import gather_rng_states, set_rng_state
 
 
 def apply_peft(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
@@ -104,47 +56,6 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 def is_peft_model(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
-
-
-def get_rng_state() -> dict[str, Any]:
-    """torch (CPU and CUDA), numpy and python random states, as plain tensors/tuples (``weights_only``-loadable)."""
-    import random
-
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG state (rank order), so each rank resumes its own streams."""
-    state = get_rng_state()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        states: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(states, state)
-        return states
-    return [state]
 
 
 def check_state_dict_matches(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:

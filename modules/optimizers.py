@@ -1,4 +1,5 @@
-"""Named optimizer presets (the ``optim`` names of TRL and the transformers Trainer).
+"""Optimizers and learning-rate schedules: the default AdamW's parameter groups and fused kernel, the warmup +
+decay schedule, and named optimizer presets (the ``optim`` names of TRL and the transformers Trainer).
 
 ``build_named_optimizer("adamw_8bit", model, lr=...)`` builds the optimizer over the model's trainable parameters
 only. The presets that need an optional package import it here, lazily, and say which extra installs it.
@@ -6,10 +7,68 @@ only. The presets that need an optional package import it here, lazily, and say 
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+ScheduleType = Literal["linear", "cosine", "constant", "cosine_with_min_lr"]
+
+
+def schedule_factor(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    schedule: ScheduleType,
+    min_lr_rate: float = 0.0,
+) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (linear warmup, then the schedule)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "cosine":
+        return cosine
+    if schedule == "cosine_with_min_lr":
+        return min_lr_rate + (1.0 - min_lr_rate) * cosine
+    raise ValueError(f"Unknown lr_scheduler_type '{schedule}'; use one of linear, cosine, constant, cosine_with_min_lr.")
+
+
+def fused_adamw_applies(groups: list[dict[str, Any]], trainer: Any = None) -> bool:
+    """The fused AdamW kernel (transformers' default ``adamw_torch_fused``): one kernel per step instead of a
+    Python loop of per-tensor ops. Used for plain floating-point tensors on CPU or CUDA; not under DeepSpeed
+    (its ZeRO optimizer drives the steps), with sharded (DTensor) parameters, or with Lightning's mixed
+    precision (which refuses gradient clipping for optimizers that unscale gradients themselves)."""
+    strategy = type(getattr(trainer, "strategy", None)).__name__ if trainer is not None else ""
+    if "DeepSpeed" in strategy or "mixed" in str(getattr(trainer, "precision", "")):
+        return False
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(
+        type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
+        for p in params
+    )
+
+
+def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters split like the transformers Trainer: no weight decay on biases and norm weights."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim < 2 or "norm" in name.lower() or name.endswith(".bias"):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 
 #: preset name -> (package to import, what it is); the keys are the accepted ``optim`` values.
 PRESETS = {
@@ -91,7 +150,6 @@ def build_named_optimizer(
     they also hold ``rank`` (128), ``update_proj_gap`` (200), ``scale`` (0.25) and ``proj_type`` (``std``),
     applied to the parameters ``optim_target_modules`` selects.
     """
-    from lightalign.modules.base import decay_parameter_groups
 
     check_optim_name(optim)
     args = dict(optim_args or {})

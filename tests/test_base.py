@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import lightning as L
 import pytest
 import torch
@@ -11,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightalign import SFTDataModule, SFTModule
 from lightalign.hub import load_causal_lm, normalize_init_kwargs
-from lightalign.modules.base import decay_parameter_groups, schedule_factor
+from lightalign.modules.optimizers import decay_parameter_groups, schedule_factor
 
 
 def _trainer(**kw):

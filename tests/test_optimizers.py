@@ -141,7 +141,7 @@ def test_optimizer_and_scheduler_instances(tiny_model):
 
 def test_default_adamw_is_fused_on_plain_tensors_and_steps_like_the_loop(tiny_dir):
     from lightalign import SFTModule
-    from lightalign.modules.base import decay_parameter_groups, fused_adamw_applies
+    from lightalign.modules.optimizers import decay_parameter_groups, fused_adamw_applies
 
     module = SFTModule(model=_model(tiny_dir), learning_rate=1e-3, weight_decay=0.01)
     opt = module.create_optimizer()
@@ -165,7 +165,7 @@ def test_default_adamw_is_fused_on_plain_tensors_and_steps_like_the_loop(tiny_di
 def test_fused_adamw_steps_aside_for_mixed_precision_and_deepspeed():
     from types import SimpleNamespace
 
-    from lightalign.modules.base import fused_adamw_applies
+    from lightalign.modules.optimizers import fused_adamw_applies
 
     groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
     assert fused_adamw_applies(groups, SimpleNamespace(precision="32-true", strategy=object()))
