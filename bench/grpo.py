@@ -112,7 +112,8 @@ def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dic
     module = TimedGRPOModule(
         args.model_dir, reward_funcs=[digit_fraction_reward], num_generations=args.num_generations,
         generation_batch_size=args.generation_batch, max_completion_length=args.max_completion_length,
-        temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=args.lr, lr_scheduler_type="constant")
+        temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=args.lr, lr_scheduler_type="constant",
+        prompt_sharing=args.prompt_sharing == "on")
     data = PromptDataModule(args.data, tokenizer=args.model_dir, max_prompt_length=args.max_prompt_length,
                             num_workers=0, seed=args.seed)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
@@ -187,7 +188,7 @@ def run_one(args: argparse.Namespace) -> dict:
 def spawn(args: argparse.Namespace, framework: str) -> dict | None:
     argv = ["--framework", framework, "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
     for name in ("num_generations", "generation_batch", "grad_accum", "max_completion_length", "max_prompt_length",
-                 "steps", "warmup", "threads", "lr", "max_grad_norm", "seed"):
+                 "steps", "warmup", "threads", "lr", "max_grad_norm", "seed", "prompt_sharing"):
         if getattr(args, name) is not None:
             argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return harness.spawn(__file__, argv, args.threads, f"grpo {framework}")
@@ -215,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (micro-batch = G / A)")
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--max-prompt-length", type=int, default=None, help="lightalign only; TRL 1.x has none")
+    parser.add_argument("--prompt-sharing", choices=("on", "off"), default="off",
+                        help="lightalign trains each group's prompt once (GRPOModule prompt_sharing); for long prompts")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
@@ -268,6 +271,7 @@ def run(args: argparse.Namespace) -> dict:
             "generation_batch_size": args.generation_batch, "micro_batch": args.generation_batch // args.grad_accum,
             "grad_accum": args.grad_accum, "steps_per_generation": f"default (= grad_accum = {args.grad_accum})",
             "num_iterations": 1, "max_completion_length": args.max_completion_length,
+            "lightalign_prompt_sharing": args.prompt_sharing,
             "max_prompt_length": f"{args.max_prompt_length} (lightalign; TRL 1.x has no such knob)",
             "sampling": "temperature 1.0, top_p 1.0, top_k 0, generate() with KV cache, no vLLM",
             "loss": "dapo, beta 0 (no reference), epsilon 0.2, scale_rewards group",

@@ -123,6 +123,19 @@ def shared_prefix_batch(segments: Sequence[Segment], pad_token_id: int, pack_len
     }
 
 
+def prompt_group_segments(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                          completion_lengths: torch.Tensor) -> list[Segment]:
+    """Rows ``[prompt (padded), completion]`` -> one segment per distinct prompt with its rows' completions as
+    branches (GRPO: a group's ``num_generations`` completions share one prompt). Sequence id = row index; each
+    completion keeps its first ``completion_lengths[row]`` tokens (through EOS)."""
+    groups: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
+    lengths = completion_lengths.tolist()
+    for row in range(prompt_ids.shape[0]):
+        prompt = tuple(prompt_ids[row][prompt_mask[row].bool()].tolist())
+        groups.setdefault(prompt, []).append((row, completion_ids[row, : lengths[row]].tolist()))
+    return [(list(prompt), branches) for prompt, branches in groups.items()]
+
+
 class SharedPromptCollator:
     """Preference pairs -> the shared-prefix layout: one ``[prompt, chosen, rejected]`` segment per pair.
 

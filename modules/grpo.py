@@ -19,7 +19,8 @@ from torchmetrics.aggregation import MeanMetric
 from lightalign.modules.base import PolicyModule, is_peft_model
 from lightalign.modules.generation import generate_groups
 from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
-from lightalign.modules.logprobs import selective_log_softmax
+from lightalign.datamodules.shared_prefix import prompt_group_segments, shared_prefix_batch
+from lightalign.modules.logprobs import selective_log_softmax, shared_prefix_token_logps
 from lightalign.modules.reference import build_reference, move_reference
 from lightalign.strategies.sharding import generation_context
 from lightalign.rewards import (
@@ -65,6 +66,12 @@ class GRPOModule(PolicyModule):
         share_prefill: compute each prompt's prefill once and copy its KV cache to the ``num_generations``
             completions (same completions as plain ``generate``; turn off for models whose cache is not a
             ``DynamicCache``).
+        prompt_sharing: train on each micro-batch in the shared-prefix layout: a prompt's tokens go through the
+            model once for all of its completions in the micro-batch (one ``[prompt, completion_1, ...]``
+            segment, position ids restarting after the prompt, a mask keeping completions apart), equal to the
+            padded layout within float tolerance. Worth it for long prompts; the rollout is then shuffled by
+            whole groups so a micro-batch holds whole groups. Needs ``sdpa`` or ``eager`` attention.
+        pack_length: with ``prompt_sharing``, segments are packed into rows of this many tokens.
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
@@ -96,6 +103,8 @@ class GRPOModule(PolicyModule):
         ref_model_init_kwargs: dict[str, Any] | None = None,
         log_entropy: bool = True,
         share_prefill: bool = True,
+        prompt_sharing: bool = False,
+        pack_length: int = 1024,
         **kwargs: Any,
     ) -> None:
         validate_grpo_loss_config(loss_type, epsilon, epsilon_high, beta, max_completion_length)
@@ -114,6 +123,8 @@ class GRPOModule(PolicyModule):
             raise ValueError(f"steps_per_generation must be >= 1, got {steps_per_generation}.")
         if generation_batch_size is not None:
             _check_generation_arithmetic(generation_batch_size, num_generations, steps_per_generation)
+        if pack_length < 1:
+            raise ValueError(f"pack_length must be >= 1, got {pack_length}.")
         if reward_clip is not None and reward_clip <= 0:
             raise ValueError(f"reward_clip must be > 0 or null, got {reward_clip}.")
         super().__init__(model_name_or_path, **kwargs)
@@ -180,6 +191,10 @@ class GRPOModule(PolicyModule):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()  # NEFTune, when asked
+        attn = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
+        if self.hparams.prompt_sharing and attn not in ("sdpa", "eager"):
+            raise ValueError(f"prompt_sharing needs a custom 4D attention mask, which attn_implementation='{attn}' "
+                             "does not take: set prompt_sharing: false or load the model with attn_implementation: sdpa.")
         move_reference(self.ref_model, self.device)
 
     # ------------------------------------------------------------------------------------- rollout
@@ -258,19 +273,25 @@ class GRPOModule(PolicyModule):
         rewards = clip_rewards(rewards, hp.reward_clip)
         return scale_advantages(rewards, hp.num_generations, hp.scale_rewards)
 
-    def token_logps(self, model: torch.nn.Module, mb: dict[str, torch.Tensor], with_entropy: bool = False):
+    def token_logps(self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False):
         """Per-token log-probs of the completion tokens ``[B, T]`` (and the mean entropy, detached)."""
-        input_ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
-        attention_mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
-        t = mb["completion_ids"].shape[1]
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                       logits_to_keep=t + 1).logits[:, :-1]
-        logits = logits / self.hparams.temperature  # the sampling distribution
-        logps = selective_log_softmax(logits, mb["completion_ids"])
+        b, t = mb["completion_ids"].shape
+        if "shared" in mb:  # prompt_sharing: one segment per prompt, logits only where a completion token is predicted
+            shared = mb["shared"]
+            logps, logits = shared_prefix_token_logps(model, shared, b, t, self.hparams.temperature)
+            scored = mb["completion_mask"][shared["target_sequence"], shared["target_offset"]].bool()
+        else:
+            input_ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
+            attention_mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           logits_to_keep=t + 1).logits[:, :-1]
+            logits = logits / self.hparams.temperature  # the sampling distribution
+            logps = selective_log_softmax(logits, mb["completion_ids"])
+            scored = mb["completion_mask"].bool()
         entropy = None
         if with_entropy:
             with torch.no_grad():
-                flat = logits.detach()[mb["completion_mask"].bool()].float()
+                flat = logits.detach()[scored].float()
                 if flat.numel():
                     probs = flat.softmax(-1)
                     entropy = (torch.logsumexp(flat, -1) - (probs * flat).sum(-1)).mean()
@@ -287,13 +308,27 @@ class GRPOModule(PolicyModule):
         rollout = self.generate(batch, hp.num_generations)
         self.generation_count += 1
         advantages = self.score(rollout, self.train_stats)
+        lengths = rollout["completion_mask"].sum(-1)  # generated tokens through EOS, before any masking
         if hp.mask_truncated_completions:
             rollout["completion_mask"] = rollout["completion_mask"] * (~rollout["truncated"]).long().unsqueeze(-1)
         tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         tensors["advantages"] = advantages
-        order = torch.randperm(gen, device=advantages.device)  # mix groups across micro-batches, as TRL does
+        device = advantages.device
+        if hp.prompt_sharing:  # whole groups per micro-batch, so a micro-batch's completions share their prompts
+            g = hp.num_generations
+            order = (torch.randperm(gen // g, device=device)[:, None] * g + torch.arange(g, device=device)).flatten()
+        else:
+            order = torch.randperm(gen, device=device)  # mix groups across micro-batches, as TRL does
         tensors = {k: v[order] for k, v in tensors.items()}
+        lengths = lengths[order]
         chunks = [{k: v[i * micro:(i + 1) * micro] for k, v in tensors.items()} for i in range(steps)]
+        if hp.prompt_sharing:
+            pad = self.tokenizer.pad_token_id
+            for i, mb in enumerate(chunks):
+                segments = prompt_group_segments(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                                 lengths[i * micro:(i + 1) * micro])
+                shared = shared_prefix_batch(segments, pad if pad is not None else 0, hp.pack_length)
+                mb["shared"] = {k: v.to(device) for k, v in shared.items()}
         needs_old = hp.num_iterations > 1 or steps > self.trainer.accumulate_grad_batches
         for mb in chunks:
             if needs_old:

@@ -86,3 +86,15 @@ def scatter_to_sequences(values: torch.Tensor, batch: dict[str, torch.Tensor], n
     seen = torch.zeros(num_sequences, width, dtype=torch.bool, device=values.device).index_put(
         (sequences, offsets), torch.ones_like(sequences, dtype=torch.bool))
     return out, seen
+
+
+def shared_prefix_token_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_sequences: int, width: int,
+                              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs ``[num_sequences, width]`` of the branch tokens of a shared-prefix batch (0 where a
+    sequence has no token), and the ``[targets, V]`` logits they came from (divided by ``temperature``)."""
+    logits = shared_prefix_logits(model, batch)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = selective_log_softmax(logits, batch["targets"])
+    out, _ = scatter_to_sequences(logps, batch, num_sequences, width)
+    return out, logits
