@@ -48,7 +48,8 @@ class HFExport(L.Callback):
             raise TypeError(f"{type(pl_module).__name__} has no export_hf(); HFExport works with lightalign modules.")
         from lightalign.strategies.sharding import full_state_dict
 
-        state = full_state_dict(pl_module.model)  # sharded (FSDP, ZeRO-3): a collective, so every rank gathers
+        # sharded (FSDP, FSDP2, ZeRO-3): a collective, so every rank gathers
+        state = full_state_dict(pl_module.model, root=trainer.strategy.model)
         if trainer.is_global_zero:
             pl_module.export_hf(output_dir, tokenizer=self._tokenizer(trainer, pl_module), merge_lora=self.merge_lora,
                                 state_dict=state)

@@ -133,8 +133,7 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        self._train_sampler = self.make_epoch_sampler()
-        self._apply_resume()
+        self.use_train_sampler(self.make_epoch_sampler())
         return StepTokenCountingLoader(
             self.train_dataset,
             batch_size=self.batch_size,
@@ -164,6 +163,19 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume_state = dict(state_dict) if state_dict else None
+        self._apply_resume()
+
+    def use_train_sampler(self, sampler: Any) -> None:
+        """Make ``sampler`` the training sampler, starting where a restored checkpoint left off.
+
+        A sampler built earlier and never iterated hands its pending resume point on: DeepSpeed builds a training
+        loader before the checkpoint is restored (to read its batch size), so the restore reaches that loader
+        and the fit loop then builds a fresh one, which would start the epoch over.
+        """
+        pending = getattr(getattr(self, "_train_sampler", None), "_resume", None)
+        self._train_sampler = sampler
+        if pending is not None:
+            sampler._resume = pending
         self._apply_resume()
 
     def _apply_resume(self) -> None:

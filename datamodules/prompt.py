@@ -110,8 +110,7 @@ class PromptDataModule(TokenizedDataModule):
                 "generation_batch_size."
             )
         sampler = RepeatBatchSampler(self.make_epoch_sampler(), self.prompts_per_generation, self.repeat)
-        self._train_sampler = sampler
-        self._apply_resume()
+        self.use_train_sampler(sampler)
         loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.collate_fn(),
                             num_workers=self.num_workers)
         # Expose the rank-aware EpochSampler (a DistributedSampler) so Lightning's DDP/FSDP/DeepSpeed see the

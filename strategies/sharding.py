@@ -6,7 +6,7 @@ full parameters for ``generate`` (GRPO rollouts).
 * ``shard_decoder_layers``: FSDP2 (``fully_shard``) per decoder layer, then the whole model.
 * ``generation_context``: parameters gathered for ``generate`` and released after (FSDP2, FSDP, ZeRO-3), and
   the ``generate`` kwargs that keep ranks in lock-step (``synced_gpus``) when a forward is a collective.
-* ``full_state_dict``: the policy's full (unsharded) weights — a collective: every rank calls it.
+* ``full_state_dict``: the policy's full (unsharded) weights — a collective: every rank calls it (FSDP v1: with its root).
 """
 
 from __future__ import annotations
@@ -120,8 +120,14 @@ def generation_context(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
     yield extra
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The model's full weights on CPU (collective under sharding: call on every rank); None when unsharded."""
+def full_state_dict(model: torch.nn.Module, root: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
+    """The model's full weights on CPU (collective under sharding: call on every rank, use the result on rank 0,
+    other ranks may get an empty dict); None when unsharded.
+
+    ``root``: under FSDP (v1), the FSDP module that wraps ``model`` (Lightning's ``trainer.strategy.model``). FSDP v1
+    gathers from its root only: the root holds the weights outside the decoder layers (embeddings, norm, head), and
+    a state dict taken below it would also mark the first layer as a root and break the next forward.
+    """
     kind = sharding_kind(model)
     if kind is None:
         return None
@@ -132,7 +138,21 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
             return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if kind == "fsdp2":
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    root = model if root is None and isinstance(model, FullyShardedDataParallel) else root
+    if not isinstance(root, FullyShardedDataParallel) or not any(m is model for m in root.modules()):
+        raise ValueError("Under FSDP (v1) full_state_dict needs root=<the FSDP module wrapping the model> "
+                         "(trainer.strategy.model in Lightning).")
+    prefix = "" if root is model else next(n for n, m in root.module.named_modules() if m is model) + "."
+    prefix = prefix.replace("_fsdp_wrapped_module.", "")  # the state dict's names have no FSDP wrappers
+    # FSDP (v1) "offloads" each gathered tensor with .to("cpu") and then frees the gathered storage: for parameters
+    # already on CPU that is the same storage, and the state dict would point at freed memory (a segfault)
+    offload = any(p.device.type != "cpu" for p in model.parameters())
+    state = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    return {k.removeprefix(prefix): v.detach().cpu() for k, v in state.items() if k.startswith(prefix)}
 
 
 @contextmanager

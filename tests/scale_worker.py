@@ -1,15 +1,19 @@
 """Train SFT, DPO and GRPO for a few steps under one strategy and dump the weights (used by tests/test_scale.py).
 
 python tests/scale_worker.py --strategy ddp --devices 2 --out DIR [--methods sft,dpo,grpo] [--batch-mult 2]
+    [--resume-check [STRATEGY ...]] [--fail-at-step N --fail-mode exit|hang --timeout-s S]
 Writes DIR/<method>_rank<r>.pt (each rank's own view: replicated strategies) and, from rank 0, DIR/<method>.pt
-(the full weights: gathered under sharding) and DIR/<method>_hf (the HF export).
+(the full weights: gathered under sharding), DIR/<method>_init.pt (before training) and DIR/<method>_hf (the HF
+export); with --resume-check, DIR/ckpt_<STRATEGY>/ and DIR/sft_resumed_<STRATEGY>.pt.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -41,7 +45,7 @@ class SaveInitial(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         from lightalign.strategies import full_state_dict
 
-        full = full_state_dict(pl_module.model)
+        full = full_state_dict(pl_module.model, root=trainer.strategy.model)
         if trainer.is_global_zero:
             torch.save(full if full is not None else pl_module.model.state_dict(), self.path)
 
@@ -89,11 +93,13 @@ def seeded_grpo_class():
 
 
 def build(method: str, mult: int):
-    from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
+    from lightalign import DPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
 
     # SGD: the update is linear in the gradient, so float noise stays noise (Adam's first steps turn a gradient
-    # of 1e-9 into a full-size update of either sign)
-    common = dict(from_config=True, optimizer=lambda params: torch.optim.SGD(params, lr=0.5), lr_scheduler_type="constant")
+    # of 1e-9 into a full-size update of either sign). Momentum gives the optimizer a state that a resumed run
+    # must restore (and FSDP v1's sharded checkpoint cannot reload a stateless optimizer: no "state" is written).
+    common = dict(from_config=True, optimizer=lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+                  lr_scheduler_type="constant")
     if method == "sft":
         return SFTModule(TINY, **common), SFTDataModule(rows("arithmetic_sft.jsonl", 32), tokenizer=TINY,
                                                         batch_size=4 * mult, max_length=32)
@@ -107,31 +113,55 @@ def build(method: str, mult: int):
     raise SystemExit(f"unknown method {method}")
 
 
-def strategy(name: str, devices: int):
+class FailRank1(L.Callback):
+    """When step ``step`` starts, global rank 1 exits at once (``exit``: no cleanup, like a crashed or killed
+    process) or stops taking part while staying alive (``hang``: like a stuck process or an unreachable node)."""
+
+    def __init__(self, step: int, mode: str) -> None:
+        self.step, self.mode = step, mode
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.step:
+            print(f"rank 1: {self.mode} at step {self.step}", file=sys.stderr, flush=True)
+            if self.mode == "hang":
+                time.sleep(600)  # the test kills it long before
+            os._exit(3)
+
+
+def strategy(name: str, timeout_s: float | None):
+    """Test strategies: ``single``, ``zero1/2/3`` and ``cpu_fsdp[_full]`` (CPU subclasses), else a preset name."""
     if name == "single":
         return "auto"
+    timeout = {} if timeout_s is None else {"timeout_s": timeout_s}
     if name.startswith("zero"):
         from cpu_strategies import CPUDeepSpeedStrategy
 
         from lightalign.strategies import deepspeed_config
-        return CPUDeepSpeedStrategy(config=deepspeed_config(int(name[-1])), process_group_backend="gloo")
+        return CPUDeepSpeedStrategy(config=deepspeed_config(int(name[-1])), process_group_backend="gloo", **timeout)
+    if name in ("cpu_fsdp", "cpu_fsdp_full"):
+        from cpu_strategies import CPUFSDPStrategy
+
+        return CPUFSDPStrategy(state_dict_type="full" if name.endswith("full") else "sharded", **timeout)
     from lightalign.strategies import make_strategy
-    return make_strategy(name)
+    return make_strategy(name, **timeout)
 
 
-def fit(args, method: str, max_steps: int, ckpt_dir: Path | None = None, ckpt_path: str | None = None):
+def fit(args, method: str, max_steps: int, ckpt_dir: Path | None = None, ckpt_path: str | None = None,
+        strategy_name: str | None = None):
     from lightalign.callbacks import HFExport
 
     L.seed_everything(1234)
     module, data = build(method, args.batch_mult)
     out = Path(args.out)
-    callbacks = [HFExport(output_dir=str(out / f"{method}_hf"))]
-    if ckpt_dir is None and ckpt_path is None:
-        callbacks.append(SaveInitial(out / f"{method}_init.pt"))
+    callbacks = []
+    if ckpt_dir is None and ckpt_path is None:  # the resume check's runs neither export nor record the start
+        callbacks += [HFExport(output_dir=str(out / f"{method}_hf")), SaveInitial(out / f"{method}_init.pt")]
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1, save_last=True))
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args.strategy, args.devices),
-                        num_nodes=args.num_nodes,
+    if args.fail_at_step is not None:
+        callbacks.append(FailRank1(args.fail_at_step, args.fail_mode))
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+                        strategy=strategy(strategy_name or args.strategy, args.timeout_s),
                         max_steps=max_steps, logger=False, enable_checkpointing=ckpt_dir is not None,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=callbacks)
@@ -149,7 +179,12 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--resume-check", action="store_true", help="SFT: save at step 1, resume to --steps")
+    parser.add_argument("--resume-check", nargs="*", metavar="STRATEGY",
+                        help="SFT: save at step 1 and resume to --steps under each STRATEGY (default: --strategy); "
+                             "writes sft_resumed_<STRATEGY>.pt")
+    parser.add_argument("--fail-at-step", type=int, help="global rank 1 fails when this step starts")
+    parser.add_argument("--fail-mode", choices=("exit", "hang"), default="exit", help="how rank 1 fails (FailRank1)")
+    parser.add_argument("--timeout-s", type=float, help="the strategy's collective timeout")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -160,7 +195,7 @@ def main() -> None:
 
     for method in args.methods.split(","):
         trainer, module = fit(args, method, args.steps)
-        full = full_state_dict(module.model)
+        full = full_state_dict(module.model, root=trainer.strategy.model)
         torch.save({k: v.detach().cpu() for k, v in module.model.state_dict().items()} if full is None else {},
                    out / f"{method}_rank{trainer.global_rank}.pt")
         if trainer.is_global_zero:
@@ -172,12 +207,13 @@ def main() -> None:
                                             for p in ref.parameters()),
                         "numel": sum(p.numel() for p in ref.parameters())}
                 (out / f"{method}_ref.json").write_text(json.dumps(info))
-    if args.resume_check:
-        fit(args, "sft", 1, ckpt_dir=out / "ckpt")
-        trainer, module = fit(args, "sft", args.steps, ckpt_path=str(out / "ckpt" / "last.ckpt"))
-        full = full_state_dict(module.model)
+    for name in ([args.strategy] if args.resume_check == [] else args.resume_check or []):
+        fit(args, "sft", 1, ckpt_dir=out / f"ckpt_{name}", strategy_name=name)
+        trainer, module = fit(args, "sft", args.steps, ckpt_path=str(out / f"ckpt_{name}" / "last.ckpt"),
+                              strategy_name=name)
+        full = full_state_dict(module.model, root=trainer.strategy.model)
         if trainer.is_global_zero:
-            torch.save(full if full is not None else module.model.state_dict(), out / "sft_resumed.pt")
+            torch.save(full if full is not None else module.model.state_dict(), out / f"sft_resumed_{name}.pt")
     print("DONE", file=sys.stderr)
 
 

@@ -1,11 +1,15 @@
-"""Scale, for real on CPU with 2 gloo processes: DDP and FSDP2 equal a single process with the same global batch
-(SFT, DPO, GRPO with seeded generation), FSDP2 resumes a sharded checkpoint exactly, DeepSpeed ZeRO-2/3 train and
-export (through the CPU test subclass), 2 simulated nodes end equal, and launch mistakes fail fast."""
+"""Scale, for real on CPU with 2 gloo processes: DDP, FSDP2, FSDP (v1) and DeepSpeed ZeRO-2 equal a single process
+with the same global batch (SFT, DPO, GRPO with seeded generation); FSDP2, FSDP (v1, sharded and full state dict)
+and ZeRO-2/3 checkpoints taken at step 1 resume to exactly the uninterrupted weights; ZeRO-3 trains with whole
+references; every export reloads; 2 simulated nodes end equal; a rank that exits or hangs makes the other fail
+within the preset's collective timeout; launch mistakes fail fast. FSDP (v1) and DeepSpeed run through CPU test
+subclasses (tests/cpu_strategies.py): Lightning refuses both without a GPU."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -50,6 +54,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _check_resumed(out: Path, strategy: str) -> None:
+    """A checkpoint taken at step 1 and resumed to step 2 ends where the uninterrupted run did (optimizer state
+    included: SGD momentum), to the bit."""
+    assert _max_diff(_load(out / f"sft_resumed_{strategy}.pt"), _load(out / "sft.pt")) == 0.0, strategy
 
 
 @pytest.fixture(scope="module")
@@ -97,25 +107,50 @@ def test_fsdp2_two_processes_equal_single_process_and_resume(single, tmp_path):
         assert _max_diff(fsdp, one) < 1e-5, method
         _check_export(tmp_path, method)
     # a sharded checkpoint (one folder, a shard per rank) taken at step 1 and resumed to step 2 = uninterrupted
-    assert (tmp_path / "ckpt" / "last.ckpt").is_dir()
-    assert _max_diff(_load(tmp_path / "sft_resumed.pt"), _load(tmp_path / "sft.pt")) == 0.0
+    assert (tmp_path / "ckpt_fsdp2" / "last.ckpt").is_dir()
+    _check_resumed(tmp_path, "fsdp2")
     _check_reference(tmp_path, "dpo", _load(tmp_path / "dpo.pt"))
 
 
-def test_deepspeed_zero2_and_zero3_on_cpu(single, tmp_path):
+def test_fsdp_v1_two_processes_equal_single_process_and_resume(single, tmp_path):
+    """FSDP (v1), one unit per decoder layer (CPUFSDPStrategy: DecoderFSDPStrategy with device_id=cpu)."""
+    _run(_worker(tmp_path, "cpu_fsdp", "--devices", "2", "--resume-check", "cpu_fsdp", "cpu_fsdp_full"))
+    for method in METHODS:
+        assert _max_diff(_load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt")) < 1e-5, method
+        _check_export(tmp_path, method)
+    for method in ("dpo", "grpo"):
+        _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
+    # sharded state dict: a folder with one shard per rank; full: one file gathered on rank 0
+    assert len(list((tmp_path / "ckpt_cpu_fsdp" / "last.ckpt").glob("*.distcp"))) == 2
+    assert (tmp_path / "ckpt_cpu_fsdp_full" / "last.ckpt").is_file()
+    _check_resumed(tmp_path, "cpu_fsdp")
+    _check_resumed(tmp_path, "cpu_fsdp_full")
+
+
+def test_deepspeed_zero2_equals_single_process_and_resumes(single, tmp_path):
     pytest.importorskip("deepspeed")
-    _run(_worker(tmp_path / "z2", "zero2", "--devices", "2", "--methods", "sft"))
-    assert _max_diff(_load(tmp_path / "z2" / "sft.pt"), _load(single / "sft.pt")) < 1e-5
-    _check_export(tmp_path / "z2", "sft")
+    _run(_worker(tmp_path, "zero2", "--devices", "2", "--resume-check"))
+    for method in METHODS:
+        assert _max_diff(_load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt")) < 1e-5, method
+    _check_export(tmp_path, "sft")
+    for method in ("dpo", "grpo"):
+        _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
+    assert (tmp_path / "ckpt_zero2" / "last.ckpt" / "checkpoint").is_dir()  # DeepSpeed's folder, a shard per rank
+    _check_resumed(tmp_path, "zero2")
+
+
+def test_deepspeed_zero3_trains_exports_and_resumes(tmp_path):
+    pytest.importorskip("deepspeed")
     # ZeRO-3: transformers initialises the partitioned random weights itself (other values than one process),
     # so check training moved them, the export holds the gathered weights, and the references are whole.
-    z3 = tmp_path / "z3"
-    _run(_worker(z3, "zero3", "--devices", "2"))
+    _run(_worker(tmp_path, "zero3", "--devices", "2", "--resume-check"))
     for method in METHODS:
-        assert _max_diff(_load(z3 / f"{method}.pt"), _load(z3 / f"{method}_init.pt")) > 1e-2, method
-        _check_export(z3, method)
+        assert _max_diff(_load(tmp_path / f"{method}.pt"), _load(tmp_path / f"{method}_init.pt")) > 1e-2, method
+        _check_export(tmp_path, method)
     for method in ("dpo", "grpo"):
-        _check_reference(z3, method, _load(z3 / f"{method}.pt"))
+        _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
+    # the resumed run starts from other random weights too, which the checkpoint overwrites (weights and momentum)
+    _check_resumed(tmp_path, "zero3")
 
 
 def test_two_nodes_on_localhost_plain_and_torchrun(tmp_path):
@@ -144,6 +179,42 @@ def test_two_nodes_on_localhost_plain_and_torchrun(tmp_path):
         assert all(torch.equal(w0[k], w1[k]) for k in w0)
         assert _max_diff(w0, _load(a / "sft_init.pt")) > 1e-2
     assert _max_diff(_load(plain[0] / "sft_rank0.pt"), _load(elastic[0] / "sft_rank0.pt")) < 1e-6
+
+
+def test_dead_or_stuck_rank_fails_within_the_timeout(tmp_path):
+    """2 nodes x 1 process, each launched on its own (no launcher watches the other process, as across machines),
+    the ddp preset with timeout_s=20. When step 1 starts, rank 1 exits (os._exit) in one run and hangs alive in the
+    other; rank 0 must stop with an error instead of waiting (the default timeout is 30 min, the bound here 5)."""
+    runs = {}
+    for mode in ("exit", "hang"):
+        port = str(_free_port())
+        runs[mode] = []
+        for rank in (0, 1):
+            log = open(tmp_path / f"{mode}{rank}.err", "w")
+            cmd = _worker(tmp_path / f"{mode}{rank}", "ddp", "--num-nodes", "2", "--methods", "sft", "--steps", "3",
+                          "--fail-at-step", "1", "--fail-mode", mode, "--timeout-s", "20")
+            runs[mode].append(subprocess.Popen(cmd, env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank)),
+                                               stdout=subprocess.DEVNULL, stderr=log))
+            log.close()
+    try:
+        for mode in runs:  # the safety net: rank 0 waiting for the 30 min default would fail here
+            runs[mode][0].wait(timeout=300)
+        hung_alive = runs["hang"][1].poll() is None
+    finally:
+        for proc in runs["exit"] + runs["hang"]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    err = {f"{mode}{rank}": (tmp_path / f"{mode}{rank}.err").read_text() for mode in runs for rank in (0, 1)}
+    for mode in runs:  # rank 1 failed mid-training (after the process group and step 0 worked), rank 0 did not finish
+        assert f"rank 1: {mode} at step 1" in err[f"{mode}1"], err[f"{mode}1"][-3000:]
+        assert runs[mode][0].returncode != 0 and "DONE" not in err[f"{mode}0"], err[f"{mode}0"][-3000:]
+    assert runs["exit"][1].returncode == 3
+    # an exited peer's sockets are closed by its OS: gloo fails the pending collective at once
+    assert re.search(r"Connection (reset|closed) by peer|Broken pipe", err["exit0"]), err["exit0"][-3000:]
+    # a live but silent peer: the collective gives up after the preset's timeout_s, not the 30 min default
+    assert hung_alive
+    assert re.search(r"Timed out waiting 20000ms for (send|recv) operation", err["hang0"]), err["hang0"][-3000:]
 
 
 # ------------------------------------------------------------------------------------------- fast checks

@@ -228,3 +228,18 @@ def test_group_by_length_datamodule_resumes_mid_epoch(tiny_dir, data_dir):
     with pytest.raises(ValueError, match="group_by_length"):
         SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), packing=True,
                       group_by_length=True)
+
+
+def test_resume_point_reaches_a_loader_built_after_the_restore(tiny_dir, data_dir):
+    """DeepSpeed builds a training loader before the checkpoint is restored (to read its batch size) and the fit
+    loop builds another after it: the second must still start after the batches already trained on."""
+    from lightalign import SFTDataModule
+
+    dm = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=4)
+    dm.setup("fit")
+    full = [b["input_ids"].tolist() for b in dm.train_dataloader()]
+    dm.train_dataloader()  # built before the restore, never iterated
+    dm.load_state_dict({"epoch": 0, "batches_done": 3})
+    assert [b["input_ids"].tolist() for b in dm.train_dataloader()] == full[3:]
+    # consumed: the next loader of the epoch starts from its first batch
+    assert [b["input_ids"].tolist() for b in dm.train_dataloader()] == full
