@@ -269,10 +269,21 @@ class PolicyModule(L.LightningModule):
         if policy == "off" or (self._trainer is not None and str(self.trainer.precision) == "16-mixed"):
             return False
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        # one fused reduction per step (a per-tensor isfinite loop cost 13-25% of a small model's step)
-        if not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
+        # one fused reduction per step (a per-tensor isfinite loop cost 13-25% of a small model's step); the
+        # norms are kept for this step's gradient clipping, which then needs no second pass over the gradients
+        norms = torch.stack(torch._foreach_norm(grads)) if grads else None
+        self._step_grad_norms = (grads, norms)
+        local_bad = norms is not None and not bool(torch.isfinite(norms).all())
+        bad_anywhere = local_bad
+        if self._trainer is not None and self.trainer.world_size > 1:
+            # sharded strategies (FSDP v1) give each rank its own slice of the gradients: every rank must make the
+            # same skip/stop decision, so one scalar all-reduce per step settles it (every rank reaches it)
+            flag = torch.tensor(float(local_bad), device=self.device)
+            bad_anywhere = bool(self.trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+        if not bad_anywhere:
             return False
-        bad = next(n for n, p in self.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all())
+        bad = next((n for n, p in self.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()),
+                   "(on another rank's shard)")
         step = self.global_step
         batch_idx = self.trainer.fit_loop.epoch_loop.batch_idx if self._trainer is not None else -1
         where = f"optimizer step {step} (epoch {self.current_epoch}, batch {batch_idx}), first in parameter '{bad}'"
@@ -281,12 +292,33 @@ class PolicyModule(L.LightningModule):
                 f"Non-finite gradient at {where}. Lower the learning rate, enable gradient_clip_val, check the data "
                 "of that batch, or set nonfinite: skip to skip such steps."
             )
+        self._step_grad_norms = None
         for p in self.parameters():
             p.grad = None  # optimizers skip parameters without gradients: no update, no weight decay, no momentum
         self.nonfinite_steps += 1
         warnings.warn(f"Skipped {where}: non-finite gradient ({self.nonfinite_steps} skipped so far).", stacklevel=2)
         self.log("train/nonfinite_steps", float(self.nonfinite_steps), on_step=True)
         return True
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Norm clipping from the per-tensor norms the non-finite guard just computed (one pass over the gradients
+        instead of two), exactly ``torch.nn.utils.clip_grad_norm_``'s arithmetic; the multiply is skipped when the
+        norm is under the limit (a factor of 1 changes nothing). Sharded strategies, fp16 loss scaling and value
+        clipping go through Lightning as usual."""
+        cached, self._step_grad_norms = getattr(self, "_step_grad_norms", None), None
+        strategy = type(self.trainer.strategy).__name__ if self._trainer is not None else ""
+        plain = strategy in ("SingleDeviceStrategy", "DDPStrategy") and "16-mixed" not in str(self.trainer.precision)
+        if (not gradient_clip_val or str(gradient_clip_algorithm or "norm") != "norm" or cached is None
+                or cached[1] is None or not plain):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        grads, norms = cached
+        if any(p.grad is not g for p, g in zip((p for p in self.parameters() if p.grad is not None), grads)):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        total = torch.linalg.vector_norm(norms, 2.0)
+        coef = torch.clamp(float(gradient_clip_val) / (total + 1e-6), max=1.0)
+        if bool(coef < 1.0):
+            torch._foreach_mul_(grads, coef)
 
     def update_eval_metrics(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         """Feed the user's ``eval_metrics`` with one batch of predictions and targets."""

@@ -198,3 +198,35 @@ def test_gradients_freed_right_after_the_optimizer_step(tiny_dir, data_dir):
     _trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[Record()]).fit(module, data)
     # odd micro-batches continue an accumulation (gradients present), even ones start a step (none)
     assert seen == [(i, i % 2 == 1) for i in range(6)]
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e6])  # clipped, and under the limit
+def test_clipping_from_the_guards_norms_equals_lightning_clipping(tiny_dir, data_dir, clip):
+    """The module clips with the per-tensor norms the non-finite guard computed; the gradients the optimizer sees
+    are bit-equal to Lightning's own clip_grad_norm_ path."""
+
+    class Recording(torch.optim.SGD):
+        seen: list = []
+
+        def step(self, closure=None):
+            loss = super().step(closure)
+            Recording.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None])
+            return loss
+
+    class LightningClipping(SFTModule):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            L.LightningModule.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    runs = []
+    for cls in (SFTModule, LightningClipping):
+        Recording.seen = []
+        L.seed_everything(0)
+        module = cls(str(tiny_dir), from_config=True, optimizer=lambda p: Recording(p, lr=1e-2))
+        data = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=4)
+        _trainer(max_steps=2, gradient_clip_val=clip).fit(module, data)
+        runs.append(Recording.seen)
+    assert len(runs[0]) == 2
+    for ours, theirs in zip(*runs):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    total = torch.linalg.vector_norm(torch.stack([g.norm() for g in runs[0][0]]))
+    assert total <= clip * 1.001 if clip < 1 else total > 1e-2  # the small limit did clip, the large one did not
