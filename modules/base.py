@@ -353,6 +353,7 @@ class PolicyModule(L.LightningModule):
         step's forward, so a whole model's worth of gradients would sit through that forward (the peak of a step);
         the transformers Trainer frees them here too. DeepSpeed owns its gradient buffers and is left alone."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self._step_grad_norms = None  # the guard's references to this step's gradients, if clipping did not take them
         if self._trainer is None or "deepspeed" not in type(self.trainer.strategy).__name__.lower():
             optimizer.zero_grad(set_to_none=True)
 
