@@ -109,3 +109,19 @@ def prompt_data(tiny_dir, data_dir):
         return PromptDataModule(str(data_dir / "arithmetic_prompts.jsonl"), tokenizer=str(tiny_dir), max_prompt_length=16, **kw)
 
     return make
+
+
+@pytest.fixture
+def grad_capture():
+    """A callback class recording every optimizer step's gradients (name -> tensor), before the step."""
+    import lightning as L
+
+    class GradCapture(L.Callback):
+        def __init__(self):
+            self.grads = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+                               if p.grad is not None})
+
+    return GradCapture

@@ -41,21 +41,13 @@ def test_generation_count_follows_steps_per_generation_and_num_iterations(tiny_d
     assert trainer.global_step == 6
 
 
-class _GradCapture(L.Callback):
-    def __init__(self):
-        self.grads = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
-
-
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_accumulation_4x2_equals_1x8(loss_type, quiet_trainer, grpo_module, prompt_data):
+def test_accumulation_4x2_equals_1x8(loss_type, quiet_trainer, grpo_module, prompt_data, grad_capture):
     def one_step_grads(accumulate):
         L.seed_everything(0)
         module = grpo_module(generation_batch_size=8, loss_type=loss_type,
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
-        capture = _GradCapture()
+        capture = grad_capture()
         quiet_trainer(max_steps=1, accumulate_grad_batches=accumulate, callbacks=[capture]).fit(module, prompt_data())
         return capture.grads[0]
 

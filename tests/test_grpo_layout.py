@@ -74,15 +74,8 @@ def test_shared_token_logps_entropy_and_grads_equal_padded(grpo_module, attn, pa
         torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-class _GradCapture(L.Callback):
-    def __init__(self):
-        self.grads = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
-
-
-def test_training_step_gradient_equal_with_and_without_prompt_sharing(quiet_trainer, grpo_module, prompt_data):
+def test_training_step_gradient_equal_with_and_without_prompt_sharing(quiet_trainer, grpo_module, prompt_data,
+                                                                       grad_capture):
     """One optimizer step over a whole rollout (dapo: normalised by the step's tokens, so the micro-batch split does
     not matter): the same gradient in both layouts, and prompt sharing puts whole groups in each micro-batch."""
 
@@ -90,7 +83,7 @@ def test_training_step_gradient_equal_with_and_without_prompt_sharing(quiet_trai
         L.seed_everything(0)  # the same rollout in both runs (generation comes before any shuffling)
         module = grpo_module(generation_batch_size=8, prompt_sharing=sharing, max_completion_length=8,
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
-        capture = _GradCapture()
+        capture = grad_capture()
         quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[capture]).fit(module, prompt_data())
         return capture.grads[0], module._buffer
 

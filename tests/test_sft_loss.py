@@ -46,19 +46,11 @@ def test_sft_loss_gradient_only_from_target_positions():
     assert torch.equal(grad_rows > 0, expected)
 
 
-class _GradCapture(L.Callback):
-    def __init__(self):
-        self.grads = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
-
-
-def _step_gradients(tiny_dir, rows_path, batch_size, accumulate):
+def _step_gradients(tiny_dir, rows_path, batch_size, accumulate, grad_capture):
     L.seed_everything(0)
     module = SFTModule(str(tiny_dir), from_config=True, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
     data = SFTDataModule(rows_path, tokenizer=str(tiny_dir), batch_size=batch_size, shuffle=False, max_length=64)
-    capture = _GradCapture()
+    capture = grad_capture()
     trainer = L.Trainer(
         accelerator="cpu", max_steps=1, accumulate_grad_batches=accumulate, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[capture],
@@ -68,25 +60,25 @@ def _step_gradients(tiny_dir, rows_path, batch_size, accumulate):
     return capture.grads[0]
 
 
-def test_accumulation_4x2_equals_one_batch_of_8(tiny_dir, write_jsonl):
+def test_accumulation_4x2_equals_one_batch_of_8(tiny_dir, write_jsonl, grad_capture):
     # Very different completion lengths per micro-batch: a per-micro-batch mean would weight them wrongly.
     completions = ["1", "22222222222222222222", "3", "4", "5555555555", "66", "7777777777777777", "8"]
     rows = [{"prompt": f"{i}+{i}=", "completion": c} for i, c in enumerate(completions)]
     path = write_jsonl(rows)
-    full = _step_gradients(tiny_dir, path, batch_size=8, accumulate=1)
-    accum = _step_gradients(tiny_dir, path, batch_size=2, accumulate=4)
+    full = _step_gradients(tiny_dir, path, batch_size=8, accumulate=1, grad_capture=grad_capture)
+    accum = _step_gradients(tiny_dir, path, batch_size=2, accumulate=4, grad_capture=grad_capture)
     assert full.keys() == accum.keys() and full
     for name in full:
         torch.testing.assert_close(accum[name], full[name], atol=1e-6, rtol=0, msg=name)
 
 
-def test_per_micro_batch_mean_would_differ(tiny_dir, write_jsonl):
+def test_per_micro_batch_mean_would_differ(tiny_dir, write_jsonl, grad_capture):
     """Guard that the equivalence test can fail: the naive per-micro-batch mean gives another gradient."""
     from torch.utils.data import DataLoader
 
     completions = ["1", "22222222222222222222", "3", "4", "5555555555", "66", "7777777777777777", "8"]
     path = write_jsonl([{"prompt": f"{i}+{i}=", "completion": c} for i, c in enumerate(completions)])
-    full = _step_gradients(tiny_dir, path, batch_size=8, accumulate=1)
+    full = _step_gradients(tiny_dir, path, batch_size=8, accumulate=1, grad_capture=grad_capture)
 
     class NaiveData(SFTDataModule):
         def train_dataloader(self):
@@ -94,7 +86,7 @@ def test_per_micro_batch_mean_would_differ(tiny_dir, write_jsonl):
 
     L.seed_everything(0)
     module = SFTModule(str(tiny_dir), from_config=True, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
-    capture = _GradCapture()
+    capture = grad_capture()
     trainer = L.Trainer(accelerator="cpu", max_steps=1, accumulate_grad_batches=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[capture])
