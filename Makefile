@@ -19,10 +19,10 @@ export TOKENIZERS_PARALLELISM := false
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The CPU wheel of torch first: a bare `torch` requirement would pull a multi-GB CUDA build. --no-compile: no byte-compiling of every installed file (imports compile what they use).
+# The CPU wheel of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q --no-compile torch==2.13.0
-	$(BIN)/python -m pip install -q --no-compile -e '.[dev]'
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
