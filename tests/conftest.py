@@ -12,6 +12,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (`make test` runs two workers on two cores) each worker and every subprocess it starts gets
+    # one intra-op thread: two workers with two threads each oversubscribe the cores, and OpenMP's spin-waiting
+    # then slows every tiny-model step several times over.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "assets" / "models" / "tiny"
