@@ -8,10 +8,11 @@
 Needs the benchmark extra (`pip install -e '.[bench]'`: TRL + matplotlib; `make bench` builds a separate venv).
 First the machine's fp32 matmul peak is measured (harness.measure_matmul_flops); then for each model and data
 shape (bench/data.py) it runs bench/sft.py (padding / padding_free / packing / group_by_length), bench/dpo.py
-(online / precomputed reference, lightalign prompt_sharing on / off) and bench/grpo.py, each run in its own
-process, frameworks alternating, medians over --repeats. One table closes the run (per row: the figure of each
-side, the ratio, MFU = model FLOP/s over the matmul peak, peak RSS), followed by the issue's targets; JSON goes to
-bench/results/suite.json and a bar chart of the ratios to bench/results/suite.png.
+(online / precomputed reference, lightalign prompt_sharing on / off) and bench/grpo.py (lightalign prompt_sharing
+off alternating with TRL, then on), each run in its own process, frameworks alternating, medians over --repeats.
+One table closes the run (per row: the figure of each side, the ratio, MFU = model FLOP/s over the matmul peak,
+peak RSS), followed by the issue's targets; JSON goes to bench/results/suite.json and a bar chart of the ratios
+to bench/results/suite.png.
 """
 
 from __future__ import annotations
@@ -76,11 +77,13 @@ def rows_of(bench: str, result: dict, model: str, shape: str, peak: float) -> li
             row(f"{r['mode']} ref, prompt_sharing {r['prompt_sharing']}", "pairs/s", r["lightalign_pairs_per_sec"],
                 r["trl_pairs_per_sec"], r["lightalign_model_flops_per_sec"], r["trl_model_flops_per_sec"],
                 r["lightalign_peak_rss_mb"], r["trl_peak_rss_mb"])
-    else:
-        la, tr = result["summary"].get("lightalign", {}), result["summary"].get("trl", {})
-        row("generate + train", "completions/s", la.get("completions_per_sec"), tr.get("completions_per_sec"),
-            la.get("model_flops_per_sec"), tr.get("model_flops_per_sec"), la.get("peak_rss_mb"),
-            tr.get("peak_rss_mb"))
+    else:  # one result per lightalign prompt_sharing setting; TRL ran alongside the first (see main)
+        tr = result["runs"][0]["summary"].get("trl", {})
+        for sharing, res in zip(("off", "on"), result["runs"]):
+            la = res["summary"].get("lightalign", {})
+            row(f"generate + train, prompt_sharing {sharing}", "completions/s", la.get("completions_per_sec"),
+                tr.get("completions_per_sec"), la.get("model_flops_per_sec"), tr.get("model_flops_per_sec"),
+                la.get("peak_rss_mb"), tr.get("peak_rss_mb"))
     return out
 
 
@@ -192,8 +195,11 @@ def main() -> None:
                 elif bench == "dpo":
                     result = dpo.run(namespace(dpo, common + quick + ["--shape", shape, "--prompt-sharing", "on",
                                                                        "off"], contention))
-                else:
-                    result = grpo.run(namespace(grpo, common + quick + ["--shape", shape], contention))
+                else:  # prompt_sharing off: both frameworks alternating; on: lightalign only, right after
+                    argv = common + quick + ["--shape", shape]
+                    result = {"runs": [grpo.run(namespace(grpo, argv + ["--prompt-sharing", "off"], contention)),
+                                       grpo.run(namespace(grpo, argv + ["--prompt-sharing", "on", "--frameworks",
+                                                                        "lightalign"], contention))]}
                 rows += rows_of(bench, result, model, shape, peak)
                 details.append({"benchmark": bench, "model": model, "shape": shape, **result})
     print_table(rows)
