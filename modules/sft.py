@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
+from lightalign.modules.attention import VARLEN_SDPA, sequence_boundaries, use_varlen_sdpa
 from lightalign.modules.base import PolicyModule
 
 IGNORE_INDEX = -100
@@ -65,8 +66,19 @@ class SFTModule(PolicyModule):
         self.tokens_seen = 0
 
     # ------------------------------------------------------------------------------------- forward
+    def _prepare_model(self) -> None:
+        super()._prepare_model()
+        # sdpa -> sdpa_varlen: padding-free rows attend per sequence instead of through a [T, T] block mask
+        # (modules/attention.py); every other batch runs plain sdpa.
+        use_varlen_sdpa(self.model)
+
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        if is_packed_row(batch) and getattr(self.model.config, "_attn_implementation", None) == VARLEN_SDPA:
+            bounds = batch.get("cu_seq_lens_q")
+            if bounds is None:
+                bounds = sequence_boundaries(batch["position_ids"])
+            inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
         return self.model(**inputs, use_cache=False).logits
 
     def _step_denominator(self, batch: dict[str, torch.Tensor], local_tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -148,6 +160,11 @@ class SFTModule(PolicyModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self.tokens_seen = int(checkpoint.get("lightalign", {}).get("tokens_seen", 0))
+
+
+def is_packed_row(batch: dict[str, torch.Tensor]) -> bool:
+    """A padding-free batch: one row, ``position_ids`` given and no attention mask."""
+    return ("position_ids" in batch and "attention_mask" not in batch and batch["input_ids"].shape[0] == 1)
 
 
 def count_input_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:

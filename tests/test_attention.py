@@ -1,0 +1,117 @@
+"""sdpa_varlen (modules/attention.py): per-sequence attention on padding-free rows equals sdpa's block mask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightalign.modules.attention import VARLEN_SDPA, sequence_boundaries, use_varlen_sdpa
+
+
+def test_sequence_boundaries_follow_position_restarts():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
+    assert sequence_boundaries(pos).tolist() == [0, 3, 5, 6, 10]
+    # a sequence may start at any position (transformers' rule: a break wherever the position is not previous + 1)
+    assert sequence_boundaries(torch.tensor([[5, 6, 7, 2, 3]])).tolist() == [0, 3, 5]
+    assert sequence_boundaries(torch.tensor([[0, 1, 2]])).tolist() == [0, 3]
+    with pytest.raises(ValueError, match="one packed row"):
+        sequence_boundaries(torch.tensor([[0, 1], [0, 1]]))
+
+
+def _packed_row(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 1000, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return ids, pos
+
+
+def test_varlen_equals_block_mask_and_separate_forwards_with_gradients(tiny_model):
+    lengths = [7, 1, 12, 5, 9]
+    ids, pos = _packed_row(lengths)
+    tiny_model.config._attn_implementation = "sdpa"
+    tiny_model.train()
+    ref = tiny_model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    ref.pow(2).mean().backward()
+    ref_grads = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
+    tiny_model.zero_grad(set_to_none=True)
+    separate = torch.cat([tiny_model(input_ids=ids[:, s:e], use_cache=False).logits.detach()
+                          for s, e in zip([0, 7, 8, 20, 25], [7, 8, 20, 25, 34])], dim=1)
+
+    assert use_varlen_sdpa(tiny_model) and tiny_model.config._attn_implementation == VARLEN_SDPA
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q, *a, **kw):
+        calls.append((q.shape[-2], kw.get("is_causal"), kw.get("attn_mask")))
+        return sdpa(q, *a, **kw)
+
+    bounds = sequence_boundaries(pos)
+    torch.nn.functional.scaled_dot_product_attention = counting
+    try:
+        out = tiny_model(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=bounds,
+                         cu_seq_lens_k=bounds).logits
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    # one causal, unmasked call per sequence and layer: no [T, T] attention
+    layers = tiny_model.config.num_hidden_layers
+    assert sorted(c[0] for c in calls) == sorted(lengths * layers)
+    assert all(c[2] is None and c[1] is (c[0] > 1) for c in calls)  # a 1-token sequence needs no causal mask
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.detach(), separate, atol=1e-5, rtol=0)
+    out.pow(2).mean().backward()
+    for name, param in tiny_model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_varlen_without_boundaries_is_plain_sdpa(tiny_model):
+    ids, pos = _packed_row([6, 4])
+    padded = torch.tensor([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])
+    mask = (padded != 0).long()
+    tiny_model.config._attn_implementation = "sdpa"
+    expected = [tiny_model(input_ids=ids, position_ids=pos).logits,
+                tiny_model(input_ids=padded, attention_mask=mask).logits]
+    use_varlen_sdpa(tiny_model)
+    got = [tiny_model(input_ids=ids, position_ids=pos).logits, tiny_model(input_ids=padded, attention_mask=mask).logits]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=0)
+    # generation (KV cache) runs through the same function
+    out = tiny_model.generate(padded[:1, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
+
+
+def test_only_sdpa_models_switch_and_the_export_does_not_name_it(tiny_model, tmp_path):
+    tiny_model.config._attn_implementation = "eager"
+    assert not use_varlen_sdpa(tiny_model)
+    assert tiny_model.config._attn_implementation == "eager"
+    tiny_model.config._attn_implementation = "sdpa"
+    assert use_varlen_sdpa(tiny_model)
+    tiny_model.save_pretrained(tmp_path)
+    assert VARLEN_SDPA not in (tmp_path / "config.json").read_text()
+    assert "attn_implementation" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_sft_module_runs_packed_batches_per_sequence(tiny_dir):
+    from lightalign import SFTModule
+    from lightalign.datamodules.collators import PaddingFreeCollator
+
+    torch.manual_seed(0)
+    module = SFTModule(str(tiny_dir), from_config=True)
+    module.configure_model()
+    assert module.model.config._attn_implementation == VARLEN_SDPA
+    rows = [{"input_ids": list(range(5, 5 + n)), "completion_mask": [0, 0] + [1] * (n - 2)} for n in (6, 9, 4)]
+    batch = PaddingFreeCollator()(rows)
+    seen = []
+    original = module.model.model.forward
+
+    def spy(*a, **kw):
+        seen.append(kw.get("cu_seq_lens_q"))
+        return original(*a, **kw)
+
+    module.model.model.forward = spy
+    packed = module._logits(batch)
+    assert seen[0].tolist() == [0, 6, 15, 19]
+    module.model.model.forward = original
+    module.model.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(packed, module._logits(batch), atol=1e-5, rtol=0)
