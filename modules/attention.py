@@ -7,9 +7,12 @@ step on CPU at 8 sequences of ~140 tokens). Flash-attention's varlen kernels avo
 the same with stock SDPA by attending each sequence on its own with ``is_causal=True``.
 
 The sequences are given by ``cu_seq_lens_q``/``cu_seq_lens_k`` (cumulative lengths, the flash-attention kwargs
-that transformers passes to every attention layer). Every other call — padded batches, custom 4D masks (the
-shared-prefix layouts), generation with a KV cache, sliding windows, ``torch.compile`` tracing — goes to
-transformers' own ``sdpa`` function unchanged, with the mask transformers built for ``sdpa``. The name is not saved
+that transformers passes to every attention layer). The shared-prefix layouts (DPO pairs, GRPO groups; see
+``datamodules/shared_prefix.py``) pack several segments per row under a custom 4D mask; given ``segment_bounds``
+(per row, the segment edges) each segment attends on its own with its slice of that mask, ``sum(S_i**2)`` instead
+of ``T**2`` per row. Every other call — padded batches, generation with a KV cache, sliding windows,
+``torch.compile`` tracing — goes to transformers' own ``sdpa`` function unchanged, with the mask transformers
+built for ``sdpa``. The name is not saved
 in ``config.json`` (transformers drops the runtime attention setting), so exported models load anywhere.
 """
 
@@ -39,26 +42,51 @@ def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
 
     bounds = kwargs.pop("cu_seq_lens_q", None)
     bounds_k = kwargs.pop("cu_seq_lens_k", None)
-    per_sequence = (
-        bounds is not None
-        and (bounds_k is None or bounds_k is bounds or torch.equal(bounds_k, bounds))
-        and query.shape[0] == 1
-        and query.shape[2] == key.shape[2]  # no KV cache: keys are the row itself
+    segments = kwargs.pop("segment_bounds", None)
+    self_attention = (
+        query.shape[2] == key.shape[2]  # no KV cache: keys are the rows themselves
         and kwargs.get("sliding_window") is None
-        and is_causal is not False
         and getattr(module, "is_causal", True)
         and not torch.compiler.is_compiling()
     )
-    if not per_sequence:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    edges = bounds.tolist()
-    outputs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
-                               scaling=scaling, is_causal=True, **kwargs)[0]
-        for s, e in zip(edges[:-1], edges[1:]) if e > s
-    ]
-    return torch.cat(outputs, dim=1), None
+    if (self_attention and segments is not None and attention_mask is not None and attention_mask.dim() == 4
+            and attention_mask.dtype == torch.bool and len(segments) == query.shape[0]):
+        return _per_segment(module, query, key, value, attention_mask, segments, dropout, scaling, kwargs), None
+    if (self_attention and bounds is not None and query.shape[0] == 1 and is_causal is not False
+            and (bounds_k is None or bounds_k is bounds or torch.equal(bounds_k, bounds))):
+        edges = bounds.tolist()
+        sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+        outputs = [
+            sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                   **kwargs)[0]
+            for q, k, v in zip(*(t.split(sizes, dim=2) for t in (query, key, value)))  # split: cheap backward
+        ]
+        return torch.cat(outputs, dim=1), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _per_segment(module, query, key, value, mask, segments, dropout, scaling, kwargs) -> torch.Tensor:
+    """Rows of segments under a boolean 4D mask that never crosses a segment edge: each segment attends with its
+    own block of the mask. Positions past a row's last edge (padding) get zeros."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = []
+    # split (not slicing): its backward is one concatenation, where each slice's backward fills a whole zero tensor
+    for r, (q_row, k_row, v_row) in enumerate(zip(*(t.split(1, dim=0) for t in (query, key, value)))):
+        edges = segments[r]
+        sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+        tail = query.shape[2] - edges[-1]
+        pieces = zip(*(t.split(sizes + [tail], dim=2) for t in (q_row, k_row, v_row)))
+        parts = [
+            sdpa_attention_forward(module, q, k, v, mask[r:r + 1, :, s:e, s:e], dropout=dropout, scaling=scaling,
+                                   is_causal=False, **kwargs)[0]
+            for (q, k, v), s, e in zip(pieces, edges[:-1], edges[1:])
+        ]
+        if tail:
+            parts.append(query.new_zeros(1, tail, query.shape[1], query.shape[3]))
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0)
 
 
 def register_varlen_sdpa() -> None:

@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
 from lightalign.hub import load_causal_lm
+from lightalign.modules.attention import use_varlen_sdpa
 from lightalign.modules.optimizers import (  # noqa: F401  (re-exported: the schedule and groups were defined here)
     ScheduleType,
     decay_parameter_groups,
@@ -207,6 +208,9 @@ class PolicyModule(L.LightningModule):
             from lightalign.modules.acceleration import apply_liger_kernel
 
             apply_liger_kernel(self.model)
+        # sdpa -> sdpa_varlen: packed rows (padding-free SFT, shared-prefix DPO/GRPO segments) attend per sequence
+        # instead of through one row-wide mask (modules/attention.py); every other batch runs plain sdpa.
+        use_varlen_sdpa(self.model)
         if hp.peft_config is not None and not is_peft_model(self.model):
             self.model = apply_peft(self.model, hp.peft_config)
         if hp.get("torch_compile"):

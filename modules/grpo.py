@@ -192,7 +192,7 @@ class GRPOModule(PolicyModule):
     def on_fit_start(self) -> None:
         super().on_fit_start()  # NEFTune, when asked
         attn = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
-        if self.hparams.prompt_sharing and attn not in ("sdpa", "eager"):
+        if self.hparams.prompt_sharing and attn not in ("sdpa", "sdpa_varlen", "eager"):
             raise ValueError(f"prompt_sharing needs a custom 4D attention mask, which attn_implementation='{attn}' "
                              "does not take: set prompt_sharing: false or load the model with attn_implementation: sdpa.")
         move_reference(self.ref_model, self.device)

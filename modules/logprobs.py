@@ -55,8 +55,10 @@ def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor])
     """One forward of a shared-prefix batch (``datamodules/shared_prefix.py``) -> ``[targets, V]`` logits, the
     row ``j`` predicting ``batch["targets"][j]``. Logits are computed only at ``logits_mask`` positions when the
     model takes ``logits_to_keep``."""
+    from lightalign.modules.attention import VARLEN_SDPA
+
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
-    if attn not in ("sdpa", "eager"):
+    if attn not in ("sdpa", VARLEN_SDPA, "eager"):
         raise ValueError(
             f"The shared-prefix layout needs a custom 4D attention mask, which attn_implementation='{attn}' does "
             "not take. Set prompt_sharing=False (PreferenceDataModule / GRPOModule) for the classic padded "
@@ -68,6 +70,10 @@ def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor])
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     inputs = dict(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
                   use_cache=False)
+    if attn == VARLEN_SDPA and getattr(model, "_compiled_call_impl", None) is None:
+        # each segment attends on its own (modules/attention.py); not under torch.compile, where a list of
+        # per-batch edges would force a recompile per batch (a compiled model runs the 4D mask instead)
+        inputs["segment_bounds"] = segment_bounds(batch)
     if _accepts_logits_to_keep(model):
         logits = model(**inputs, logits_to_keep=batch["logits_mask"]).logits
         if logits.dim() == 3:  # a model that ignores a boolean mask returns [R, T, V]
@@ -75,6 +81,15 @@ def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor])
     else:
         logits = model(**inputs).logits[batch["logits_mask"]]
     return logits[batch["target_logit_index"]]
+
+
+def segment_bounds(batch: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Per row of a shared-prefix batch, the edges of its segments: every segment starts with its prompt at
+    position 0, and padding fills only the tail of a row."""
+    branch, positions = batch["branch"], batch["position_ids"]
+    starts = (branch == 0) & (positions == 0)
+    ends = (branch >= 0).sum(-1).tolist()
+    return [torch.nonzero(row).flatten().tolist() + [end] for row, end in zip(starts, ends)]
 
 
 def scatter_to_sequences(values: torch.Tensor, batch: dict[str, torch.Tensor], num_sequences: int,

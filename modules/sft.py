@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
-from lightalign.modules.attention import VARLEN_SDPA, sequence_boundaries, use_varlen_sdpa
+from lightalign.modules.attention import VARLEN_SDPA, sequence_boundaries
 from lightalign.modules.base import PolicyModule
 
 IGNORE_INDEX = -100
@@ -66,12 +66,6 @@ class SFTModule(PolicyModule):
         self.tokens_seen = 0
 
     # ------------------------------------------------------------------------------------- forward
-    def _prepare_model(self) -> None:
-        super()._prepare_model()
-        # sdpa -> sdpa_varlen: padding-free rows attend per sequence instead of through a [T, T] block mask
-        # (modules/attention.py); every other batch runs plain sdpa.
-        use_varlen_sdpa(self.model)
-
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
         if is_packed_row(batch) and getattr(self.model.config, "_attn_implementation", None) == VARLEN_SDPA:

@@ -115,3 +115,36 @@ def test_sft_module_runs_packed_batches_per_sequence(tiny_dir):
     module.model.model.forward = original
     module.model.config._attn_implementation = "sdpa"
     torch.testing.assert_close(packed, module._logits(batch), atol=1e-5, rtol=0)
+
+
+def test_shared_prefix_segments_attend_on_their_own(tiny_model):
+    from lightalign.datamodules.shared_prefix import SharedPromptCollator
+    from lightalign.modules.logprobs import segment_bounds, shared_prefix_logits
+
+    rows = [  # (prompt, chosen, rejected): segments of 8, 6, 8 and 3 tokens
+        {"prompt_input_ids": [5, 6, 7], "chosen_input_ids": [8, 9], "rejected_input_ids": [10, 11, 12]},
+        {"prompt_input_ids": [13], "chosen_input_ids": [14, 15, 16, 17], "rejected_input_ids": [18]},
+        {"prompt_input_ids": [19, 20, 21, 22, 23], "chosen_input_ids": [24], "rejected_input_ids": [25, 26]},
+        {"prompt_input_ids": [27], "chosen_input_ids": [28], "rejected_input_ids": [29]},
+    ]
+    batch = SharedPromptCollator(pad_token_id=0, pack_length=16)(rows)
+    assert batch["input_ids"].shape == (2, 16)  # rows [8 + 8], [6 + 3 + 7 padding]
+    assert segment_bounds(batch) == [[0, 8, 16], [0, 6, 9]]
+    tiny_model.config._attn_implementation = "sdpa"
+    want = shared_prefix_logits(tiny_model, batch)
+    use_varlen_sdpa(tiny_model)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q, *a, **kw):
+        calls.append(tuple(q.shape[-2:-1]) + (tuple(kw["attn_mask"].shape[-2:]),))
+        return sdpa(q, *a, **kw)
+
+    torch.nn.functional.scaled_dot_product_attention = counting
+    try:
+        got = shared_prefix_logits(tiny_model, batch)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    layers = tiny_model.config.num_hidden_layers
+    assert sorted(calls) == sorted([(8, (8, 8)), (8, (8, 8)), (6, (6, 6)), (3, (3, 3))] * layers)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lightalign import DPOModule, PreferenceDataModule
 from lightalign.datamodules.shared_prefix import CHOSEN, PAD, PROMPT, REJECTED, SharedPromptCollator, pack_first_fit
 from lightalign.datamodules.preference import PreferenceCollator
+from lightalign.modules.attention import register_varlen_sdpa
 from lightalign.modules.dpo import completion_token_logps
 
 ROWS = [  # hand-made token ids: (prompt, chosen, rejected) of different lengths
@@ -21,6 +22,7 @@ ROWS = [  # hand-made token ids: (prompt, chosen, rejected) of different lengths
 
 
 def _model(tiny_dir, attn="sdpa"):
+    register_varlen_sdpa()
     config = AutoConfig.from_pretrained(tiny_dir)
     config._attn_implementation = attn
     torch.manual_seed(0)
@@ -60,7 +62,7 @@ def test_packing_keeps_segments_apart_and_pads_only_row_tails():
     assert SharedPromptCollator(0, pack_length=4)(ROWS)["input_ids"].shape[0] == 3
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa_varlen", "eager"])
 @pytest.mark.parametrize("pack_length", [1, 512])
 def test_shared_logps_equal_classic(tiny_dir, data_dir, attn, pack_length):
     dm = PreferenceDataModule(str(data_dir / "chat_preference.jsonl"), tokenizer=str(tiny_dir))

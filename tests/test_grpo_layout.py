@@ -43,7 +43,7 @@ def test_rows_group_by_their_prompt():
             assert tokens == mb["completion_ids"][row, : lengths[row]].tolist()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa_varlen", "eager"])
 @pytest.mark.parametrize("pack_length", [1024, 8])  # one row, or one row per segment
 def test_shared_token_logps_entropy_and_grads_equal_padded(grpo_module, attn, pack_length):
     module = grpo_module(temperature=0.7)
