@@ -193,8 +193,9 @@ class PreferenceDataModule(TokenizedDataModule):
             ``False`` gives the classic padded chosen-then-rejected rows (``PreferenceCollator``).
         pack_length: with ``prompt_sharing``, pairs are packed into rows of this many tokens (a longer pair
             gets a row of its own). With ``sdpa`` (the default; run as ``sdpa_varlen``) each pair attends on
-            its own, so long rows cost no extra attention and leave less padding; with ``eager`` attention costs
-            the square of the row: lower it (e.g. 512).
+            its own, so attention does not grow with the row; with ``eager`` it costs the square of the row.
+            Longer rows leave less tail padding but raised peak memory in ``bench/dpo.py --shape longtail``
+            (2048: +0.5 GB, same pairs/s).
         **kwargs: the shared arguments of ``TokenizedDataModule`` (``val_path``, ``batch_size`` = pairs per
             micro-batch, ``collator``, ``shuffle``, ``seed``, …).
     """
@@ -209,7 +210,7 @@ class PreferenceDataModule(TokenizedDataModule):
         max_completion_length: int | None = None,
         truncation_mode: TruncationMode = "keep_end",
         prompt_sharing: bool = True,
-        pack_length: int = 2048,
+        pack_length: int = 512,
         **kwargs: Any,
     ) -> None:
         if truncation_mode not in ("keep_start", "keep_end"):
