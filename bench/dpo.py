@@ -134,7 +134,8 @@ def run_trl(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: P
         max_steps=meter.last, learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch_fused",
         weight_decay=0.0, max_grad_norm=args.max_grad_norm, beta=args.beta, loss_type=["sigmoid"],
         max_length=args.max_length, truncation_mode="keep_start", precompute_ref_log_probs=precompute,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, dataloader_num_workers=0,
+        bf16=False, fp16=False, gradient_checkpointing=args.trl_config == "defaults", use_cpu=True,
+        dataloader_num_workers=0,
         train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no", report_to="none",
         disable_tqdm=True, logging_steps=10, seed=args.seed,
     )
@@ -213,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-sharing", nargs="+", default=["on"], choices=("on", "off"),
                         help="lightalign's shared-prompt pair layout (off: classic padded chosen/rejected rows); "
                              "`on off` runs lightalign both ways against the same TRL runs")
+    parser.add_argument("--trl-config", nargs="+", default=["best"], choices=("best", "defaults"),
+                        help="TRL's side: `best` = its fastest CPU settings (gradient checkpointing off, like "
+                             "lightalign); `defaults` = DPOConfig's own default gradient_checkpointing=True. Precision "
+                             "stays fp32 on both sides (DPOConfig's bf16 default would change the numerics)")
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--max-contention", type=float,
                         help="wait before each run until other processes use less than this share of the machine")
@@ -242,7 +247,9 @@ def run(args: argparse.Namespace) -> dict:
             "data": f"generated preference, shape {args.shape}, mean {args.mean_length} words per side"
             if args.shape else Path(args.data).name, "batch_pairs": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
-            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused (both defaults), wd 0",
+            "precision": "fp32", "gradient_checkpointing": "lightalign off; TRL " + " / ".join(
+                {"best": "off (best)", "defaults": "on (DPOConfig default)"}[c] for c in args.trl_config),
+            "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
             "loss_type": "sigmoid", "lightalign_prompt_sharing": " / ".join(args.prompt_sharing),
             "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
@@ -256,9 +263,10 @@ def run(args: argparse.Namespace) -> dict:
         runs = []
         for r in range(args.repeats):
             for mode in args.modes:
-                jobs = [(fw, ps) for fw in harness.alternate(args.frameworks, r)
-                        for ps in (args.prompt_sharing if fw == "lightalign" else [None])]
-                for framework, sharing in jobs:
+                jobs = [(fw, variant) for fw in harness.alternate(args.frameworks, r)
+                        for variant in (args.prompt_sharing if fw == "lightalign" else args.trl_config)]
+                for framework, variant in jobs:
+                    sharing, trl_config = (variant, None) if framework == "lightalign" else (None, variant)
                     harness.wait_for_load(args.max_load)
                     harness.wait_for_quiet(args.max_contention)
                     load_before = os.getloadavg()[0]
@@ -266,15 +274,17 @@ def run(args: argparse.Namespace) -> dict:
                             args.workdir, "--data", args.data, "--batch-size", args.batch_size, "--max-length",
                             args.max_length, "--steps", args.steps, "--warmup", args.warmup, "--threads",
                             args.threads, "--lr", args.lr, "--beta", args.beta, "--max-grad-norm",
-                            args.max_grad_norm, "--seed", args.seed, "--prompt-sharing", sharing or "on"]
+                            args.max_grad_norm, "--seed", args.seed, "--prompt-sharing", sharing or "on",
+                            "--trl-config", trl_config or "best"]
                     res = harness.spawn(__file__, argv, args.threads, f"dpo {mode} {framework}")
                     if res is None:
                         continue
-                    res.update(load_avg_before=load_before, prompt_sharing=sharing, repeat=r + 1,
+                    res.update(load_avg_before=load_before, prompt_sharing=sharing, trl_config=trl_config,
+                               repeat=r + 1,
                                model_flops_per_sec=flops[mode] / res["seconds"])
                     runs.append(res)
                     pre = f"  precompute {res['precompute_seconds']:.1f} s" if res["precompute_seconds"] else ""
-                    tag = f"{framework}" + (f" (prompt_sharing {sharing})" if sharing else "")
+                    tag = f"{framework}" + (f" (prompt_sharing {sharing})" if sharing else f" ({trl_config})")
                     print(f"[{r + 1}/{args.repeats}] {mode} {tag}: {res['pairs_per_sec']:.2f} pairs/s "
                           f"(median step {res['median_step_seconds']:.2f} s)  peak RSS {res['peak_rss_mb']:.0f} MB"
                           f"  last loss {res['last_loss']:.4f}  threads {res['threads']}  "
@@ -285,12 +295,13 @@ def run(args: argparse.Namespace) -> dict:
     summary = []
     for mode in args.modes:
         for sharing in args.prompt_sharing:
-            row = {"mode": mode, "prompt_sharing": sharing}
-            for fw, match in (("lightalign", {"prompt_sharing": sharing}), ("trl", {})):
-                for k in ("pairs_per_sec", "model_flops_per_sec", "peak_rss_mb", "precompute_seconds"):
-                    row[f"{fw}_{k}"] = harness.median_of(runs, k, framework=fw, mode=mode, **match)
-            row["ratio"] = harness.ratio(row["lightalign_pairs_per_sec"], row["trl_pairs_per_sec"])
-            summary.append(row)
+            for trl_config in args.trl_config:
+                row = {"mode": mode, "prompt_sharing": sharing, "trl_config": trl_config}
+                for fw, match in (("lightalign", {"prompt_sharing": sharing}), ("trl", {"trl_config": trl_config})):
+                    for k in ("pairs_per_sec", "model_flops_per_sec", "peak_rss_mb", "precompute_seconds"):
+                        row[f"{fw}_{k}"] = harness.median_of(runs, k, framework=fw, mode=mode, **match)
+                row["ratio"] = harness.ratio(row["lightalign_pairs_per_sec"], row["trl_pairs_per_sec"])
+                summary.append(row)
     return {"settings": settings, "runs": runs, "summary": summary, "n_params": n_params}
 
 
@@ -298,17 +309,18 @@ def main() -> None:
     args = build_parser().parse_args()
     args.data = str(Path(args.data).resolve())
     if args.one:
-        args.prompt_sharing = args.prompt_sharing[0]
+        args.prompt_sharing, args.trl_config = args.prompt_sharing[0], args.trl_config[0]
         harness.emit(run_one(args))
         return
     result = run(args)
-    print("\n| mode | prompt sharing | lightalign pairs/s | TRL pairs/s | ratio | lightalign peak RSS MB "
-          "| TRL peak RSS MB | precompute s (lightalign / TRL) |\n|---|---|---|---|---|---|---|---|")
+    print("\n| mode | prompt sharing | TRL config | lightalign pairs/s | TRL pairs/s | ratio | lightalign peak RSS MB "
+          "| TRL peak RSS MB | precompute s (lightalign / TRL) |\n|---|---|---|---|---|---|---|---|---|")
     fmt = harness.fmt
     for row in result["summary"]:
         pre = ("-" if row["mode"] == "online" else
                f"{fmt(row['lightalign_precompute_seconds'], '.1f')} / {fmt(row['trl_precompute_seconds'], '.1f')}")
-        print(f"| {row['mode']} | {row['prompt_sharing']} | {fmt(row['lightalign_pairs_per_sec'], '.2f')} "
+        print(f"| {row['mode']} | {row['prompt_sharing']} | {row['trl_config']} "
+              f"| {fmt(row['lightalign_pairs_per_sec'], '.2f')} "
               f"| {fmt(row['trl_pairs_per_sec'], '.2f')} | {fmt(row['ratio'], '.2f')}x "
               f"| {fmt(row['lightalign_peak_rss_mb'], '.0f')} | {fmt(row['trl_peak_rss_mb'], '.0f')} | {pre} |")
     print(f"\nwrote {harness.write_json(args.out, result).relative_to(ROOT)}")

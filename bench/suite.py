@@ -8,8 +8,9 @@
 Needs the benchmark extra (`pip install -e '.[bench]'`: TRL + matplotlib; `make bench` builds a separate venv).
 First the machine's fp32 matmul peak is measured (harness.measure_matmul_flops); then for each model and data
 shape (bench/data.py) it runs bench/sft.py (padding / padding_free / packing / group_by_length), bench/dpo.py
-(online / precomputed reference, lightalign prompt_sharing on / off) and bench/grpo.py (lightalign prompt_sharing
-off alternating with TRL, then on), each run in its own process, frameworks alternating, medians over --repeats.
+(online / precomputed reference, lightalign prompt_sharing on / off, TRL at its best CPU settings and at its
+DPOConfig defaults) and bench/grpo.py (lightalign prompt_sharing off alternating with TRL, then on), each run in
+its own process, frameworks alternating, medians over --repeats.
 One table closes the run (per row: the figure of each side, the ratio, MFU = model FLOP/s over the matmul peak,
 peak RSS), followed by the issue's targets; JSON goes to bench/results/suite.json and a bar chart of the ratios
 to bench/results/suite.png.
@@ -74,9 +75,9 @@ def rows_of(bench: str, result: dict, model: str, shape: str, peak: float) -> li
                 r.get("lightalign_unavailable") or r.get("trl_unavailable"))
     elif bench == "dpo":
         for r in result["summary"]:
-            row(f"{r['mode']} ref, prompt_sharing {r['prompt_sharing']}", "pairs/s", r["lightalign_pairs_per_sec"],
-                r["trl_pairs_per_sec"], r["lightalign_model_flops_per_sec"], r["trl_model_flops_per_sec"],
-                r["lightalign_peak_rss_mb"], r["trl_peak_rss_mb"])
+            row(f"{r['mode']} ref, prompt_sharing {r['prompt_sharing']}, TRL {r['trl_config']}", "pairs/s",
+                r["lightalign_pairs_per_sec"], r["trl_pairs_per_sec"], r["lightalign_model_flops_per_sec"],
+                r["trl_model_flops_per_sec"], r["lightalign_peak_rss_mb"], r["trl_peak_rss_mb"])
     else:  # one result per lightalign prompt_sharing setting; TRL ran alongside the first (see main)
         tr = result["runs"][0]["summary"].get("trl", {})
         for sharing, res in zip(("off", "on"), result["runs"]):
@@ -194,7 +195,8 @@ def main() -> None:
                     result = sft.run(namespace(sft, common + quick + ["--shape", shape], contention))
                 elif bench == "dpo":
                     result = dpo.run(namespace(dpo, common + quick + ["--shape", shape, "--prompt-sharing", "on",
-                                                                       "off"], contention))
+                                                                       "off", "--trl-config", "best", "defaults"],
+                                               contention))
                 else:  # prompt_sharing off: both frameworks alternating; on: lightalign only, right after
                     argv = common + quick + ["--shape", shape]
                     result = {"runs": [grpo.run(namespace(grpo, argv + ["--prompt-sharing", "off"], contention)),
