@@ -10,7 +10,8 @@ The sequences are given by ``cu_seq_lens_q``/``cu_seq_lens_k`` (cumulative lengt
 that transformers passes to every attention layer). The shared-prefix layouts (DPO pairs, GRPO groups; see
 ``datamodules/shared_prefix.py``) pack several segments per row under a custom 4D mask; given ``segment_bounds``
 (per row, the segment edges) each segment attends on its own with its slice of that mask, ``sum(S_i**2)`` instead
-of ``T**2`` per row. Every other call — padded batches, generation with a KV cache, sliding windows,
+of ``T**2`` per row, when that saves enough work to pay for the extra kernel calls (``worth_splitting``). Every
+other call — padded batches, generation with a KV cache, sliding windows,
 ``torch.compile`` tracing — goes to transformers' own ``sdpa`` function unchanged, with the mask transformers
 built for ``sdpa``. The name is not saved
 in ``config.json`` (transformers drops the runtime attention setting), so exported models load anywhere.
@@ -21,6 +22,23 @@ from __future__ import annotations
 import torch
 
 VARLEN_SDPA = "sdpa_varlen"
+
+# Splitting a shared-prefix row into one SDPA call per segment pays only when each extra call saves enough
+# query-key scores: on this project's 2-core CPU, short chat pairs (~26-token segments, ~5k scores saved per call)
+# ran forward+backward 7% faster with the row's one masked call, long-tailed pairs (~150-token segments, 42k-62k
+# saved per call) 7% faster split. The break-even lies near 30k; this is the threshold.
+MIN_SAVED_SCORES_PER_CALL = 32768
+
+
+def worth_splitting(segments: list[list[int]], width: int) -> bool:
+    """Whether per-segment attention (``segment_bounds``) beats one masked call over rows of ``width`` tokens:
+    the query-key scores it saves (``width**2 - sum(S_i**2)`` per row) per SDPA call it runs, against
+    ``MIN_SAVED_SCORES_PER_CALL``."""
+    calls = sum(len(edges) - 1 for edges in segments)
+    if calls == 0:
+        return False
+    saved = sum(width * width - sum((e - s) ** 2 for s, e in zip(edges[:-1], edges[1:])) for edges in segments)
+    return saved >= MIN_SAVED_SCORES_PER_CALL * calls
 
 
 def sequence_boundaries(position_ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from lightalign.modules.attention import VARLEN_SDPA, sequence_boundaries, use_varlen_sdpa
+from lightalign.modules import attention
+from lightalign.modules.attention import VARLEN_SDPA, sequence_boundaries, use_varlen_sdpa, worth_splitting
 
 
 def test_sequence_boundaries_follow_position_restarts():
@@ -117,10 +118,27 @@ def test_sft_module_runs_packed_batches_per_sequence(tiny_dir):
     torch.testing.assert_close(packed, module._logits(batch), atol=1e-5, rtol=0)
 
 
-def test_shared_prefix_segments_attend_on_their_own(tiny_model):
+def test_splitting_pays_only_when_each_call_saves_enough_scores():
+    # one row of 8 short chat pairs (~26 tokens each, the shipped data): ~5k scores saved per call -> one call
+    short = [[26 * i for i in range(9)]]
+    assert not worth_splitting(short, 212)
+    # long-tailed pairs: 3 segments of ~166 tokens in a 508-token row -> ~56k saved per call -> split
+    long = [[0, 170, 330, 508]]
+    assert worth_splitting(long, 508)
+    # the rule is the saved scores per call against the threshold, padding columns included in the full call
+    assert worth_splitting([[0, 4, 8]], 8) == (64 - 32 >= 2 * attention.MIN_SAVED_SCORES_PER_CALL)
+    assert not worth_splitting([[0, 200]], 200)  # one segment filling its row saves nothing
+    assert worth_splitting([[0, 200]], 400)  # ...but skipping a long padding tail does
+    assert not worth_splitting([], 16)
+
+
+@pytest.mark.parametrize("threshold", [0, None])
+def test_shared_prefix_segments_attend_on_their_own(tiny_model, monkeypatch, threshold):
     from lightalign.datamodules.shared_prefix import SharedPromptCollator
     from lightalign.modules.logprobs import segment_bounds, shared_prefix_logits
 
+    if threshold is not None:
+        monkeypatch.setattr(attention, "MIN_SAVED_SCORES_PER_CALL", threshold)
     rows = [  # (prompt, chosen, rejected): segments of 8, 6, 8 and 3 tokens
         {"prompt_input_ids": [5, 6, 7], "chosen_input_ids": [8, 9], "rejected_input_ids": [10, 11, 12]},
         {"prompt_input_ids": [13], "chosen_input_ids": [14, 15, 16, 17], "rejected_input_ids": [18]},
@@ -146,5 +164,8 @@ def test_shared_prefix_segments_attend_on_their_own(tiny_model):
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
     layers = tiny_model.config.num_hidden_layers
-    assert sorted(calls) == sorted([(8, (8, 8)), (8, (8, 8)), (6, (6, 6)), (3, (3, 3))] * layers)
+    if threshold == 0:  # every segment on its own
+        assert sorted(calls) == sorted([(8, (8, 8)), (8, (8, 8)), (6, (6, 6)), (3, (3, 3))] * layers)
+    else:  # segments this short save too little per call: one masked call over both rows per layer
+        assert calls == [(16, (16, 16))] * layers
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
