@@ -11,8 +11,12 @@ Segments are packed first-fit into rows of ``pack_length`` tokens (a longer segm
 padding is only the tail of each row; attention cost per row is at most ``pack_length``², the order of one
 padded sequence.
 
+A branch's last token is only ever a target: nothing after it in its branch attends to it and its own output
+predicts nothing. It is therefore left out of the rows (a branch of n tokens occupies n - 1 positions), which
+changes no log-prob and saves two positions per DPO pair (7% of the tokens of the shipped chat pairs).
+
 Logits are needed only where a branch token is predicted: at the last prompt token (it predicts every
-branch's first token) and at every branch token but the branch's last. ``logits_mask`` marks those positions;
+branch's first token) and at every branch position. ``logits_mask`` marks those positions;
 ``target_logit_index`` maps every branch token to its row in the flattened ``logits[logits_mask]``.
 """
 
@@ -67,7 +71,7 @@ def shared_prefix_batch(segments: Sequence[Segment], pad_token_id: int, pack_len
     """Segments -> the tensors of one forward in the shared-prefix layout.
 
     ``input_ids``, ``position_ids``, ``branch`` (``[R, T]``: 0 prompt, ``1..`` branch number inside its
-    segment, -1 padding), ``attention_mask`` (``[R, 1, T, T]`` bool), ``logits_mask`` (``[R, T]`` bool), and per
+    segment, -1 padding; every branch token but the branch's last is a position), ``attention_mask`` (``[R, 1, T, T]`` bool), ``logits_mask`` (``[R, T]`` bool), and per
     branch token: ``targets``, ``target_logit_index`` (row of ``logits[logits_mask]`` predicting it),
     ``target_sequence`` (the branch's sequence id) and ``target_offset`` (position inside the branch).
     """
@@ -77,7 +81,7 @@ def shared_prefix_batch(segments: Sequence[Segment], pad_token_id: int, pack_len
         if not prompt or not branches or any(len(tokens) == 0 for _, tokens in branches):
             raise ValueError(f"segment {i} has an empty prompt or branch; the shared-prefix layout needs at least "
                              "one token in each.")
-    sizes = [len(prompt) + sum(len(tokens) for _, tokens in branches) for prompt, branches in segments]
+    sizes = [len(prompt) + sum(len(tokens) - 1 for _, tokens in branches) for prompt, branches in segments]
     bins = pack_first_fit(sizes, pack_length)
     shape = (len(bins), max(sum(sizes[i] for i in b) for b in bins))
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
@@ -97,9 +101,10 @@ def shared_prefix_batch(segments: Sequence[Segment], pad_token_id: int, pack_len
                 first = start + len(tokens)
                 for k, token in enumerate(branch):
                     scored.append((r, last_prompt if k == 0 else first + k - 1, token, sequence, k))
-                tokens += branch
-                positions += range(p, p + len(branch))
-                numbers += [number] * len(branch)
+                inputs = list(branch[:-1])  # the last token is a target only (module docstring)
+                tokens += inputs
+                positions += range(p, p + len(inputs))
+                numbers += [number] * len(inputs)
             span = slice(start, start + len(tokens))
             input_ids[r, span] = torch.tensor(tokens)
             position_ids[r, span] = torch.tensor(positions)

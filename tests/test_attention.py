@@ -139,11 +139,11 @@ def test_shared_prefix_segments_attend_on_their_own(tiny_model, monkeypatch, thr
 
     if threshold is not None:
         monkeypatch.setattr(attention, "MIN_SAVED_SCORES_PER_CALL", threshold)
-    rows = [  # (prompt, chosen, rejected): segments of 8, 6, 8 and 3 tokens
-        {"prompt_input_ids": [5, 6, 7], "chosen_input_ids": [8, 9], "rejected_input_ids": [10, 11, 12]},
-        {"prompt_input_ids": [13], "chosen_input_ids": [14, 15, 16, 17], "rejected_input_ids": [18]},
-        {"prompt_input_ids": [19, 20, 21, 22, 23], "chosen_input_ids": [24], "rejected_input_ids": [25, 26]},
-        {"prompt_input_ids": [27], "chosen_input_ids": [28], "rejected_input_ids": [29]},
+    rows = [  # (prompt, chosen, rejected), each branch's last token only a target: segments of 8, 6, 8 and 3
+        {"prompt_input_ids": [5, 6, 7], "chosen_input_ids": [8, 9, 30], "rejected_input_ids": [10, 11, 12, 31]},
+        {"prompt_input_ids": [13], "chosen_input_ids": [14, 15, 16, 17, 32], "rejected_input_ids": [18, 33]},
+        {"prompt_input_ids": [19, 20, 21, 22, 23], "chosen_input_ids": [24, 34], "rejected_input_ids": [25, 26, 35]},
+        {"prompt_input_ids": [27], "chosen_input_ids": [28, 36], "rejected_input_ids": [29, 37]},
     ]
     batch = SharedPromptCollator(pad_token_id=0, pack_length=16)(rows)
     assert batch["input_ids"].shape == (2, 16)  # rows [8 + 8], [6 + 3 + 7 padding]

@@ -32,31 +32,32 @@ def _model(tiny_dir, attn="sdpa"):
 
 def test_layout_positions_roles_and_mask():
     batch = SharedPromptCollator(pad_token_id=0, pack_length=1)(ROWS[:1])
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4, 5]]  # rejected restarts after the prompt
-    assert batch["branch"].tolist() == [[PROMPT] * 3 + [CHOSEN] * 2 + [REJECTED] * 3]
+    # each branch's last token (9, 12) is only a target: not an input position
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 10, 11]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 3, 4]]  # rejected restarts after the prompt
+    assert batch["branch"].tolist() == [[PROMPT] * 3 + [CHOSEN] * 1 + [REJECTED] * 2]
     mask = batch["attention_mask"][0, 0]
-    chosen, rejected = [3, 4], [5, 6, 7]
+    chosen, rejected = [3], [4, 5]
     assert not mask[rejected][:, chosen].any()  # rejected never sees chosen
     assert mask[rejected][:, :3].all() and mask[chosen][:, :3].all()  # both see the whole prompt
     assert not mask.triu(1).any()  # causal
     # logits where a completion token is predicted: last prompt token (both first tokens), then inside each one
-    assert batch["logits_mask"][0].nonzero().flatten().tolist() == [2, 3, 5, 6]
+    assert batch["logits_mask"][0].nonzero().flatten().tolist() == [2, 3, 4, 5]
     assert batch["targets"].tolist() == [8, 9, 10, 11, 12]
-    kept = [2, 3, 5, 6]
-    assert [kept[i] for i in batch["target_logit_index"].tolist()] == [2, 3, 2, 5, 6]
+    kept = [2, 3, 4, 5]
+    assert [kept[i] for i in batch["target_logit_index"].tolist()] == [2, 3, 2, 4, 5]
     assert batch["target_sequence"].tolist() == [0, 0, 1, 1, 1]
     assert batch["target_offset"].tolist() == [0, 1, 0, 1, 2]
 
 
 def test_packing_keeps_segments_apart_and_pads_only_row_tails():
-    batch = SharedPromptCollator(pad_token_id=0, pack_length=16)(ROWS)
-    lengths = [8, 6, 8]
-    assert pack_first_fit(lengths, 16) == [[0, 2], [1]]
-    assert batch["input_ids"].shape == (2, 16)
-    assert int((batch["branch"] == PAD).sum()) == 2 * 16 - sum(lengths)
+    batch = SharedPromptCollator(pad_token_id=0, pack_length=12)(ROWS)
+    lengths = [6, 4, 6]  # prompt + each branch but its last token
+    assert pack_first_fit(lengths, 12) == [[0, 2], [1]]
+    assert batch["input_ids"].shape == (2, 12)
+    assert int((batch["branch"] == PAD).sum()) == 2 * 12 - sum(lengths)
     mask = batch["attention_mask"][0, 0]
-    first, second = slice(0, 8), slice(8, 16)  # pair 0 then pair 2 in row 0
+    first, second = slice(0, 6), slice(6, 12)  # pair 0 then pair 2 in row 0
     assert not mask[second, first].any()
     assert batch["chosen_lengths"].tolist() == [2, 4, 1] and batch["rejected_lengths"].tolist() == [3, 1, 2]
     # a pair longer than the capacity gets a row of its own
@@ -80,7 +81,8 @@ def test_shared_logps_equal_classic(tiny_dir, data_dir, attn, pack_length, monke
     tokens_classic = int(PreferenceCollator(0)(rows)["attention_mask"].sum())
     tokens_shared = int((SharedPromptCollator(0, pack_length)(rows)["branch"] >= 0).sum())
     prompt_tokens = sum(len(r["prompt_input_ids"]) for r in rows)
-    assert tokens_classic - tokens_shared == prompt_tokens  # each prompt computed once instead of twice
+    # each prompt computed once instead of twice, and no branch's last token (only a target) is an input
+    assert tokens_classic - tokens_shared == prompt_tokens + 2 * len(rows)
 
 
 @pytest.mark.parametrize("ld_alpha", [None, 0.5])

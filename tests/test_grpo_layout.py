@@ -55,8 +55,9 @@ def test_shared_token_logps_entropy_and_grads_equal_padded(grpo_module, attn, pa
     segments = prompt_group_segments(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], lengths)
     shared = dict(mb, shared=shared_prefix_batch(segments, PAD, pack_length))
     assert shared["shared"]["input_ids"].shape[0] == (1 if pack_length == 1024 else 2)
-    # the prompts are in the batch once: 3 + 5 prompt tokens + the completions' 22 tokens
-    assert int((shared["shared"]["branch"] >= 0).sum()) == 8 + int(lengths.sum())
+    # the prompts are in the batch once: 3 + 5 prompt tokens + the completions' 22 tokens but each one's last
+    # (only a target)
+    assert int((shared["shared"]["branch"] >= 0).sum()) == 8 + int(lengths.sum()) - len(lengths)
 
     def run(batch):
         module.model.zero_grad(set_to_none=True)
