@@ -92,7 +92,7 @@ def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, wor
     L.seed_everything(args.seed, verbose=False)
     module = TimedDPOModule(args.model_dir, beta=args.beta, loss_type="sigmoid", learning_rate=args.lr,
                             lr_scheduler_type="constant", precompute_ref_log_probs=precompute,
-                            ref_log_probs_cache_dir=str(workdir / "ref_logps"))
+                            ref_log_probs_cache_dir=str(workdir / "ref_logps"), torch_compile=args.compile == "on")
     data = PreferenceDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length,
                                 max_prompt_length=None, truncation_mode="keep_start", batch_size=args.batch_size,
                                 num_workers=0, shuffle=False, prompt_sharing=args.prompt_sharing == "on")
@@ -137,7 +137,7 @@ def run_trl(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: P
         bf16=False, fp16=False, gradient_checkpointing=args.trl_config == "defaults", use_cpu=True,
         dataloader_num_workers=0,
         train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no", report_to="none",
-        disable_tqdm=True, logging_steps=10, seed=args.seed,
+        disable_tqdm=True, logging_steps=10, seed=args.seed, torch_compile=args.compile == "on",
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     dataset = load_dataset("json", data_files=args.data, split="train")
@@ -218,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TRL's side: `best` = its fastest CPU settings (gradient checkpointing off, like "
                              "lightalign); `defaults` = DPOConfig's own default gradient_checkpointing=True. Precision "
                              "stays fp32 on both sides (DPOConfig's bf16 default would change the numerics)")
+    parser.add_argument("--compile", choices=("off", "on"), default="off",
+                        help="torch.compile the model on both sides (lightalign torch_compile=True, TRL "
+                             "torch_compile=True; default options); raise --warmup to keep compilation out of the "
+                             "timed steps")
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--max-contention", type=float,
                         help="wait before each run until other processes use less than this share of the machine")
@@ -252,7 +256,7 @@ def run(args: argparse.Namespace) -> dict:
             "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
             "loss_type": "sigmoid", "lightalign_prompt_sharing": " / ".join(args.prompt_sharing),
-            "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
+            "torch_compile": args.compile, "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
             "versions": harness.versions(),
         }
@@ -275,7 +279,7 @@ def run(args: argparse.Namespace) -> dict:
                             args.max_length, "--steps", args.steps, "--warmup", args.warmup, "--threads",
                             args.threads, "--lr", args.lr, "--beta", args.beta, "--max-grad-norm",
                             args.max_grad_norm, "--seed", args.seed, "--prompt-sharing", sharing or "on",
-                            "--trl-config", trl_config or "best"]
+                            "--trl-config", trl_config or "best", "--compile", args.compile]
                     res = harness.spawn(__file__, argv, args.threads, f"dpo {mode} {framework}")
                     if res is None:
                         continue
