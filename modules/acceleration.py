@@ -1,7 +1,10 @@
-"""Speed knobs of the policy: ``torch.compile`` (in place, parameter names unchanged) and Liger kernels."""
+"""Speed knobs of the policy: ``torch.compile`` (in place, parameter names unchanged), Liger kernels, and the CPU
+allocator setting of CPU training (``retain_freed_cpu_memory``)."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 from typing import Any
 
 import torch
@@ -29,3 +32,28 @@ def apply_liger_kernel(model: torch.nn.Module) -> torch.nn.Module:
         )
     _apply_liger_kernel_to_instance(model=model)
     return model
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+RETAIN_BYTES = 1 << 30
+
+
+def retain_freed_cpu_memory(limit: int = RETAIN_BYTES) -> bool:
+    """Keep freed CPU memory in the process instead of handing it back to the OS after every free (glibc only).
+
+    By default glibc serves blocks above a sliding threshold (up to 32 MB) with fresh ``mmap`` pages and returns
+    memory above the heap top to the OS; a training step frees and re-allocates its activations and gradients
+    every time, so each step page-faults them in again (a fifth to a quarter of a small-model DPO step on this
+    project's CPU machine). Raising both thresholds to ``limit`` makes blocks below it reuse the process's heap:
+    peak RSS stays the same (the next step reuses what the last one freed), but the process no longer shrinks
+    after a peak. Process-wide and not undone; returns whether glibc took both settings (False elsewhere).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    took = [libc.mallopt(option, limit) for option in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD)]
+    return all(took)

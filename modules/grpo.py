@@ -161,6 +161,7 @@ class GRPOModule(PolicyModule):
         return gen, steps, gen // steps
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         datamodule = getattr(self.trainer, "datamodule", None)
         self.tokenizer = getattr(datamodule, "tokenizer", None)
         if stage != "fit":
