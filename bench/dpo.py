@@ -110,6 +110,11 @@ def run_trl(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: P
     from transformers import AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
+    if args.trl_config == "best_malloc":  # TRL's best settings plus the allocator setting lightalign makes on CPU
+        from lightalign.modules.acceleration import retain_freed_cpu_memory
+
+        assert retain_freed_cpu_memory(), "mallopt refused the thresholds"
+
     class Clock(TrainerCallback):
         def on_step_end(self, targs, state, control, **kwargs):
             meter.step_end(state.global_step)
@@ -214,9 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-sharing", nargs="+", default=["on"], choices=("on", "off"),
                         help="lightalign's shared-prompt pair layout (off: classic padded chosen/rejected rows); "
                              "`on off` runs lightalign both ways against the same TRL runs")
-    parser.add_argument("--trl-config", nargs="+", default=["best"], choices=("best", "defaults"),
+    parser.add_argument("--trl-config", nargs="+", default=["best"], choices=("best", "defaults", "best_malloc"),
                         help="TRL's side: `best` = its fastest CPU settings (gradient checkpointing off, like "
-                             "lightalign); `defaults` = DPOConfig's own default gradient_checkpointing=True. Precision "
+                             "lightalign); `defaults` = DPOConfig's own default gradient_checkpointing=True; "
+                             "`best_malloc` = `best` with the glibc allocator thresholds lightalign sets on CPU "
+                             "(retain_cpu_memory). Precision "
                              "stays fp32 on both sides (DPOConfig's bf16 default would change the numerics)")
     parser.add_argument("--compile", choices=("off", "on"), default="off",
                         help="torch.compile the model on both sides (lightalign torch_compile=True, TRL "
@@ -252,7 +259,8 @@ def run(args: argparse.Namespace) -> dict:
             if args.shape else Path(args.data).name, "batch_pairs": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
             "precision": "fp32", "gradient_checkpointing": "lightalign off; TRL " + " / ".join(
-                {"best": "off (best)", "defaults": "on (DPOConfig default)"}[c] for c in args.trl_config),
+                {"best": "off (best)", "defaults": "on (DPOConfig default)",
+                 "best_malloc": "off (best, + lightalign's retain_cpu_memory allocator setting)"}[c] for c in args.trl_config),
             "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
             "loss_type": "sigmoid", "lightalign_prompt_sharing": " / ".join(args.prompt_sharing),
