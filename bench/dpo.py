@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TRL's side: `best` = its fastest CPU settings (gradient checkpointing off, like "
                              "lightalign); `defaults` = DPOConfig's own default gradient_checkpointing=True; "
                              "`best_malloc` = `best` with the glibc allocator thresholds lightalign sets on CPU "
-                             "(retain_cpu_memory). Precision "
-                             "stays fp32 on both sides (DPOConfig's bf16 default would change the numerics)")
+                             "(retain_cpu_memory). Precision stays fp32 on both sides (DPOConfig's bf16 default "
+                             "would change the numerics)")
     parser.add_argument("--compile", choices=("off", "on"), default="off",
                         help="torch.compile the model on both sides (lightalign torch_compile=True, TRL "
                              "torch_compile=True; default options); raise --warmup to keep compilation out of the "
@@ -260,7 +260,8 @@ def run(args: argparse.Namespace) -> dict:
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
             "precision": "fp32", "gradient_checkpointing": "lightalign off; TRL " + " / ".join(
                 {"best": "off (best)", "defaults": "on (DPOConfig default)",
-                 "best_malloc": "off (best, + lightalign's retain_cpu_memory allocator setting)"}[c] for c in args.trl_config),
+                 "best_malloc": "off (best, + lightalign's retain_cpu_memory allocator setting)"}[c]
+                for c in args.trl_config),
             "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
             "loss_type": "sigmoid", "lightalign_prompt_sharing": " / ".join(args.prompt_sharing),

@@ -44,7 +44,7 @@ def retain_freed_cpu_memory(limit: int = RETAIN_BYTES) -> bool:
 
     By default glibc serves blocks above a sliding threshold (up to 32 MB) with fresh ``mmap`` pages and returns
     memory above the heap top to the OS; a training step frees and re-allocates its activations and gradients
-    every time, so each step page-faults them in again (a fifth to a quarter of a small-model DPO step on this
+    every time, so each step page-faults them in again (up to a quarter of a small-model DPO step on this
     project's CPU machine). Raising both thresholds to ``limit`` makes blocks below it reuse the process's heap:
     peak RSS stays the same (the next step reuses what the last one freed), but the process no longer shrinks
     after a peak. Process-wide and not undone; returns whether glibc took both settings (False elsewhere).
