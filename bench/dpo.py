@@ -92,7 +92,8 @@ def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, wor
     L.seed_everything(args.seed, verbose=False)
     module = TimedDPOModule(args.model_dir, beta=args.beta, loss_type="sigmoid", learning_rate=args.lr,
                             lr_scheduler_type="constant", precompute_ref_log_probs=precompute,
-                            ref_log_probs_cache_dir=str(workdir / "ref_logps"), torch_compile=args.compile == "on")
+                            ref_log_probs_cache_dir=str(workdir / "ref_logps"), torch_compile=args.compile == "on",
+                            retain_cpu_memory=args.retain_cpu_memory == "on")
     data = PreferenceDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length,
                                 max_prompt_length=None, truncation_mode="keep_start", batch_size=args.batch_size,
                                 num_workers=0, shuffle=False, prompt_sharing=args.prompt_sharing == "on")
@@ -229,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch.compile the model on both sides (lightalign torch_compile=True, TRL "
                              "torch_compile=True; default options); raise --warmup to keep compilation out of the "
                              "timed steps")
+    parser.add_argument("--retain-cpu-memory", choices=("on", "off"), default="on",
+                        help="lightalign's retain_cpu_memory (glibc allocator thresholds; its default: on)")
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--max-contention", type=float,
                         help="wait before each run until other processes use less than this share of the machine")
@@ -265,7 +268,8 @@ def run(args: argparse.Namespace) -> dict:
             "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
             "loss_type": "sigmoid", "lightalign_prompt_sharing": " / ".join(args.prompt_sharing),
-            "torch_compile": args.compile, "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
+            "torch_compile": args.compile, "lightalign_retain_cpu_memory": args.retain_cpu_memory,
+            "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
             "versions": harness.versions(),
         }
@@ -288,7 +292,8 @@ def run(args: argparse.Namespace) -> dict:
                             args.max_length, "--steps", args.steps, "--warmup", args.warmup, "--threads",
                             args.threads, "--lr", args.lr, "--beta", args.beta, "--max-grad-norm",
                             args.max_grad_norm, "--seed", args.seed, "--prompt-sharing", sharing or "on",
-                            "--trl-config", trl_config or "best", "--compile", args.compile]
+                            "--trl-config", trl_config or "best", "--compile", args.compile,
+                            "--retain-cpu-memory", args.retain_cpu_memory]
                     res = harness.spawn(__file__, argv, args.threads, f"dpo {mode} {framework}")
                     if res is None:
                         continue

@@ -77,7 +77,8 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
 
     L.seed_everything(args.seed, verbose=False)
     module = SFTModule(args.model_dir, learning_rate=args.lr, lr_scheduler_type="constant",
-                       gradient_checkpointing=args.gradient_checkpointing == "on")
+                       gradient_checkpointing=args.gradient_checkpointing == "on",
+                       retain_cpu_memory=args.retain_cpu_memory == "on")
     data = SFTDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length, batch_size=args.batch_size,
                          num_workers=0, shuffle=args.variant == "group_by_length", seed=args.seed, **extra)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--gradient-checkpointing", default="off", choices=("on", "off"))
+    p.add_argument("--retain-cpu-memory", default="on", choices=("on", "off"),
+                   help="lightalign's retain_cpu_memory (glibc allocator thresholds; its default: on)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
@@ -172,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-CHILD_FLAGS = ("data", "max_length", "batch_size", "grad_accum", "gradient_checkpointing", "steps", "warmup",
-               "threads", "lr", "max_grad_norm", "seed", "model_dir", "workdir", "n_params")
+CHILD_FLAGS = ("data", "max_length", "batch_size", "grad_accum", "gradient_checkpointing", "retain_cpu_memory",
+               "steps", "warmup", "threads", "lr", "max_grad_norm", "seed", "model_dir", "workdir", "n_params")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -195,6 +198,7 @@ def run(args: argparse.Namespace) -> dict:
             "max_length": args.max_length, "truncation_mode": "keep_start", "loss": "completion only",
             "batch": args.batch_size, "grad_accum": args.grad_accum,
             "gradient_checkpointing": args.gradient_checkpointing, "precision": "fp32",
+            "lightalign_retain_cpu_memory": args.retain_cpu_memory,
             "optimizer": "torch AdamW fused (both defaults), wd 0", "lr": f"{args.lr} constant",
             "max_grad_norm": args.max_grad_norm, "trl_padding_free": "max_length=None (TRL does not truncate "
             "padding-free batches without packing and refuses max_length; tokens/s counts what was trained)",
