@@ -196,6 +196,56 @@ def forward_flops(n_params: int, layers: int, hidden: int, lengths: Iterable[int
     return train_flops(n_params, layers, hidden, lengths) / 3.0
 
 
+def linear_shapes(config_dir: str | Path) -> list[tuple[int, int, int]]:
+    """``(in_features, out_features, count)`` of every linear layer of a decoder-only transformer, from its
+    ``config.json``: per layer the q/k/v/o projections and a gated MLP (gate, up, down), then the output head."""
+    cfg = json.loads((Path(config_dir) / "config.json").read_text())
+    d, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or d // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    ff = cfg["intermediate_size"]
+    per_layer = [(d, heads * head_dim), (d, kv * head_dim), (d, kv * head_dim), (heads * head_dim, d),
+                 (d, ff), (d, ff), (ff, d)]
+    return [(i, o, layers) for i, o in per_layer] + [(d, cfg["vocab_size"], 1)]
+
+
+def gemm_floor_seconds(config_dir: str | Path, batch_tokens: Iterable[int], repeats: int = 3) -> float:
+    """Time the matrix products of the linear layers alone would take to train ``batch_tokens`` (the real,
+    non-padding token count of each micro-batch): per layer and micro-batch of ``M`` tokens, the forward
+    ``x @ W.T`` and the two backward products (``dy @ W``, ``dy.T @ x``), each the best of ``repeats`` timings of
+    a bare ``torch.mm`` on this process's threads. Attention scores, norms, activations, the loss and the optimizer
+    are left out, so no training step can take less: a framework's share of this floor (floor / its wall time) says
+    how close it is to the machine on the work both frameworks must do."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = linear_shapes(config_dir)
+    cache: dict[int, float] = {}
+
+    def best(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def per_batch(m: int) -> float:
+        total = 0.0
+        for i, o, count in shapes:
+            x, w, dy = (torch.randn(*shape, generator=gen) for shape in ((m, i), (o, i), (m, o)))
+            total += count * (best(lambda: x @ w.t()) + best(lambda: dy @ w) + best(lambda: dy.t() @ x))
+        return total
+
+    floor = 0.0
+    for m in batch_tokens:
+        if m not in cache:
+            cache[m] = per_batch(m)
+        floor += cache[m]
+    return floor
+
+
 def mfu(flops_per_sec: float | None, peak_flops_per_sec: float | None) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over the measured matmul peak."""
     if not flops_per_sec or not peak_flops_per_sec:

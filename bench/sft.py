@@ -11,8 +11,11 @@ similar lengths; TRL: train_sampling_strategy="group_by_length"; lightalign: use
 `group_by_length`, else the row says n/a). Data: a generated prompt-completion set of the chosen --shape
 (bench/data.py) unless --data is given; loss on the completion on both sides. Tokens/s counts the non-padding
 tokens of the optimizer steps --warmup+1 .. --warmup+--steps; MFU uses bench/harness.py's formula on the real
-sequence lengths of those steps. Each (framework, variant) runs in its own process, frameworks alternating;
-figures are medians over --repeats. Results: a table and bench/results/sft.json (--out to change).
+sequence lengths of those steps. GEMM share: the time the linear layers' matrix products alone take for the same
+micro-batches (bench/harness.py's gemm_floor_seconds, timed after training in the same process) over the run's
+wall time, i.e. how close a run comes to the machine's own limit on that work. Each (framework, variant) runs in
+its own process, frameworks alternating; figures are medians over --repeats. Results: a table and
+bench/results/sft.json (--out to change).
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ class Meter:
     def __init__(self, warmup: int, steps: int) -> None:
         self.warmup, self.last = warmup, warmup + steps
         self.window = harness.Window()
-        self.pending: list[int] = []
+        self.pending: list[list[int]] = []
         self.lengths: list[int] = []
+        self.batch_tokens: list[int] = []  # real tokens of each timed micro-batch (bench/harness.py's GEMM floor)
         self.seen = 0
 
     def batch(self, batch) -> None:
-        self.pending += harness.sequence_lengths(batch)
+        self.pending.append(harness.sequence_lengths(batch))
 
     def step_end(self, step: int) -> None:
         if step == self.seen:
@@ -55,7 +59,8 @@ class Meter:
         if step == self.warmup:
             self.window.start()
         elif self.window.running:
-            self.lengths += self.pending
+            self.lengths += [n for lengths in self.pending for n in lengths]
+            self.batch_tokens += [sum(lengths) for lengths in self.pending]
             if step == self.last:
                 self.window.stop()
         self.pending = []
@@ -141,8 +146,10 @@ def run_one(args: argparse.Namespace) -> dict:
     seconds = meter.window.seconds
     shape = harness.model_shape(args.model_dir)
     flops = harness.train_flops(args.n_params, shape["layers"], shape["hidden"], meter.lengths)
+    floor = harness.gemm_floor_seconds(args.model_dir, meter.batch_tokens)
     return {**base, "tokens_per_sec": sum(meter.lengths) / seconds, "sequences_per_sec": len(meter.lengths) / seconds,
             "model_flops_per_sec": flops / seconds, "seconds": seconds, "tokens": sum(meter.lengths),
+            "gemm_floor_seconds": floor, "gemm_share": floor / seconds,
             "others_cpu_share": meter.window.others_cpu_share, **extra}
 
 
@@ -229,7 +236,7 @@ def run(args: argparse.Namespace) -> dict:
     for variant in args.variants:
         row = {"variant": variant}
         for fw in args.frameworks:
-            for key in ("tokens_per_sec", "model_flops_per_sec", "peak_rss_mb"):
+            for key in ("tokens_per_sec", "model_flops_per_sec", "gemm_share", "peak_rss_mb"):
                 row[f"{fw}_{key}"] = harness.median_of(measured, key, framework=fw, variant=variant)
             missing = [r["unavailable"] for r in runs if r["framework"] == fw and r["variant"] == variant
                        and "unavailable" in r]
@@ -250,11 +257,13 @@ def main() -> None:
     if args.data:
         args.data = str(Path(args.data).resolve())
     result = run(args)
-    print("\n| variant | lightalign tokens/s | TRL tokens/s | ratio | lightalign peak RSS MB | TRL peak RSS MB |\n"
-          "|---|---|---|---|---|---|")
+    print("\n| variant | lightalign tokens/s | TRL tokens/s | ratio | GEMM share (lightalign / TRL) "
+          "| lightalign peak RSS MB | TRL peak RSS MB |\n|---|---|---|---|---|---|---|")
     for row in result["summary"]:
         print(f"| {row['variant']} | {harness.fmt(row.get('lightalign_tokens_per_sec'), '.0f')} "
               f"| {harness.fmt(row.get('trl_tokens_per_sec'), '.0f')} | {harness.fmt(row['ratio'], '.2f')} "
+              f"| {harness.fmt(row.get('lightalign_gemm_share'), '.1%')} "
+              f"/ {harness.fmt(row.get('trl_gemm_share'), '.1%')} "
               f"| {harness.fmt(row.get('lightalign_peak_rss_mb'), '.0f')} "
               f"| {harness.fmt(row.get('trl_peak_rss_mb'), '.0f')} |")
     print(f"\nwrote {harness.write_json(args.out, result).relative_to(harness.ROOT)}")

@@ -68,3 +68,22 @@ def test_generated_rows_are_deterministic_and_in_trl_formats(tmp_path):
     assert set(row) == {"prompt", "chosen", "rejected"}
     assert len(row["prompt"].split()) + len(row["chosen"].split()) == 20
     assert set(data.rows("sft", "uniform", 1, 20)[0]) == {"prompt", "completion"}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "small"])
+def test_linear_shapes_are_the_models_own_linear_layers(name):
+    # the GEMM floor times exactly the products of the model's nn.Linear layers: same shapes, same count
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dir = BENCH.parent / "assets" / "models" / name
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    actual = sorted((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    expected = sorted(shape for i, o, count in harness.linear_shapes(config_dir) for shape in [(i, o)] * count)
+    assert actual == expected
+
+
+def test_gemm_floor_times_each_micro_batch(tmp_path):
+    config_dir = BENCH.parent / "assets" / "models" / "tiny"
+    one = harness.gemm_floor_seconds(config_dir, [16], repeats=1)
+    assert one > 0
+    assert harness.gemm_floor_seconds(config_dir, []) == 0.0
