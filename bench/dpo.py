@@ -93,7 +93,8 @@ def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, wor
     module = TimedDPOModule(args.model_dir, beta=args.beta, loss_type="sigmoid", learning_rate=args.lr,
                             lr_scheduler_type="constant", precompute_ref_log_probs=precompute,
                             ref_log_probs_cache_dir=str(workdir / "ref_logps"), torch_compile=args.compile == "on",
-                            retain_cpu_memory=args.retain_cpu_memory == "on")
+                            retain_cpu_memory=args.retain_cpu_memory == "on",
+                            recompute_mlp_activation=args.recompute_mlp_activation == "on")
     data = PreferenceDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length,
                                 max_prompt_length=None, truncation_mode="keep_start", batch_size=args.batch_size,
                                 num_workers=0, shuffle=False, prompt_sharing=args.prompt_sharing == "on")
@@ -232,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "timed steps")
     parser.add_argument("--retain-cpu-memory", choices=("on", "off"), default="on",
                         help="lightalign's retain_cpu_memory (glibc allocator thresholds; its default: on)")
+    parser.add_argument("--recompute-mlp-activation", choices=("on", "off"), default="on",
+                        help="lightalign's recompute_mlp_activation (MLP activation memory; its default: on)")
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--max-contention", type=float,
                         help="wait before each run until other processes use less than this share of the machine")
@@ -269,6 +272,7 @@ def run(args: argparse.Namespace) -> dict:
             "lr": args.lr, "lr_schedule": "constant", "max_grad_norm": args.max_grad_norm, "beta": args.beta,
             "loss_type": "sigmoid", "lightalign_prompt_sharing": " / ".join(args.prompt_sharing),
             "torch_compile": args.compile, "lightalign_retain_cpu_memory": args.retain_cpu_memory,
+            "lightalign_recompute_mlp_activation": args.recompute_mlp_activation,
             "threads": args.threads, "dataloader_workers": 0, "data_order": "sequential",
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
             "versions": harness.versions(),
@@ -293,7 +297,8 @@ def run(args: argparse.Namespace) -> dict:
                             args.threads, "--lr", args.lr, "--beta", args.beta, "--max-grad-norm",
                             args.max_grad_norm, "--seed", args.seed, "--prompt-sharing", sharing or "on",
                             "--trl-config", trl_config or "best", "--compile", args.compile,
-                            "--retain-cpu-memory", args.retain_cpu_memory]
+                            "--retain-cpu-memory", args.retain_cpu_memory,
+                            "--recompute-mlp-activation", args.recompute_mlp_activation]
                     res = harness.spawn(__file__, argv, args.threads, f"dpo {mode} {framework}")
                     if res is None:
                         continue

@@ -83,7 +83,8 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
     L.seed_everything(args.seed, verbose=False)
     module = SFTModule(args.model_dir, learning_rate=args.lr, lr_scheduler_type="constant",
                        gradient_checkpointing=args.gradient_checkpointing == "on",
-                       retain_cpu_memory=args.retain_cpu_memory == "on")
+                       retain_cpu_memory=args.retain_cpu_memory == "on",
+                       recompute_mlp_activation=args.recompute_mlp_activation == "on")
     data = SFTDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length, batch_size=args.batch_size,
                          num_workers=0, shuffle=args.variant == "group_by_length", seed=args.seed, **extra)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
@@ -165,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", default="off", choices=("on", "off"))
     p.add_argument("--retain-cpu-memory", default="on", choices=("on", "off"),
                    help="lightalign's retain_cpu_memory (glibc allocator thresholds; its default: on)")
+    p.add_argument("--recompute-mlp-activation", default="on", choices=("on", "off"),
+                   help="lightalign's recompute_mlp_activation (MLP activation memory; its default: on)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
@@ -183,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 CHILD_FLAGS = ("data", "max_length", "batch_size", "grad_accum", "gradient_checkpointing", "retain_cpu_memory",
-               "steps", "warmup", "threads", "lr", "max_grad_norm", "seed", "model_dir", "workdir", "n_params")
+               "recompute_mlp_activation", "steps", "warmup", "threads", "lr", "max_grad_norm", "seed", "model_dir",
+               "workdir", "n_params")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -206,6 +210,7 @@ def run(args: argparse.Namespace) -> dict:
             "batch": args.batch_size, "grad_accum": args.grad_accum,
             "gradient_checkpointing": args.gradient_checkpointing, "precision": "fp32",
             "lightalign_retain_cpu_memory": args.retain_cpu_memory,
+            "lightalign_recompute_mlp_activation": args.recompute_mlp_activation,
             "optimizer": "torch AdamW fused (both defaults), wd 0", "lr": f"{args.lr} constant",
             "max_grad_norm": args.max_grad_norm, "trl_padding_free": "max_length=None (TRL does not truncate "
             "padding-free batches without packing and refuses max_length; tokens/s counts what was trained)",
