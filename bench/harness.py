@@ -209,18 +209,22 @@ def linear_shapes(config_dir: str | Path) -> list[tuple[int, int, int]]:
     return [(i, o, layers) for i, o in per_layer] + [(d, cfg["vocab_size"], 1)]
 
 
-def gemm_floor_seconds(config_dir: str | Path, batch_tokens: Iterable[int], repeats: int = 3) -> float:
+def gemm_floor_seconds(config_dir: str | Path, batch_tokens: Iterable[int], repeats: int = 3,
+                       cache: dict[int, float] | None = None, granularity: int = 16) -> float:
     """Time the matrix products of the linear layers alone would take to train ``batch_tokens`` (the real,
     non-padding token count of each micro-batch): per layer and micro-batch of ``M`` tokens, the forward
     ``x @ W.T`` and the two backward products (``dy @ W``, ``dy.T @ x``), each the best of ``repeats`` timings of
-    a bare ``torch.mm`` on this process's threads. Attention scores, norms, activations, the loss and the optimizer
-    are left out, so no training step can take less: a framework's share of this floor (floor / its wall time) says
-    how close it is to the machine on the work both frameworks must do."""
+    a bare ``torch.mm`` into a preallocated output (so the allocator's state does not count) on the calling
+    process's threads. ``M`` is timed rounded up to a multiple of ``granularity`` and scaled back linearly;
+    ``cache`` (M -> seconds) shares timings between calls, so runs compared against each other share one floor.
+    Attention scores, norms, activations, the loss and the optimizer are left out, so no training step can take
+    less: a run's share of this floor (floor / its wall time) says how close it comes to the machine on the work
+    every framework must do."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
     shapes = linear_shapes(config_dir)
-    cache: dict[int, float] = {}
+    cache = {} if cache is None else cache
 
     def best(fn) -> float:
         fn()  # warm-up
@@ -235,14 +239,19 @@ def gemm_floor_seconds(config_dir: str | Path, batch_tokens: Iterable[int], repe
         total = 0.0
         for i, o, count in shapes:
             x, w, dy = (torch.randn(*shape, generator=gen) for shape in ((m, i), (o, i), (m, o)))
-            total += count * (best(lambda: x @ w.t()) + best(lambda: dy @ w) + best(lambda: dy.t() @ x))
+            y, dx, dw = torch.empty(m, o), torch.empty(m, i), torch.empty(o, i)
+            total += count * (best(lambda: torch.mm(x, w.t(), out=y)) + best(lambda: torch.mm(dy, w, out=dx))
+                              + best(lambda: torch.mm(dy.t(), x, out=dw)))
         return total
 
     floor = 0.0
     for m in batch_tokens:
-        if m not in cache:
-            cache[m] = per_batch(m)
-        floor += cache[m]
+        if m <= 0:
+            continue
+        timed = -(-m // granularity) * granularity
+        if timed not in cache:
+            cache[timed] = per_batch(timed)
+        floor += cache[timed] * m / timed
     return floor
 
 

@@ -12,8 +12,9 @@ similar lengths; TRL: train_sampling_strategy="group_by_length"; lightalign: use
 (bench/data.py) unless --data is given; loss on the completion on both sides. Tokens/s counts the non-padding
 tokens of the optimizer steps --warmup+1 .. --warmup+--steps; MFU uses bench/harness.py's formula on the real
 sequence lengths of those steps. GEMM share: the time the linear layers' matrix products alone take for the same
-micro-batches (bench/harness.py's gemm_floor_seconds, timed after training in the same process) over the run's
-wall time, i.e. how close a run comes to the machine's own limit on that work. Each (framework, variant) runs in
+micro-batches (bench/harness.py's gemm_floor_seconds, timed once in the parent process after all runs, so every
+run is measured against the same timings) over the run's wall time: how close a run comes to the machine's own
+limit on that work. Each (framework, variant) runs in
 its own process, frameworks alternating; figures are medians over --repeats. Results: a table and
 bench/results/sft.json (--out to change).
 """
@@ -147,10 +148,9 @@ def run_one(args: argparse.Namespace) -> dict:
     seconds = meter.window.seconds
     shape = harness.model_shape(args.model_dir)
     flops = harness.train_flops(args.n_params, shape["layers"], shape["hidden"], meter.lengths)
-    floor = harness.gemm_floor_seconds(args.model_dir, meter.batch_tokens)
     return {**base, "tokens_per_sec": sum(meter.lengths) / seconds, "sequences_per_sec": len(meter.lengths) / seconds,
             "model_flops_per_sec": flops / seconds, "seconds": seconds, "tokens": sum(meter.lengths),
-            "gemm_floor_seconds": floor, "gemm_share": floor / seconds,
+            "batch_tokens": meter.batch_tokens,
             "others_cpu_share": meter.window.others_cpu_share, **extra}
 
 
@@ -234,10 +234,18 @@ def run(args: argparse.Namespace) -> dict:
                         res["unavailable"] if "unavailable" in res else
                         f"{res['tokens_per_sec']:.0f} tokens/s  peak RSS {res['peak_rss_mb']:.0f} MB  "
                         f"others {100 * (res['others_cpu_share'] or 0):.0f}% of the machine"), flush=True)
+        measured = [r for r in runs if "unavailable" not in r]
+        if measured:  # one floor for every run, timed here after them all (module docstring)
+            import torch
+
+            torch.set_num_threads(args.threads)
+            cache: dict[int, float] = {}
+            for r in measured:
+                r["gemm_floor_seconds"] = harness.gemm_floor_seconds(args.model_dir, r["batch_tokens"], cache=cache)
+                r["gemm_share"] = r["gemm_floor_seconds"] / r["seconds"]
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     summary = []
-    measured = [r for r in runs if "unavailable" not in r]
     for variant in args.variants:
         row = {"variant": variant}
         for fw in args.frameworks:
