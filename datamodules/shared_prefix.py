@@ -9,7 +9,8 @@ prompt is computed once instead of once per branch.
 
 Segments are packed first-fit into rows of ``pack_length`` tokens (a longer segment gets a row of its own), so
 padding is only the tail of each row; attention cost per row is at most ``pack_length``², the order of one
-padded sequence.
+padded sequence. ``pack_length=None`` puts every segment of the batch in one row: no padding at all. Rows are
+padded to the widest, so a capacity the batch just overflows leaves a second row that is mostly padding.
 
 A branch's last token is only ever a target: nothing after it in its branch attends to it and its own output
 predicts nothing. It is therefore left out of the rows (a branch of n tokens occupies n - 1 positions), which
@@ -51,6 +52,11 @@ def branch_attention_mask(segment: torch.Tensor, branch: torch.Tensor) -> torch.
     return allowed[:, None]
 
 
+def check_pack_length(pack_length: int | None) -> None:
+    if pack_length is not None and pack_length < 1:
+        raise ValueError(f"pack_length must be >= 1 or None (one row per batch), got {pack_length}.")
+
+
 def pack_first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Indices of ``lengths`` grouped into bins of at most ``capacity`` (first fit, longest first)."""
     bins: list[list[int]] = []
@@ -67,22 +73,23 @@ def pack_first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def shared_prefix_batch(segments: Sequence[Segment], pad_token_id: int, pack_length: int) -> dict[str, torch.Tensor]:
+def shared_prefix_batch(segments: Sequence[Segment], pad_token_id: int,
+                        pack_length: int | None) -> dict[str, torch.Tensor]:
     """Segments -> the tensors of one forward in the shared-prefix layout.
 
     ``input_ids``, ``position_ids``, ``branch`` (``[R, T]``: 0 prompt, ``1..`` branch number inside its
-    segment, -1 padding; every branch token but the branch's last is a position), ``attention_mask`` (``[R, 1, T, T]`` bool), ``logits_mask`` (``[R, T]`` bool), and per
+    segment, -1 padding; every branch token but the branch's last is a position), ``attention_mask``
+    (``[R, 1, T, T]`` bool), ``logits_mask`` (``[R, T]`` bool), and per
     branch token: ``targets``, ``target_logit_index`` (row of ``logits[logits_mask]`` predicting it),
     ``target_sequence`` (the branch's sequence id) and ``target_offset`` (position inside the branch).
     """
-    if pack_length < 1:
-        raise ValueError(f"pack_length must be >= 1, got {pack_length}.")
+    check_pack_length(pack_length)
     for i, (prompt, branches) in enumerate(segments):
         if not prompt or not branches or any(len(tokens) == 0 for _, tokens in branches):
             raise ValueError(f"segment {i} has an empty prompt or branch; the shared-prefix layout needs at least "
                              "one token in each.")
     sizes = [len(prompt) + sum(len(tokens) - 1 for _, tokens in branches) for prompt, branches in segments]
-    bins = pack_first_fit(sizes, pack_length)
+    bins = pack_first_fit(sizes, sum(sizes) if pack_length is None else pack_length)
     shape = (len(bins), max(sum(sizes[i] for i in b) for b in bins))
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
@@ -150,12 +157,12 @@ class SharedPromptCollator:
 
     Args:
         pad_token_id: the id written in padding positions (never attended, never scored).
-        pack_length: row capacity in tokens; pairs longer than this get a row of their own.
+        pack_length: row capacity in tokens; pairs longer than this get a row of their own. ``None``: all
+            pairs of the batch in one row, without padding.
     """
 
-    def __init__(self, pad_token_id: int, pack_length: int = 512) -> None:
-        if pack_length < 1:
-            raise ValueError(f"pack_length must be >= 1, got {pack_length}.")
+    def __init__(self, pad_token_id: int, pack_length: int | None = None) -> None:
+        check_pack_length(pack_length)
         self.pad_token_id, self.pack_length = pad_token_id, pack_length
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
@@ -227,6 +228,13 @@ class DPOModule(PolicyModule):
 
     # ------------------------------------------------------------------------------------- hooks
     def on_fit_start(self) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if getattr(datamodule, "prompt_sharing", False) and getattr(datamodule, "pack_length", 0) is None \
+                and attn == "eager":
+            rank_zero_warn("All pairs of a micro-batch share one row (pack_length: null), and eager attention "
+                           "computes every query against every key of a row: its cost and memory grow with the "
+                           "square of the batch's tokens. Set the datamodule's pack_length (e.g. 512) or use sdpa.")
         self._move_reference()
         if self.hparams.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)

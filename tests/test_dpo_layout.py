@@ -64,8 +64,40 @@ def test_packing_keeps_segments_apart_and_pads_only_row_tails():
     assert SharedPromptCollator(0, pack_length=4)(ROWS)["input_ids"].shape[0] == 3
 
 
+def test_default_puts_the_whole_batch_in_one_row_without_padding():
+    lengths = [6, 4, 6]
+    batch = SharedPromptCollator(pad_token_id=0)(ROWS)  # pack_length=None
+    assert batch["input_ids"].shape == (1, sum(lengths))
+    assert not (batch["branch"] == PAD).any()
+    mask = batch["attention_mask"][0, 0]
+    for i, (start, end) in enumerate([(0, 6), (6, 12), (12, 16)]):  # pairs 0, 2, 1 (longest first): apart
+        outside = torch.ones(16, dtype=torch.bool)
+        outside[start:end] = False
+        assert not mask[start:end][:, outside].any(), i
+    with pytest.raises(ValueError, match="pack_length must be >= 1 or None"):
+        SharedPromptCollator(0, pack_length=0)
+    # a capacity the batch just overflows: the second row is padded to the first's width
+    two_rows = SharedPromptCollator(0, pack_length=12)(ROWS)
+    assert int((two_rows["branch"] == PAD).sum()) == 24 - 16
+
+
+def test_one_row_with_eager_attention_warns_at_fit_start(tiny_dir, data_dir, quiet_trainer):
+    dm = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir), batch_size=2)
+    module = DPOModule(model=_model(tiny_dir, "eager"))
+    with pytest.warns(UserWarning, match="pack_length"):
+        quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, dm)
+    bounded = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir),
+                                   batch_size=2, pack_length=64)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(max_steps=1, limit_val_batches=0).fit(DPOModule(model=_model(tiny_dir, "eager")), bounded)
+    assert not [w for w in caught if "pack_length" in str(w.message)]
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "sdpa_varlen", "eager"])
-@pytest.mark.parametrize("pack_length", [1, 512])
+@pytest.mark.parametrize("pack_length", [1, 512, None])
 def test_shared_logps_equal_classic(tiny_dir, data_dir, attn, pack_length, monkeypatch):
     monkeypatch.setattr(attention, "MIN_SAVED_SCORES_PER_CALL", 0)  # sdpa_varlen: split even these short rows
     dm = PreferenceDataModule(str(data_dir / "chat_preference.jsonl"), tokenizer=str(tiny_dir))
