@@ -7,10 +7,10 @@ attention mask keeps attention causal, inside the segment, and lets a branch see
 Each token thus sees exactly what it sees in the one-sequence-per-branch layout, so log-probs agree, while the
 prompt is computed once instead of once per branch.
 
-Segments are packed first-fit into rows of ``pack_length`` tokens (a longer segment gets a row of its own), so
-padding is only the tail of each row; attention cost per row is at most ``pack_length``², the order of one
-padded sequence. ``pack_length=None`` puts every segment of the batch in one row: no padding at all. Rows are
-padded to the widest, so a capacity the batch just overflows leaves a second row that is mostly padding.
+A batch of ``T`` tokens is split into ``ceil(T / pack_length)`` rows of balanced length (``pack_rows``), so
+padding is only the short tail of each row, and the ``[T_row, T_row]`` mask of a row stays about
+``pack_length``² however large the batch. ``pack_length=None`` puts every segment of the batch in one row: no
+padding at all, but a mask that grows with the square of the batch.
 
 A branch's last token is only ever a target: nothing after it in its branch attends to it and its own output
 predicts nothing. It is therefore left out of the rows (a branch of n tokens occupies n - 1 positions), which
@@ -57,19 +57,17 @@ def check_pack_length(pack_length: int | None) -> None:
         raise ValueError(f"pack_length must be >= 1 or None (one row per batch), got {pack_length}.")
 
 
-def pack_first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped into bins of at most ``capacity`` (first fit, longest first)."""
-    bins: list[list[int]] = []
-    room: list[int] = []
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into ``ceil(sum / capacity)`` rows (at most one per length) of balanced
+    size: longest first, each into the shortest row so far. A row then holds about ``sum / rows`` tokens, at
+    most that plus the longest length, so padding the rows to the widest one wastes little."""
+    rows = min(len(lengths), max(1, -(-sum(lengths) // capacity)))
+    bins: list[list[int]] = [[] for _ in range(rows)]
+    load = [0] * rows
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(max(capacity, lengths[i]) - lengths[i])
+        b = min(range(rows), key=load.__getitem__)
+        bins[b].append(i)
+        load[b] += lengths[i]
     return bins
 
 
@@ -89,7 +87,7 @@ def shared_prefix_batch(segments: Sequence[Segment], pad_token_id: int,
             raise ValueError(f"segment {i} has an empty prompt or branch; the shared-prefix layout needs at least "
                              "one token in each.")
     sizes = [len(prompt) + sum(len(tokens) - 1 for _, tokens in branches) for prompt, branches in segments]
-    bins = pack_first_fit(sizes, sum(sizes) if pack_length is None else pack_length)
+    bins = pack_rows(sizes, sum(sizes) if pack_length is None else pack_length)
     shape = (len(bins), max(sum(sizes[i] for i in b) for b in bins))
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
@@ -157,11 +155,11 @@ class SharedPromptCollator:
 
     Args:
         pad_token_id: the id written in padding positions (never attended, never scored).
-        pack_length: row capacity in tokens; pairs longer than this get a row of their own. ``None``: all
-            pairs of the batch in one row, without padding.
+        pack_length: about this many tokens per row (``pack_rows``); ``None``: all pairs of the batch in one
+            row, without padding.
     """
 
-    def __init__(self, pad_token_id: int, pack_length: int | None = None) -> None:
+    def __init__(self, pad_token_id: int, pack_length: int | None = 2048) -> None:
         check_pack_length(pack_length)
         self.pad_token_id, self.pack_length = pad_token_id, pack_length
 

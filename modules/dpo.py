@@ -230,11 +230,13 @@ class DPOModule(PolicyModule):
     def on_fit_start(self) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        if getattr(datamodule, "prompt_sharing", False) and getattr(datamodule, "pack_length", 0) is None \
+        pack_length = getattr(datamodule, "pack_length", 0)
+        if getattr(datamodule, "prompt_sharing", False) and (pack_length is None or pack_length > 512) \
                 and attn == "eager":
-            rank_zero_warn("All pairs of a micro-batch share one row (pack_length: null), and eager attention "
-                           "computes every query against every key of a row: its cost and memory grow with the "
-                           "square of the batch's tokens. Set the datamodule's pack_length (e.g. 512) or use sdpa.")
+            rank_zero_warn(f"Pairs share rows of about {pack_length or 'all the'} tokens (the datamodule's "
+                           "pack_length), and eager attention computes every query against every key of a row: "
+                           "its cost and memory grow with the square of the row. Set pack_length to about 512, "
+                           "or use sdpa.")
         self._move_reference()
         if self.hparams.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)

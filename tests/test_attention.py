@@ -146,8 +146,8 @@ def test_shared_prefix_segments_attend_on_their_own(tiny_model, monkeypatch, thr
         {"prompt_input_ids": [27], "chosen_input_ids": [28, 36], "rejected_input_ids": [29, 37]},
     ]
     batch = SharedPromptCollator(pad_token_id=0, pack_length=16)(rows)
-    assert batch["input_ids"].shape == (2, 16)  # rows [8 + 8], [6 + 3 + 7 padding]
-    assert segment_bounds(batch) == [[0, 8, 16], [0, 6, 9]]
+    assert batch["input_ids"].shape == (2, 14)  # 25 tokens in 2 balanced rows: [8 + 6], [8 + 3 + 3 padding]
+    assert segment_bounds(batch) == [[0, 8, 14], [0, 8, 11]]
     tiny_model.config._attn_implementation = "sdpa"
     want = shared_prefix_logits(tiny_model, batch)
     use_varlen_sdpa(tiny_model)
@@ -167,5 +167,5 @@ def test_shared_prefix_segments_attend_on_their_own(tiny_model, monkeypatch, thr
     if threshold == 0:  # every segment on its own
         assert sorted(calls) == sorted([(8, (8, 8)), (8, (8, 8)), (6, (6, 6)), (3, (3, 3))] * layers)
     else:  # segments this short save too little per call: one masked call over both rows per layer
-        assert calls == [(16, (16, 16))] * layers
+        assert calls == [(14, (14, 14))] * layers
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightalign.modules import attention
 from lightalign import DPOModule, PreferenceDataModule
-from lightalign.datamodules.shared_prefix import CHOSEN, PAD, PROMPT, REJECTED, SharedPromptCollator, pack_first_fit
+from lightalign.datamodules.shared_prefix import CHOSEN, PAD, PROMPT, REJECTED, SharedPromptCollator, pack_rows
 from lightalign.datamodules.preference import PreferenceCollator
 from lightalign.modules.attention import register_varlen_sdpa
 from lightalign.modules.dpo import completion_token_logps
@@ -53,20 +53,40 @@ def test_layout_positions_roles_and_mask():
 def test_packing_keeps_segments_apart_and_pads_only_row_tails():
     batch = SharedPromptCollator(pad_token_id=0, pack_length=12)(ROWS)
     lengths = [6, 4, 6]  # prompt + each branch but its last token
-    assert pack_first_fit(lengths, 12) == [[0, 2], [1]]
-    assert batch["input_ids"].shape == (2, 12)
-    assert int((batch["branch"] == PAD).sum()) == 2 * 12 - sum(lengths)
+    # ceil(16 / 12) = 2 balanced rows: longest first, each into the shortest row
+    assert pack_rows(lengths, 12) == [[0, 1], [2]]
+    assert batch["input_ids"].shape == (2, 10)
+    assert int((batch["branch"] == PAD).sum()) == 2 * 10 - sum(lengths)
     mask = batch["attention_mask"][0, 0]
-    first, second = slice(0, 6), slice(6, 12)  # pair 0 then pair 2 in row 0
+    first, second = slice(0, 6), slice(6, 10)  # pair 0 then pair 1 in row 0
     assert not mask[second, first].any()
     assert batch["chosen_lengths"].tolist() == [2, 4, 1] and batch["rejected_lengths"].tolist() == [3, 1, 2]
     # a pair longer than the capacity gets a row of its own
     assert SharedPromptCollator(0, pack_length=4)(ROWS)["input_ids"].shape[0] == 3
 
 
-def test_default_puts_the_whole_batch_in_one_row_without_padding():
+def test_balanced_rows_bound_the_padding():
+    # first-fit into rows of 100 would give [90, 15] -> 2 rows of width 90, 75 padding positions
+    lengths = [50, 40, 15]
+    bins = pack_rows(lengths, 100)
+    widths = [sum(lengths[i] for i in b) for b in bins]
+    assert sorted(widths) == [50, 55] and sorted(i for b in bins for i in b) == [0, 1, 2]
+    assert pack_rows(lengths, 1000) == [[0, 1, 2]]
+    assert len(pack_rows([7] * 10, 1)) == 10  # at most one row per segment
+    # every row holds at most sum / rows + the longest length
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 20))]
+        bins = pack_rows(lengths, 256)
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        assert max(sum(lengths[i] for i in b) for b in bins) <= sum(lengths) / len(bins) + max(lengths)
+
+
+def test_pack_length_none_puts_the_whole_batch_in_one_row_without_padding():
     lengths = [6, 4, 6]
-    batch = SharedPromptCollator(pad_token_id=0)(ROWS)  # pack_length=None
+    batch = SharedPromptCollator(pad_token_id=0, pack_length=None)(ROWS)
     assert batch["input_ids"].shape == (1, sum(lengths))
     assert not (batch["branch"] == PAD).any()
     mask = batch["attention_mask"][0, 0]
@@ -76,18 +96,15 @@ def test_default_puts_the_whole_batch_in_one_row_without_padding():
         assert not mask[start:end][:, outside].any(), i
     with pytest.raises(ValueError, match="pack_length must be >= 1 or None"):
         SharedPromptCollator(0, pack_length=0)
-    # a capacity the batch just overflows: the second row is padded to the first's width
-    two_rows = SharedPromptCollator(0, pack_length=12)(ROWS)
-    assert int((two_rows["branch"] == PAD).sum()) == 24 - 16
 
 
-def test_one_row_with_eager_attention_warns_at_fit_start(tiny_dir, data_dir, quiet_trainer):
+def test_long_rows_with_eager_attention_warn_at_fit_start(tiny_dir, data_dir, quiet_trainer):
     dm = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir), batch_size=2)
     module = DPOModule(model=_model(tiny_dir, "eager"))
     with pytest.warns(UserWarning, match="pack_length"):
         quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, dm)
     bounded = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir),
-                                   batch_size=2, pack_length=64)
+                                   batch_size=2, pack_length=512)
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
