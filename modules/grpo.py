@@ -71,7 +71,8 @@ class GRPOModule(PolicyModule):
             segment, position ids restarting after the prompt, a mask keeping completions apart), equal to the
             padded layout within float tolerance. Worth it for long prompts; the rollout is then shuffled by
             whole groups so a micro-batch holds whole groups. Needs ``sdpa`` or ``eager`` attention.
-        pack_length: with ``prompt_sharing``, segments are packed into rows of this many tokens.
+        pack_length: with ``prompt_sharing``, a micro-batch of ``T`` tokens is split into
+            ``ceil(T / pack_length)`` rows of balanced length (``datamodules/shared_prefix.py``).
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
