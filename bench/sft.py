@@ -14,9 +14,8 @@ tokens of the optimizer steps --warmup+1 .. --warmup+--steps; MFU uses bench/har
 sequence lengths of those steps. GEMM share: the time the linear layers' matrix products alone take for the same
 micro-batches (bench/harness.py's gemm_floor_seconds, timed once in the parent process after all runs, so every
 run is measured against the same timings) over the run's wall time: how close a run comes to the machine's own
-limit on that work. Each (framework, variant) runs in
-its own process, frameworks alternating; figures are medians over --repeats. Results: a table and
-bench/results/sft.json (--out to change).
+limit on that work. Each (framework, variant) runs in its own process, frameworks alternating; figures are
+medians over --repeats. Results: a table and bench/results/sft.json (--out to change).
 """
 
 from __future__ import annotations
