@@ -49,13 +49,15 @@ class PaddingFreeCollator:
     ``position_ids`` restart at 0 for each sequence, and there is no ``attention_mask``: transformers then
     builds a block-diagonal causal mask from the position ids (and flash attention uses them as
     ``cu_seqlens``), so attention never crosses a sequence boundary. The first token of every sequence is not
-    a target, exactly as in an unpacked batch.
+    a target, exactly as in an unpacked batch. ``sequence_sizes`` lists the sequence lengths as host integers,
+    so the per-sequence attention (``sdpa_varlen``) never reads them back from the device.
     """
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids: list[int] = []
         labels: list[int] = []
         positions: list[int] = []
+        sizes: list[int] = []
         for row in rows:
             row_labels = _labels(row["input_ids"], row.get("completion_mask"))
             start = 0
@@ -66,9 +68,11 @@ class PaddingFreeCollator:
                 labels.append(IGNORE_INDEX)
                 labels.extend(seq_labels[1:])
                 positions.extend(range(length))
+                sizes.append(length)
                 start += length
         as_row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731
-        return {"input_ids": as_row(ids), "position_ids": as_row(positions), "labels": as_row(labels)}
+        return {"input_ids": as_row(ids), "position_ids": as_row(positions), "labels": as_row(labels),
+                "sequence_sizes": sizes}
 
 
 def pack_best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:

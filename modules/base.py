@@ -14,11 +14,12 @@ from typing import Any, Callable, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
 from lightalign.hub import load_causal_lm
-from lightalign.modules.attention import use_varlen_sdpa
+from lightalign.modules.adaptations import AdaptationReport, adapt_model
 from lightalign.modules.optimizers import (  # noqa: F401  (re-exported: the schedule and groups were defined here)
     ScheduleType,
     decay_parameter_groups,
@@ -115,7 +116,7 @@ class PolicyModule(L.LightningModule):
         use_liger_kernel: Liger's fused Triton kernels (needs ``liger-kernel`` and a CUDA GPU).
         recompute_mlp_activation: gated SiLU MLPs (Llama, Qwen, Mistral …) keep ``gate(x)`` and ``up(x)`` for the
             backward pass and recompute ``silu(gate(x))`` there instead of keeping it: a quarter less MLP activation
-            memory, bitwise the same values and gradients (``modules/mlp_memory.py``). ``False`` keeps the model's
+            memory, bitwise the same values and gradients (``modules/adaptations/mlp_memory.py``). ``False`` keeps the model's
             own MLP forward.
         retain_cpu_memory: when training on CPU under glibc, keep freed memory in the process instead of giving
             it back to the OS after every free, so each step's activations and gradients do not page-fault in
@@ -193,6 +194,7 @@ class PolicyModule(L.LightningModule):
         self.neftune = None
         self.cpu_memory_retained = False
         self.lean_mlps = 0  # MLPs switched by recompute_mlp_activation
+        self.adaptations = AdaptationReport()
         if model is not None:
             self._prepare_model()
 
@@ -216,17 +218,11 @@ class PolicyModule(L.LightningModule):
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes as they are
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
-        if hp.get("use_liger_kernel"):
-            from lightalign.modules.acceleration import apply_liger_kernel
-
-            apply_liger_kernel(self.model)
-        elif hp.get("recompute_mlp_activation", True):  # (Liger's SwiGLU recomputes by itself)
-            from lightalign.modules.mlp_memory import recompute_mlp_activation
-
-            self.lean_mlps = recompute_mlp_activation(self.model)
-        # sdpa -> sdpa_varlen: packed rows (padding-free SFT, shared-prefix DPO/GRPO segments) attend per sequence
-        # instead of through one row-wide mask (modules/attention.py); every other batch runs plain sdpa.
-        use_varlen_sdpa(self.model)
+        # model adaptations (modules/adaptations/): Liger or MLP recompute, sdpa -> sdpa_varlen; each is exact where
+        # it is applied, and the layout of the run is checked against the model at fit start (check_model_layout)
+        self.adaptations = adapt_model(self.model, recompute_mlp=bool(hp.get("recompute_mlp_activation", True)),
+                                       liger=bool(hp.get("use_liger_kernel")))
+        self.lean_mlps = self.adaptations.mlps_switched
         if hp.peft_config is not None and not is_peft_model(self.model):
             self.model = apply_peft(self.model, hp.peft_config)
         if hp.get("torch_compile"):
@@ -241,6 +237,31 @@ class PolicyModule(L.LightningModule):
             self.cpu_memory_retained = retain_freed_cpu_memory()
 
     def on_fit_start(self) -> None:
+        self.check_model_layout()
+        self.attach_neftune()
+
+    def batch_layout(self) -> tuple[str, int | None]:
+        """The run's batch layout (``adaptations.LAYOUTS``) and its longest sequence in tokens, if known."""
+        return "padded", None
+
+    def check_model_layout(self) -> None:
+        """At fit start, before any batch: refuse a layout the policy (or a separately loaded reference) cannot
+        compute exactly (``adaptations.check_layout``), then say in one line what was adapted; the same facts go
+        to the logger's hyperparameters (``hparams.yaml`` of the run folder)."""
+        from lightalign.modules.adaptations import check_layout
+
+        layout, longest = self.batch_layout()
+        for model in (self.model, getattr(self, "ref_model", None)):
+            if model is not None:
+                check_layout(model, layout, max_tokens=longest)
+        self.adaptations.layout = layout
+        if self.neftune is None and self.hparams.get("neftune_noise_alpha"):
+            self.adaptations.notes = [f"NEFTune alpha {self.hparams.neftune_noise_alpha}"]
+        rank_zero_info(self.adaptations.describe())
+        if self._trainer is not None and self.logger is not None:
+            self.logger.log_hyperparams({"lightalign_adaptations": self.adaptations.as_dict()})
+
+    def attach_neftune(self) -> None:
         if self.hparams.get("neftune_noise_alpha"):  # noise while fitting only; on_fit_end restores the embeddings
             from lightalign.modules.neftune import NEFTune
 

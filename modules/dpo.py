@@ -227,7 +227,13 @@ class DPOModule(PolicyModule):
             metric.reset()
 
     # ------------------------------------------------------------------------------------- hooks
+    def batch_layout(self) -> tuple[str, int | None]:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        shared = getattr(datamodule, "prompt_sharing", False)
+        return ("dpo_shared" if shared else "dpo_classic"), getattr(datamodule, "max_length", None)
+
     def on_fit_start(self) -> None:
+        self.check_model_layout()  # before the reference pass: a refused layout costs no compute
         datamodule = getattr(self.trainer, "datamodule", None)
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         pack_length = getattr(datamodule, "pack_length", 0)
@@ -240,7 +246,7 @@ class DPOModule(PolicyModule):
         self._move_reference()
         if self.hparams.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)
-        super().on_fit_start()  # NEFTune, when asked: after the reference pass, which must see clean embeddings
+        self.attach_neftune()  # after the reference pass, which must see clean embeddings
 
     def on_validation_start(self) -> None:
         self._move_reference()

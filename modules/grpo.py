@@ -19,8 +19,7 @@ from torchmetrics.aggregation import MeanMetric
 from lightalign.modules.base import PolicyModule, is_peft_model
 from lightalign.modules.generation import generate_groups
 from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
-from lightalign.datamodules.shared_prefix import prompt_group_segments, shared_prefix_batch
-from lightalign.modules.logprobs import selective_log_softmax, shared_prefix_token_logps
+from lightalign.modules.layouts import grpo_forward, prompt_group_batch
 from lightalign.modules.reference import build_reference, move_reference
 from lightalign.strategies.sharding import generation_context
 from lightalign.rewards import (
@@ -192,12 +191,14 @@ class GRPOModule(PolicyModule):
                 )
 
     def on_fit_start(self) -> None:
-        super().on_fit_start()  # NEFTune, when asked
-        attn = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
-        if self.hparams.prompt_sharing and attn not in ("sdpa", "sdpa_varlen", "eager"):
-            raise ValueError(f"prompt_sharing needs a custom 4D attention mask, which attn_implementation='{attn}' "
-                             "does not take: set prompt_sharing: false or load the model with attn_implementation: sdpa.")
+        super().on_fit_start()  # the layout check, NEFTune when asked
         move_reference(self.ref_model, self.device)
+
+    def batch_layout(self) -> tuple[str, int | None]:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        prompt = getattr(datamodule, "max_prompt_length", None)
+        longest = None if prompt is None else prompt + self.hparams.max_completion_length
+        return ("grpo_shared" if self.hparams.prompt_sharing else "grpo_padded"), longest
 
     # ------------------------------------------------------------------------------------- rollout
     def _eos_ids(self) -> list[int]:
@@ -277,19 +278,7 @@ class GRPOModule(PolicyModule):
 
     def token_logps(self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False):
         """Per-token log-probs of the completion tokens ``[B, T]`` (and the mean entropy, detached)."""
-        b, t = mb["completion_ids"].shape
-        if "shared" in mb:  # prompt_sharing: one segment per prompt, logits only where a completion token is predicted
-            shared = mb["shared"]
-            logps, logits = shared_prefix_token_logps(model, shared, b, t, self.hparams.temperature)
-            scored = mb["completion_mask"][shared["target_sequence"], shared["target_offset"]].bool()
-        else:
-            input_ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
-            attention_mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                           logits_to_keep=t + 1).logits[:, :-1]
-            logits = logits / self.hparams.temperature  # the sampling distribution
-            logps = selective_log_softmax(logits, mb["completion_ids"])
-            scored = mb["completion_mask"].bool()
+        logps, logits, scored = grpo_forward(model, mb, self.hparams.temperature)
         entropy = None
         if with_entropy:
             with torch.no_grad():
@@ -327,10 +316,8 @@ class GRPOModule(PolicyModule):
         if hp.prompt_sharing:
             pad = self.tokenizer.pad_token_id
             for i, mb in enumerate(chunks):
-                segments = prompt_group_segments(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                                 lengths[i * micro:(i + 1) * micro])
-                shared = shared_prefix_batch(segments, pad if pad is not None else 0, hp.pack_length)
-                mb["shared"] = {k: v.to(device) for k, v in shared.items()}
+                mb["shared"] = prompt_group_batch(mb, pad if pad is not None else 0, hp.pack_length,
+                                                  lengths[i * micro:(i + 1) * micro])
         needs_old = hp.num_iterations > 1 or steps > self.trainer.accumulate_grad_batches
         for mb in chunks:
             if needs_old:

@@ -54,9 +54,9 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
 def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """One forward of a shared-prefix batch (``datamodules/shared_prefix.py``) -> ``[targets, V]`` logits, the
     row ``j`` predicting ``batch["targets"][j]``. Logits are computed only at ``logits_mask`` positions when the
-    model takes ``logits_to_keep``."""
-    from lightalign.modules import attention
-    from lightalign.modules.attention import VARLEN_SDPA
+    model takes ``logits_to_keep``. Which models may run this layout: ``adaptations.check_layout``."""
+    from lightalign.modules.adaptations import attention
+    from lightalign.modules.adaptations.attention import VARLEN_SDPA
 
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     if attn not in ("sdpa", VARLEN_SDPA, "eager"):
@@ -71,13 +71,15 @@ def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor])
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     inputs = dict(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
                   use_cache=False)
-    if attn == VARLEN_SDPA and getattr(model, "_compiled_call_impl", None) is None:
-        # each segment attends on its own (modules/attention.py) when that saves enough work; not under
-        # torch.compile, where a list of per-batch edges would force a recompile per batch (a compiled model
-        # runs the 4D mask instead)
-        bounds = segment_bounds(batch)
-        if attention.worth_splitting(bounds, batch["input_ids"].shape[1]):
-            inputs["segment_bounds"] = bounds
+    if attn == VARLEN_SDPA:
+        # the mask replaces the model's sliding-window masks: sdpa_varlen puts each layer's window back
+        inputs["window_positions"] = batch["position_ids"]
+        if batch["input_ids"].device.type == "cpu" and getattr(model, "_compiled_call_impl", None) is None:
+            # each segment attends on its own when that saves enough work (a threshold measured on CPU, so CPU
+            # only); not under torch.compile, where a list of per-batch edges would force a recompile per batch
+            bounds = segment_bounds(batch)
+            if attention.worth_splitting(bounds, batch["input_ids"].shape[1]):
+                inputs["segment_bounds"] = bounds
     if _accepts_logits_to_keep(model):
         logits = model(**inputs, logits_to_keep=batch["logits_mask"]).logits
         if logits.dim() == 3:  # a model that ignores a boolean mask returns [R, T, V]

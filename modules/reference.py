@@ -126,7 +126,7 @@ def build_reference(
     if separate:
         ref = load_causal_lm(name_or_path, init_kwargs=quantization_kwargs(init_kwargs), trust_remote_code=trust_remote_code)
         disable_cpu_4bit_repacking(ref)
-        from lightalign.modules.attention import use_varlen_sdpa
+        from lightalign.modules.adaptations.attention import use_varlen_sdpa
 
         use_varlen_sdpa(ref)  # like the policy: shared-prefix segments attend on their own
         return freeze(ref)

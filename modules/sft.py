@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
-from lightalign.modules.attention import VARLEN_SDPA, sequence_boundaries
 from lightalign.modules.base import PolicyModule
+from lightalign.modules.layouts import sft_logits
 
 IGNORE_INDEX = -100
 
@@ -65,15 +65,15 @@ class SFTModule(PolicyModule):
         self.eval_accuracy = MeanMetric()
         self.tokens_seen = 0
 
+    def batch_layout(self) -> tuple[str, int | None]:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        layout = ("packed" if getattr(datamodule, "packing", False)
+                  else "padding_free" if getattr(datamodule, "padding_free", False) else "padded")
+        return layout, getattr(datamodule, "max_length", None)
+
     # ------------------------------------------------------------------------------------- forward
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-        if is_packed_row(batch) and getattr(self.model.config, "_attn_implementation", None) == VARLEN_SDPA:
-            bounds = batch.get("cu_seq_lens_q")
-            if bounds is None:
-                bounds = sequence_boundaries(batch["position_ids"])
-            inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
-        return self.model(**inputs, use_cache=False).logits
+        return sft_logits(self.model, batch)
 
     def _step_denominator(self, batch: dict[str, torch.Tensor], local_tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Target tokens of the whole optimizer step, and the factor that undoes Lightning's and DDP's averaging."""
@@ -154,11 +154,6 @@ class SFTModule(PolicyModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self.tokens_seen = int(checkpoint.get("lightalign", {}).get("tokens_seen", 0))
-
-
-def is_packed_row(batch: dict[str, torch.Tensor]) -> bool:
-    """A padding-free batch: one row, ``position_ids`` given and no attention mask."""
-    return ("position_ids" in batch and "attention_mask" not in batch and batch["input_ids"].shape[0] == 1)
 
 
 def count_input_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:

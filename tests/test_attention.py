@@ -1,4 +1,4 @@
-"""sdpa_varlen (modules/attention.py): per-sequence attention on padding-free rows equals sdpa's block mask."""
+"""sdpa_varlen (modules/adaptations/attention.py): per-sequence attention on padding-free rows equals sdpa's block mask."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import json
 import pytest
 import torch
 
-from lightalign.modules import attention
-from lightalign.modules.attention import VARLEN_SDPA, sequence_boundaries, use_varlen_sdpa, worth_splitting
+from lightalign.modules.adaptations import attention
+from lightalign.modules.adaptations.attention import VARLEN_SDPA, sequence_sizes, use_varlen_sdpa, worth_splitting
 
 
-def test_sequence_boundaries_follow_position_restarts():
+def test_sequence_sizes_follow_position_restarts():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
-    assert sequence_boundaries(pos).tolist() == [0, 3, 5, 6, 10]
+    assert sequence_sizes(pos) == [3, 2, 1, 4]
     # a sequence may start at any position (transformers' rule: a break wherever the position is not previous + 1)
-    assert sequence_boundaries(torch.tensor([[5, 6, 7, 2, 3]])).tolist() == [0, 3, 5]
-    assert sequence_boundaries(torch.tensor([[0, 1, 2]])).tolist() == [0, 3]
+    assert sequence_sizes(torch.tensor([[5, 6, 7, 2, 3]])) == [3, 2]
+    assert sequence_sizes(torch.tensor([[0, 1, 2]])) == [3]
     with pytest.raises(ValueError, match="one packed row"):
-        sequence_boundaries(torch.tensor([[0, 1], [0, 1]]))
+        sequence_sizes(torch.tensor([[0, 1], [0, 1]]))
 
 
 def _packed_row(lengths, seed=0):
@@ -48,11 +48,9 @@ def test_varlen_equals_block_mask_and_separate_forwards_with_gradients(tiny_mode
         calls.append((q.shape[-2], kw.get("is_causal"), kw.get("attn_mask")))
         return sdpa(q, *a, **kw)
 
-    bounds = sequence_boundaries(pos)
     torch.nn.functional.scaled_dot_product_attention = counting
     try:
-        out = tiny_model(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=bounds,
-                         cu_seq_lens_k=bounds).logits
+        out = tiny_model(input_ids=ids, position_ids=pos, use_cache=False, sequence_sizes=sequence_sizes(pos)).logits
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
     # one causal, unmasked call per sequence and layer: no [T, T] attention
@@ -107,12 +105,12 @@ def test_sft_module_runs_packed_batches_per_sequence(tiny_dir):
     original = module.model.model.forward
 
     def spy(*a, **kw):
-        seen.append(kw.get("cu_seq_lens_q"))
+        seen.append(kw.get("sequence_sizes"))
         return original(*a, **kw)
 
     module.model.model.forward = spy
     packed = module._logits(batch)
-    assert seen[0].tolist() == [0, 6, 15, 19]
+    assert seen[0] == [6, 9, 4] and batch["sequence_sizes"] == [6, 9, 4]  # host integers from the collator
     module.model.model.forward = original
     module.model.config._attn_implementation = "sdpa"
     torch.testing.assert_close(packed, module._logits(batch), atol=1e-5, rtol=0)
@@ -169,3 +167,35 @@ def test_shared_prefix_segments_attend_on_their_own(tiny_model, monkeypatch, thr
     else:  # segments this short save too little per call: one masked call over both rows per layer
         assert calls == [(14, (14, 14))] * layers
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_no_device_reads_inside_the_layers(tiny_model, monkeypatch):
+    """The per-sequence path takes host integers: no ``.tolist()`` / ``.item()`` of a tensor in any layer (each is
+    a device sync on a GPU)."""
+    ids, pos = _packed_row([5, 3, 6])
+    use_varlen_sdpa(tiny_model)
+    reads = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _original=original, _name=name, **kw):
+            reads.append(_name)
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    with torch.no_grad():
+        tiny_model(input_ids=ids, position_ids=pos, use_cache=False, sequence_sizes=[5, 3, 6])
+    assert reads == []
+
+
+@pytest.mark.parametrize("device_type, family, split", [("cpu", "qwen2", True), ("cuda", "qwen2", False),
+                                                       ("cuda", "opt", True)])
+def test_per_sequence_split_is_cpu_tuned_and_kept_on_gpus_only_where_needed(device_type, family, split):
+    """sdpa_varlen's per-sequence calls were measured faster on CPU only: on a GPU a packed row of a family whose
+    own mask sees position_ids runs transformers' sdpa as is; OPT's mask does not, so it stays split there."""
+    from types import SimpleNamespace
+
+    from lightalign.modules.layouts import split_packed_attention
+
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=VARLEN_SDPA, model_type=family))
+    assert split_packed_attention(model, torch.device(device_type)) is split

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightalign.modules import attention
+from lightalign.modules.adaptations import attention
 from lightalign import DPOModule, PreferenceDataModule
 from lightalign.datamodules.shared_prefix import CHOSEN, PAD, PROMPT, REJECTED, SharedPromptCollator, pack_rows
 from lightalign.datamodules.preference import PreferenceCollator
-from lightalign.modules.attention import register_varlen_sdpa
+from lightalign.modules.adaptations.attention import register_varlen_sdpa
 from lightalign.modules.dpo import completion_token_logps
 
 ROWS = [  # hand-made token ids: (prompt, chosen, rejected) of different lengths

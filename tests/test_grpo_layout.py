@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightalign.modules import attention
+from lightalign.modules.adaptations import attention
 from lightalign.datamodules.shared_prefix import prompt_group_segments, shared_prefix_batch
 
 PAD = 0
@@ -107,5 +107,5 @@ def test_prompt_sharing_refuses_attention_without_4d_masks(grpo_module, quiet_tr
     module.configure_model()
     module.model.config._attn_implementation = "flash_attention_2"
     module.generate = lambda *a, **kw: pytest.fail("generated before refusing")
-    with pytest.raises(ValueError, match="prompt_sharing needs a custom 4D attention mask.*flash_attention_2"):
+    with pytest.raises(ValueError, match="prompt_sharing.*custom 4D attention mask.*flash_attention_2"):
         quiet_trainer(max_steps=1).fit(module, prompt_data())

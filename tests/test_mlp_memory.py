@@ -1,4 +1,4 @@
-"""recompute_mlp_activation (modules/mlp_memory.py): gated SiLU MLPs keep gate(x) and up(x) for the backward pass
+"""recompute_mlp_activation (modules/adaptations/mlp_memory.py): gated SiLU MLPs keep gate(x) and up(x) for the backward pass
 and recompute silu(gate(x)); values and gradients are bitwise those of the model's own MLP, and each MLP keeps
 exactly one [tokens, intermediate_size] tensor less."""
 
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lightalign.modules.mlp_memory import recompute_mlp_activation, silu_mul
+from lightalign.modules.adaptations.mlp_memory import mlp_report, recompute_mlp_activation, silu_mul
 
 MODELS = ["tiny", "tiny-llama"]  # Qwen2 and Llama
 
@@ -98,6 +98,45 @@ def test_only_gated_silu_mlps_with_the_standard_forward_are_switched(repo):
     assert n == model.config.num_hidden_layers - 2
     assert "forward" not in vars(mlp) and "forward" not in vars(other)
     assert recompute_mlp_activation(model) == 0  # already switched: nothing twice
+    report = mlp_report(model)
+    assert (report.switched, report.total) == (model.config.num_hidden_layers - 2, model.config.num_hidden_layers)
+    assert "not SiLU" in report.skipped[type(mlp).__name__] and "computes more" in report.skipped["Custom"]
+
+
+def test_a_forward_that_does_more_than_the_expression_is_left_alone(repo):
+    """Structure, not source text: an MLP whose forward holds the expression plus a dropout after ``down_proj`` (or
+    which has another submodule) keeps its own forward, so the extra code is never dropped."""
+    model = build(repo, "tiny")
+    first, second = model.model.layers[0].mlp, model.model.layers[1].mlp
+
+    class WithDropout(type(first)):
+        def forward(self, x):
+            return torch.nn.functional.dropout(self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)),
+                                               0.5, self.training)
+
+    class WithModule(type(second)):
+        pass
+
+    first.__class__ = WithDropout
+    second.__class__ = WithModule
+    second.dropout = torch.nn.Dropout(0.5)
+    n = recompute_mlp_activation(model)
+    assert n == model.config.num_hidden_layers - 2
+    assert "forward" not in vars(first) and "forward" not in vars(second)
+    assert "other parts" in mlp_report(model).skipped["WithModule"]
+
+
+def test_the_names_of_the_arguments_do_not_matter(repo):
+    model = build(repo, "tiny")
+    mlp = model.model.layers[0].mlp
+
+    class Renamed(type(mlp)):
+        def forward(self, hidden_states):
+            out = self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+            return out
+
+    mlp.__class__ = Renamed
+    assert recompute_mlp_activation(model) == model.config.num_hidden_layers
 
 
 def test_policy_knob_switches_mlps_keeps_state_dict_and_lora_gradients(repo, quiet_trainer, tiny_dir):

@@ -6,15 +6,18 @@ against every key of the row, then masks: attention costs ``T**2`` instead of ``
 step on CPU at 8 sequences of ~140 tokens). Flash-attention's varlen kernels avoid this on GPUs; ``sdpa_varlen`` does
 the same with stock SDPA by attending each sequence on its own with ``is_causal=True``.
 
-The sequences are given by ``cu_seq_lens_q``/``cu_seq_lens_k`` (cumulative lengths, the flash-attention kwargs
-that transformers passes to every attention layer). The shared-prefix layouts (DPO pairs, GRPO groups; see
-``datamodules/shared_prefix.py``) pack several segments per row under a custom 4D mask; given ``segment_bounds``
-(per row, the segment edges) each segment attends on its own with its slice of that mask, ``sum(S_i**2)`` instead
-of ``T**2`` per row, when that saves enough work to pay for the extra kernel calls (``worth_splitting``). Every
-other call — padded batches, generation with a KV cache, sliding windows,
-``torch.compile`` tracing — goes to transformers' own ``sdpa`` function unchanged, with the mask transformers
-built for ``sdpa``. The name is not saved
-in ``config.json`` (transformers drops the runtime attention setting), so exported models load anywhere.
+The sequences are given by ``sequence_sizes`` (host integers, read from the batch once, not once per layer). The
+shared-prefix layouts (DPO pairs, GRPO groups; see ``datamodules/shared_prefix.py``) pack several segments per
+row under a custom 4D mask; given ``segment_bounds`` (per row, the segment edges) each segment attends on its own
+with its block of that mask, ``sum(S_i**2)`` instead of ``T**2`` per row, when that saves enough work to pay for
+the extra kernel calls (``worth_splitting``, measured on CPU and used on CPU only).
+
+Sliding windows are kept on every path: a packed sequence attends with a banded causal mask, and a custom 4D
+mask gets the layer's window put back (``window_positions``), since it replaces the model's own sliding-window
+mask. Every other call (padded batches, generation with a KV cache, ``torch.compile`` tracing) goes to
+transformers' own ``sdpa`` function unchanged. The name is not saved in ``config.json`` (transformers drops the
+runtime attention setting), so exported models load anywhere. Which models may use which layout is decided in
+``support.py``.
 """
 
 from __future__ import annotations
@@ -41,44 +44,74 @@ def worth_splitting(segments: list[list[int]], width: int) -> bool:
     return saved >= MIN_SAVED_SCORES_PER_CALL * calls
 
 
-def sequence_boundaries(position_ids: torch.Tensor) -> torch.Tensor:
-    """Cumulative sequence lengths ``[0, L_1, L_1+L_2, …, T]`` (int32) of a one-row padding-free batch: a sequence
-    starts wherever the position does not follow the previous one (transformers' own packed-sequence rule)."""
+def sequence_sizes(position_ids: torch.Tensor) -> list[int]:
+    """The lengths of the sequences of a one-row padding-free batch, as host integers (read once per batch, not
+    once per layer): a sequence starts wherever the position does not follow the previous one (transformers' own
+    packed-sequence rule)."""
     if position_ids.dim() != 2 or position_ids.shape[0] != 1:
-        raise ValueError(f"sequence_boundaries takes one packed row [1, T], got shape {tuple(position_ids.shape)}.")
-    row = position_ids[0]
-    starts = torch.nonzero(row[1:] - row[:-1] != 1).flatten() + 1
-    edges = [row.new_zeros(1), starts, row.new_full((1,), row.shape[0])]
-    return torch.cat(edges).to(torch.int32)
+        raise ValueError(f"sequence_sizes takes one packed row [1, T], got shape {tuple(position_ids.shape)}.")
+    row = position_ids[0].tolist()
+    starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1] + 1] + [len(row)]
+    return [e - s for s, e in zip(starts[:-1], starts[1:])]
+
+
+def windowed_mask(mask: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """A 4D mask (bool: True = may attend; or additive float) restricted to keys less than ``window`` positions
+    behind the query, positions taken from ``position_ids`` ``[R, T]`` (a shared-prefix row's branches restart
+    after their prompt, so a key's distance is that of the branch's own sequence). transformers' sliding-window
+    rule: key ``k`` is seen from query ``q`` when ``q - window < k``."""
+    near = (positions[:, None, :, None] - positions[:, None, None, :]) < window
+    if mask.dtype == torch.bool:
+        return mask & near
+    return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+
+
+def _band(length: int, window: int | None, device) -> torch.Tensor | None:
+    """``[1, 1, L, L]`` causal mask limited to the last ``window`` keys (None when there is no window)."""
+    if window is None or window >= length:
+        return None
+    rows = torch.arange(length, device=device)
+    diff = rows[:, None] - rows[None, :]
+    return ((diff >= 0) & (diff < window))[None, None]
 
 
 def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                         is_causal=None, **kwargs):
-    """transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out): one causal SDPA per sequence of
-    ``cu_seq_lens_q`` when the call is a packed self-attention over one row; otherwise transformers' ``sdpa``."""
+    """transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out).
+
+    * ``sequence_sizes`` (host list, one packed row): one causal SDPA per sequence, limited to the layer's
+      ``sliding_window`` when it has one;
+    * ``segment_bounds`` (host lists, shared-prefix rows under a boolean 4D mask): one SDPA per segment with its
+      block of the mask;
+    * ``window_positions`` (the rows' ``position_ids``): the layer's ``sliding_window`` is put into a custom 4D
+      mask (which replaced the model's own sliding-window mask);
+    * anything else (padded batches, generation with a KV cache, ``torch.compile`` tracing): transformers' own
+      ``sdpa`` with the mask transformers built for ``sdpa``.
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    bounds = kwargs.pop("cu_seq_lens_q", None)
-    bounds_k = kwargs.pop("cu_seq_lens_k", None)
+    for unused in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(unused, None)
+    sizes = kwargs.pop("sequence_sizes", None)
     segments = kwargs.pop("segment_bounds", None)
+    positions = kwargs.pop("window_positions", None)
+    window = kwargs.get("sliding_window")
+    if window is not None and positions is not None and attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = windowed_mask(attention_mask, positions, int(window))
     self_attention = (
         query.shape[2] == key.shape[2]  # no KV cache: keys are the rows themselves
-        and kwargs.get("sliding_window") is None
         and getattr(module, "is_causal", True)
         and not torch.compiler.is_compiling()
     )
     if (self_attention and segments is not None and attention_mask is not None and attention_mask.dim() == 4
             and attention_mask.dtype == torch.bool and len(segments) == query.shape[0]):
         return _per_segment(module, query, key, value, attention_mask, segments, dropout, scaling, kwargs), None
-    if (self_attention and bounds is not None and query.shape[0] == 1 and is_causal is not False
-            and (bounds_k is None or bounds_k is bounds or torch.equal(bounds_k, bounds))):
-        edges = bounds.tolist()
-        sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
-        outputs = [
-            sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
-                                   **kwargs)[0]
-            for q, k, v in zip(*(t.split(sizes, dim=2) for t in (query, key, value)))  # split: cheap backward
-        ]
+    if self_attention and sizes is not None and query.shape[0] == 1 and is_causal is not False:
+        outputs = []
+        for q, k, v in zip(*(t.split(list(sizes), dim=2) for t in (query, key, value))):  # split: cheap backward
+            band = _band(q.shape[2], None if window is None else int(window), q.device)
+            outputs.append(sdpa_attention_forward(module, q, k, v, band, dropout=dropout, scaling=scaling,
+                                                  is_causal=band is None, **kwargs)[0])
         return torch.cat(outputs, dim=1), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
@@ -123,8 +156,10 @@ def use_varlen_sdpa(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", VARLEN_SDPA):
         return False
-    register_varlen_sdpa()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(type(base), "_supports_attention_backend", False):
+        return False  # its attention code does not call transformers' attention functions (Falcon, Bloom ...)
+    register_varlen_sdpa()
     if hasattr(base, "set_attn_implementation"):
         base.set_attn_implementation(VARLEN_SDPA)
     return getattr(base.config, "_attn_implementation", None) == VARLEN_SDPA

@@ -1,0 +1,87 @@
+"""Model adaptations: everything lightalign changes in how a Hugging Face model computes, in one place.
+
+* ``attention.py``: ``sdpa_varlen``, per-sequence / per-segment SDPA for packed and shared-prefix rows, sliding
+  windows kept;
+* ``mlp_memory.py``: ``recompute_mlp_activation``, gated SiLU MLPs that keep one activation tensor less;
+* ``support.py``: what each batch layout needs from a model, and ``check_layout``, which refuses a layout a model
+  cannot run exactly (called at fit start by every module).
+
+``adapt_model`` applies the adaptations a ``PolicyModule`` asks for and returns an ``AdaptationReport``; its
+``describe()`` is the fit-start line, and its ``as_dict()`` goes into the saved run config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightalign.modules.adaptations.attention import VARLEN_SDPA, use_varlen_sdpa
+from lightalign.modules.adaptations.mlp_memory import MLPReport, mlp_report, recompute_mlp_activation
+from lightalign.modules.adaptations.support import (
+    LAYOUTS,
+    LayoutRefused,
+    ModelTraits,
+    check_layout,
+    model_traits,
+)
+
+__all__ = ["LAYOUTS", "AdaptationReport", "LayoutRefused", "ModelTraits", "adapt_model", "check_layout",
+           "model_traits"]
+
+
+@dataclass
+class AdaptationReport:
+    """What was adapted in a model: attention, MLPs, and (set at fit start) the batch layout in use."""
+
+    family: str = "?"
+    attention: str = "?"
+    mlps: MLPReport = field(default_factory=MLPReport)
+    mlp_recompute: str = "off"  # off | on | liger
+    layout: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def mlps_switched(self) -> int:
+        return self.mlps.switched
+
+    @property
+    def mlps_total(self) -> int:
+        return self.mlps.total
+
+    def describe(self) -> str:
+        attention = self.attention
+        if attention == VARLEN_SDPA:
+            attention += " (sdpa, per sequence on packed rows)"
+        mlp = {"off": "off", "liger": "Liger SwiGLU"}.get(self.mlp_recompute, self.mlps.describe())
+        parts = [f"model {self.family}", f"attention {attention}", f"layout {self.layout or '-'}",
+                 f"recompute_mlp_activation {mlp}"] + self.notes
+        return "lightalign adaptations: " + ", ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "attention": self.attention, "layout": self.layout,
+                "recompute_mlp_activation": self.mlp_recompute, "mlps_switched": self.mlps.switched,
+                "mlps_total": self.mlps.total, "mlps_skipped": dict(self.mlps.skipped), "notes": list(self.notes)}
+
+
+def adapt_model(model: torch.nn.Module, recompute_mlp: bool = True, liger: bool = False,
+                varlen_attention: bool = True) -> AdaptationReport:
+    """Apply lightalign's adaptations to ``model`` in place (before LoRA wrapping and ``torch.compile``):
+    Liger kernels or ``recompute_mlp_activation``, then ``sdpa -> sdpa_varlen``. Each is exact where it is applied
+    (tests/test_conformance.py); the report says what was done."""
+    report = AdaptationReport()
+    if liger:
+        from lightalign.modules.acceleration import apply_liger_kernel
+
+        apply_liger_kernel(model)
+        report.mlp_recompute = "liger"
+    elif recompute_mlp:  # (Liger's SwiGLU recomputes by itself)
+        recompute_mlp_activation(model)
+        report.mlp_recompute = "on"
+    if varlen_attention:
+        use_varlen_sdpa(model)
+    report.mlps = mlp_report(model)
+    traits = model_traits(model)
+    report.family, report.attention = traits.family, traits.attn
+    return report
