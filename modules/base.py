@@ -251,6 +251,8 @@ class PolicyModule(L.LightningModule):
         from lightalign.modules.adaptations import check_layout
 
         layout, longest = self.batch_layout()
+        if layout in ("padding_free", "packed"):
+            self._use_gpu_varlen_attention()
         for model in (self.model, getattr(self, "ref_model", None)):
             if model is not None:
                 check_layout(model, layout, max_tokens=longest)
@@ -260,6 +262,17 @@ class PolicyModule(L.LightningModule):
         rank_zero_info(self.adaptations.describe())
         if self._trainer is not None and self.logger is not None:
             self.logger.log_hyperparams({"lightalign_adaptations": self.adaptations.as_dict()})
+
+    def _use_gpu_varlen_attention(self) -> None:
+        """Packed rows on a GPU with flash-attn installed run transformers' flash-attention varlen path."""
+        from lightalign.modules.adaptations.support import packed_gpu_attention
+
+        choice = packed_gpu_attention(self.model, self.device)
+        if choice is None:
+            return
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base.set_attn_implementation(choice)
+        self.adaptations.attention = choice
 
     def attach_neftune(self) -> None:
         if self.hparams.get("neftune_noise_alpha"):  # noise while fitting only; on_fit_end restores the embeddings

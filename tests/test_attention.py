@@ -199,3 +199,43 @@ def test_per_sequence_split_is_cpu_tuned_and_kept_on_gpus_only_where_needed(devi
 
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=VARLEN_SDPA, model_type=family))
     assert split_packed_attention(model, torch.device(device_type)) is split
+
+
+def test_packed_rows_use_flash_attention_varlen_on_a_gpu_when_installed(monkeypatch, tiny_model):
+    """Up to the GPU boundary: the choice (flash-attn installed, CUDA device, half precision, a family whose packed
+    sequences transformers finds from position_ids) and nothing on CPU, in float32, or for ALiBi/OPT."""
+    import importlib.util
+
+    from lightalign.modules.adaptations.support import packed_gpu_attention
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    use_varlen_sdpa(tiny_model)
+    assert packed_gpu_attention(tiny_model, torch.device("cpu")) is None
+    assert packed_gpu_attention(tiny_model, torch.device("cuda")) is None  # float32: flash attention needs half
+    tiny_model.to(torch.bfloat16)
+    assert packed_gpu_attention(tiny_model, torch.device("cuda")) == "flash_attention_2"
+    tiny_model.config.model_type = "opt"
+    assert packed_gpu_attention(tiny_model, torch.device("cuda")) is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    tiny_model.config.model_type = "qwen2"
+    assert packed_gpu_attention(tiny_model, torch.device("cuda")) is None  # not installed
+
+
+@pytest.mark.gpu
+def test_packed_sft_on_gpu_runs_flash_attention_and_matches_padded(tiny_dir):
+    from lightalign import SFTModule
+    from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator
+
+    module = SFTModule(str(tiny_dir), from_config=True, model_init_kwargs={"dtype": "bfloat16"})
+    module.configure_model()
+    module.model.cuda()
+    module._use_gpu_varlen_attention()
+    assert module.model.config._attn_implementation == "flash_attention_2"
+    rows = [{"input_ids": list(range(5, 5 + n))} for n in (6, 9, 4)]
+    packed = PaddingFreeCollator()(rows)
+    padded = PaddingCollator(0)(rows)
+    with torch.no_grad():
+        a = module._logits({k: v.cuda() if torch.is_tensor(v) else v for k, v in packed.items()})
+        b = module._logits({k: v.cuda() for k, v in padded.items()})
+    torch.testing.assert_close(a[0, :6].float(), b[0, :6].float(), atol=2e-2, rtol=0)

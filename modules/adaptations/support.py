@@ -160,3 +160,21 @@ def check_layout(model: torch.nn.Module, layout: str, max_tokens: int | None = N
 def _refuse(t: ModelTraits, knob: str, alternative: str, why: str) -> None:
     raise LayoutRefused(f"{knob} cannot run exactly on {t.name}: {why}. Set {alternative} to train this model "
                         "with padded rows.")
+
+
+def packed_gpu_attention(model: torch.nn.Module, device: torch.device) -> str | None:
+    """``flash_attention_2`` for packed rows on a CUDA device when flash-attn is installed, the model supports it
+    and runs in half precision: transformers' own varlen path, sequences found from ``position_ids``. None
+    otherwise (CPU runs keep ``sdpa_varlen``, measured here; a user's explicit attention choice is kept)."""
+    import importlib.util
+
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return None
+    base = _base(model)
+    traits = model_traits(model)
+    if traits.attn not in ("sdpa", VARLEN_SDPA) or not getattr(base, "_supports_flash_attn", False):
+        return None
+    if traits.alibi or traits.family not in PACKED_MASK_FAMILIES:
+        return None
+    dtype = next(base.parameters()).dtype
+    return "flash_attention_2" if dtype in (torch.float16, torch.bfloat16) else None
