@@ -11,7 +11,7 @@ Python API::
 
 from pathlib import Path
 
-from lightalign.callbacks import CompletionSamples, DeviceCacheCleanup, HFExport, TokenThroughput
+from lightalign.callbacks import CompletionSamples, DeviceCacheCleanup, HFExport, NonFiniteGuard, TokenThroughput
 from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
 from lightalign.strategies import AtomicCheckpointIO, CheckpointError
@@ -35,6 +35,7 @@ __all__ = [
     "IterativeSFT",
     "ModelNotFoundError",
     "NEFTune",
+    "NonFiniteGuard",
     "PolicyModule",
     "PreferenceDataModule",
     "PromptDataModule",

@@ -3,11 +3,12 @@
 from lightalign.callbacks.completions import CompletionSamples
 from lightalign.callbacks.device_cache import DeviceCacheCleanup
 from lightalign.callbacks.hf_export import HFExport
+from lightalign.callbacks.nonfinite import NonFiniteGuard
 from lightalign.callbacks.plot import PlotCurves
 from lightalign.callbacks.progress import StepProgressBar
 from lightalign.callbacks.run_config import SaveRunConfig
 from lightalign.callbacks.summary import RunSummary
 from lightalign.callbacks.throughput import TokenThroughput
 
-__all__ = ["CompletionSamples", "DeviceCacheCleanup", "HFExport", "PlotCurves", "RunSummary", "SaveRunConfig",
-           "StepProgressBar", "TokenThroughput"]
+__all__ = ["CompletionSamples", "DeviceCacheCleanup", "HFExport", "NonFiniteGuard", "PlotCurves", "RunSummary",
+           "SaveRunConfig", "StepProgressBar", "TokenThroughput"]

@@ -22,9 +22,15 @@ class CompletionSamples(L.Callback):
             raise ValueError("every_n_steps and max_rows must be >= 1.")
         self.every_n_steps, self.max_rows, self.filename = every_n_steps, max_rows, filename
         self._last_step = -1
+        self._log_dir: str | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # trainer.log_dir broadcasts from rank 0 (a collective): read it here, where every rank runs, never in the
+        # rank-0-only writes below (under DDP the other ranks would wait at their next collective forever)
+        self._log_dir = trainer.log_dir or trainer.default_root_dir
 
     def path(self, trainer: L.Trainer) -> Path:
-        return Path(trainer.log_dir or trainer.default_root_dir) / self.filename
+        return Path(self._log_dir or trainer.default_root_dir) / self.filename
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step

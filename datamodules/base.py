@@ -2,7 +2,8 @@
 
 A subclass says how raw rows become tokenized rows (``prepare_rows``) and how rows become a batch
 (``default_collator``); this base loads the train/validation/test sources, loads the tokenizer once, and
-builds the DataLoaders (the training one counts loss tokens per optimizer step, see ``step_loader``).
+builds the DataLoaders (the training one counts loss tokens per optimizer step; none draws from the global torch
+RNG, see ``step_loader``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightalign.datamodules.formats import DataFormatError, load_rows, resolve_chat_template
 from lightalign.datamodules.samplers import EpochSampler
-from lightalign.datamodules.step_loader import StepTokenCountingLoader
+from lightalign.datamodules.step_loader import SeededLoader, StepTokenCountingLoader
 from lightalign.hub import load_tokenizer
 
 
@@ -141,6 +142,7 @@ class TokenizedDataModule(L.LightningDataModule):
             collate_fn=self.collate_fn(),
             num_workers=self.num_workers,
             accumulate_grad_batches=accumulate,
+            seed=self.seed,
         )
 
     def make_epoch_sampler(self) -> EpochSampler:
@@ -192,7 +194,8 @@ class TokenizedDataModule(L.LightningDataModule):
         """An ordered loader over ``dataset`` (validation, test, or a reference log-prob pass)."""
         if dataset is None:
             raise DataFormatError(f"No {what} data: set val_path, val_split or val_split_size (or test_path).")
-        return DataLoader(dataset, batch_size=self.val_batch_size, collate_fn=self.collate_fn(), num_workers=self.num_workers)
+        return SeededLoader(dataset, batch_size=self.val_batch_size, collate_fn=self.collate_fn(),
+                            num_workers=self.num_workers, seed=self.seed)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:

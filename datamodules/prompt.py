@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.samplers import RepeatBatchSampler
+from lightalign.datamodules.step_loader import SeededLoader
 from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
 
 
@@ -111,8 +112,8 @@ class PromptDataModule(TokenizedDataModule):
             )
         sampler = RepeatBatchSampler(self.make_epoch_sampler(), self.prompts_per_generation, self.repeat)
         self.use_train_sampler(sampler)
-        loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.collate_fn(),
-                            num_workers=self.num_workers)
+        loader = SeededLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.collate_fn(),
+                              num_workers=self.num_workers, seed=self.seed)
         # Expose the rank-aware EpochSampler (a DistributedSampler) so Lightning's DDP/FSDP/DeepSpeed see the
         # loader is already sharded; otherwise they try to inject a sampler into the batch sampler and fail.
         object.__setattr__(loader, "sampler", sampler.sampler)

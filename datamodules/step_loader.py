@@ -1,4 +1,12 @@
-"""A DataLoader that tells every micro-batch how many loss tokens its whole optimizer step holds.
+"""The DataLoaders of lightalign: ``SeededLoader`` (draws nothing from the global torch RNG) and
+``StepTokenCountingLoader`` (tells every micro-batch how many loss tokens its whole optimizer step holds).
+
+A plain ``DataLoader`` draws its workers' base seed from the global torch RNG each time it is iterated. The
+training RNG (dropout, NEFTune noise, GRPO sampling) is restored from the checkpoint on resume, so that extra
+draw would put a resumed run one draw off the uninterrupted one. ``SeededLoader`` draws it from its own
+generator instead, reseeded at every iteration from (seed, epoch, rank): a pure function of where the run is,
+so a resumed run draws what the uninterrupted run drew, with nothing to save in the checkpoint.
+
 
 With gradient accumulation the correct loss of an optimizer step is (sum of token losses of all its
 micro-batches) / (number of target tokens of all its micro-batches). A micro-batch alone cannot know the
@@ -28,7 +36,31 @@ def count_loss_tokens(batch: dict[str, Any]) -> int:
     return 0
 
 
-class StepTokenCountingLoader(DataLoader):
+def loader_seed(seed: int, epoch: int, rank: int) -> int:
+    """The base seed stream of a loader at ``epoch`` on ``rank`` (distinct per rank, so workers differ)."""
+    return (seed * 1_000_003 + epoch * 1_009 + rank) % (2**63)
+
+
+class SeededLoader(DataLoader):
+    """A ``DataLoader`` whose generator is its own, reseeded from (``seed``, epoch, rank) at every iteration.
+
+    The epoch and rank are read from the sampler (``EpochSampler`` / ``DistributedSampler``: ``set_epoch`` runs
+    before each epoch's iteration); other samplers count as epoch 0, rank 0.
+    """
+
+    def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator()
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.sampler
+        self.generator.manual_seed(loader_seed(self.seed, getattr(sampler, "epoch", 0), getattr(sampler, "rank", 0)))
+        return super().__iter__()
+
+
+class StepTokenCountingLoader(SeededLoader):
     """``DataLoader`` whose batches carry ``num_items_in_batch``: target tokens of their optimizer step.
 
     Groups are consecutive runs of ``accumulate_grad_batches`` batches from the start of the epoch, as

@@ -7,7 +7,6 @@ import math
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -124,7 +123,11 @@ class PolicyModule(L.LightningModule):
             the allocator as it is. Never applied to GPU runs.
         nonfinite: what a NaN/inf gradient does: ``skip`` the optimizer step (warning, ``train/nonfinite_steps``
             counter; the weights stay finite), ``stop`` with an error naming the step, batch and parameter, or
-            ``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the guard stays off.
+            ``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the gradient check stays
+            off. Unless ``off``, NaN/inf weights after a step (an update that overflowed) stop the run with an error;
+            non-finite weights are never checkpointed or exported (``callbacks/nonfinite.py``).
+        max_consecutive_nonfinite_steps: with ``nonfinite: skip``, stop with an error after this many skipped
+            steps in a row; null: never.
     """
 
     def __init__(
@@ -150,6 +153,7 @@ class PolicyModule(L.LightningModule):
         min_lr_rate: float = 0.0,
         eval_metrics: dict[str, Metric | Callable] | None = None,
         nonfinite: Literal["skip", "stop", "off"] = "skip",
+        max_consecutive_nonfinite_steps: int | None = 10,
         optim: str | None = None,
         optim_args: dict[str, Any] | None = None,
         optim_target_modules: list[str] | str | None = None,
@@ -168,6 +172,8 @@ class PolicyModule(L.LightningModule):
             )
         if nonfinite not in ("skip", "stop", "off"):
             raise ValueError(f"nonfinite='{nonfinite}' is unknown; use skip, stop or off.")
+        if max_consecutive_nonfinite_steps is not None and max_consecutive_nonfinite_steps < 1:
+            raise ValueError(f"max_consecutive_nonfinite_steps must be >= 1 or null, got {max_consecutive_nonfinite_steps}.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         if optim is not None:
@@ -190,7 +196,7 @@ class PolicyModule(L.LightningModule):
             if not callable(fn):
                 raise TypeError(f"eval_metrics['{name}'] must be a torchmetrics Metric or a callable, got {type(fn).__name__}.")
         self._eval_fn_totals: dict[str, list[float]] = {}
-        self.nonfinite_steps = 0
+        self.nonfinite_guard = None  # built by configure_callbacks
         self.neftune = None
         self.cpu_memory_retained = False
         self.lean_mlps = 0  # MLPs switched by recompute_mlp_activation
@@ -304,7 +310,7 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lightalign_rng"] = gather_rng_states()
-        checkpoint["lightalign_meta"] = {"module": type(self).__name__, "nonfinite_steps": self.nonfinite_steps}
+        checkpoint["lightalign_meta"] = {"module": type(self).__name__}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = checkpoint.get("lightalign_meta", {})
@@ -316,49 +322,22 @@ class PolicyModule(L.LightningModule):
                 "of that run) and pass the folder as model_name_or_path, without ckpt_path."
             )
         check_state_dict_matches(checkpoint.get("state_dict", {}), self.state_dict())
-        self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self._pending_rng_states = checkpoint.get("lightalign_rng")
 
     # ----------------------------------------------------------------------------------------- non-finite guard
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.guard_nonfinite()
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The non-finite guard (``callbacks/nonfinite.py``), added by the module so the Python API has it too."""
+        from lightalign.callbacks.nonfinite import NonFiniteGuard
 
-    def guard_nonfinite(self) -> bool:
-        """Check the step's gradients; on NaN/inf skip the step (grads dropped) or stop. True if skipped."""
-        policy = self.hparams.get("nonfinite", "skip")
-        if policy == "off" or (self._trainer is not None and str(self.trainer.precision) == "16-mixed"):
-            return False
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        # one fused reduction per step (a per-tensor isfinite loop cost 13-25% of a small model's step); the
-        # norms are kept for this step's gradient clipping, which then needs no second pass over the gradients
-        norms = torch.stack(torch._foreach_norm(grads)) if grads else None
-        self._step_grad_norms = (grads, norms)
-        local_bad = norms is not None and not bool(torch.isfinite(norms).all())
-        bad_anywhere = local_bad
-        if self._trainer is not None and self.trainer.world_size > 1:
-            # sharded strategies (FSDP v1) give each rank its own slice of the gradients: every rank must make the
-            # same skip/stop decision, so one scalar all-reduce per step settles it (every rank reaches it)
-            flag = torch.tensor(float(local_bad), device=self.device)
-            bad_anywhere = bool(self.trainer.strategy.reduce(flag, reduce_op="sum") > 0)
-        if not bad_anywhere:
-            return False
-        bad = next((n for n, p in self.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()),
-                   "(on another rank's shard)")
-        step = self.global_step
-        batch_idx = self.trainer.fit_loop.epoch_loop.batch_idx if self._trainer is not None else -1
-        where = f"optimizer step {step} (epoch {self.current_epoch}, batch {batch_idx}), first in parameter '{bad}'"
-        if policy == "stop":
-            raise FloatingPointError(
-                f"Non-finite gradient at {where}. Lower the learning rate, enable gradient_clip_val, check the data "
-                "of that batch, or set nonfinite: skip to skip such steps."
-            )
-        self._step_grad_norms = None
-        for p in self.parameters():
-            p.grad = None  # optimizers skip parameters without gradients: no update, no weight decay, no momentum
-        self.nonfinite_steps += 1
-        warnings.warn(f"Skipped {where}: non-finite gradient ({self.nonfinite_steps} skipped so far).", stacklevel=2)
-        self.log("train/nonfinite_steps", float(self.nonfinite_steps), on_step=True)
-        return True
+        hp = self.hparams
+        self.nonfinite_guard = NonFiniteGuard(hp.get("nonfinite", "skip"), hp.get("max_consecutive_nonfinite_steps", 10))
+        return [self.nonfinite_guard]
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients so far."""
+        guard = getattr(self, "nonfinite_guard", None)
+        return guard.nonfinite_steps if guard is not None else 0
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
@@ -366,7 +345,8 @@ class PolicyModule(L.LightningModule):
         instead of two), exactly ``torch.nn.utils.clip_grad_norm_``'s arithmetic; the multiply is skipped when the
         norm is under the limit (a factor of 1 changes nothing). Sharded strategies, fp16 loss scaling and value
         clipping go through Lightning as usual."""
-        cached, self._step_grad_norms = getattr(self, "_step_grad_norms", None), None
+        guard = getattr(self, "nonfinite_guard", None)
+        cached = guard.take_grad_norms() if guard is not None else None
         strategy = type(self.trainer.strategy).__name__ if self._trainer is not None else ""
         plain = strategy in ("SingleDeviceStrategy", "DDPStrategy") and "16-mixed" not in str(self.trainer.precision)
         if (not gradient_clip_val or str(gradient_clip_algorithm or "norm") != "norm" or cached is None
@@ -413,7 +393,8 @@ class PolicyModule(L.LightningModule):
         step's forward, so a whole model's worth of gradients would sit through that forward (the peak of a step);
         the transformers Trainer frees them here too. DeepSpeed owns its gradient buffers and is left alone."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        self._step_grad_norms = None  # the guard's references to this step's gradients, if clipping did not take them
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.grad_norms = None  # its references to this step's gradients, if clipping did not take them
         if self._trainer is None or "deepspeed" not in type(self.trainer.strategy).__name__.lower():
             optimizer.zero_grad(set_to_none=True)
 
@@ -466,6 +447,12 @@ class PolicyModule(L.LightningModule):
         a sharded model (``lightalign.strategies.full_state_dict``), written instead of the local shards.
         """
         output_dir = Path(output_dir)
+        from lightalign.callbacks.nonfinite import first_nonfinite
+
+        bad = first_nonfinite(state_dict.items() if state_dict else self.model.named_parameters())
+        if bad is not None:
+            raise FloatingPointError(f"Refusing to export to '{output_dir}': parameter '{bad}' holds NaN/inf. Export "
+                                     "from a checkpoint taken before the weights went non-finite.")
         output_dir.parent.mkdir(parents=True, exist_ok=True)
         model = self.model
         if is_peft_model(model) and merge_lora:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
@@ -398,19 +399,52 @@ class GRPOModule(PolicyModule):
 
     # ------------------------------------------------------------------------------------- state
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank's rollout buffer and reward normaliser (rank order): under DDP each rank trains on its own
+        prompts, so each resumes its own (every rank gathers; rank 0 writes)."""
         super().on_save_checkpoint(checkpoint)
-        state = {"generation_count": self.generation_count, "buffer": self._buffer, "buffer_pos": self._buffer_pos}
-        if self.reward_normalizer is not None:
-            state["reward_normalizer"] = self.reward_normalizer.state_dict()
-        checkpoint["lightalign_grpo"] = state
+        checkpoint["lightalign_grpo"] = {"generation_count": self.generation_count,
+                                         "ranks": _gather_per_rank(self._rank_state())}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("lightalign_grpo", {})
         self.generation_count = state.get("generation_count", 0)
-        self._buffer, self._buffer_pos = state.get("buffer"), state.get("buffer_pos", 0)
-        if self.reward_normalizer is not None and "reward_normalizer" in state:
-            self.reward_normalizer.load_state_dict(state["reward_normalizer"])
+        ranks = state.get("ranks", [state])  # (checkpoints before per-rank state held rank 0's at the top level)
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if len(ranks) != world:
+            rank_zero_warn(f"This checkpoint holds the rollout state of {len(ranks)} rank(s) and the run has {world}: "
+                           "the rollout in progress is dropped (the next training step generates a new one), so the "
+                           "run does not continue exactly as it would have.")
+            ranks = [{}] * world
+        own = ranks[self.global_rank if self._trainer is not None else 0]
+        self._buffer, self._buffer_pos = own.get("buffer"), own.get("buffer_pos", 0)
+        if self.reward_normalizer is not None and "reward_normalizer" in own:
+            self.reward_normalizer.load_state_dict(own["reward_normalizer"])
+
+    def _rank_state(self) -> dict[str, Any]:
+        """This rank's rollout buffer (on the CPU), its position, and its reward normaliser's statistics."""
+        buffer = None if self._buffer is None else [_to_cpu(mb) for mb in self._buffer]
+        state = {"buffer": buffer, "buffer_pos": self._buffer_pos}
+        if self.reward_normalizer is not None:
+            state["reward_normalizer"] = self.reward_normalizer.state_dict()
+        return state
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _gather_per_rank(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """``state`` of every rank, in rank order (one entry without a process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        states: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(states, state)
+        return states
+    return [state]
 
 
 def _key(name: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import lightning as L
 import pytest
 import torch
@@ -217,15 +219,25 @@ def test_clipping_from_the_guards_norms_equals_lightning_clipping(tiny_dir, data
         def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
             L.LightningModule.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
-    runs = []
+    second_pass = []  # Lightning's path: clip_grad_norm_ computes the norms again
+    original = torch.nn.utils.clip_grad_norm_
+
+    def counting(*args, **kwargs):
+        second_pass.append(1)
+        return original(*args, **kwargs)
+
+    runs, passes = [], []
     for cls in (SFTModule, LightningClipping):
-        Recording.seen = []
+        Recording.seen, second_pass[:] = [], []
         L.seed_everything(0)
         module = cls(str(tiny_dir), from_config=True, optimizer=lambda p: Recording(p, lr=1e-2))
         data = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=4)
-        _trainer(max_steps=2, gradient_clip_val=clip).fit(module, data)
+        with mock.patch.object(torch.nn.utils, "clip_grad_norm_", counting):
+            _trainer(max_steps=2, gradient_clip_val=clip).fit(module, data)
         runs.append(Recording.seen)
+        passes.append(len(second_pass))
     assert len(runs[0]) == 2
+    assert passes == [0, 2]  # ours used the guard's norms (NonFiniteGuard), no second pass
     for ours, theirs in zip(*runs):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     total = torch.linalg.vector_norm(torch.stack([g.norm() for g in runs[0][0]]))

@@ -303,3 +303,44 @@ def test_cli_progress_bar_steps_aside(repo, tiny_dir, tmp_path):
     own = LightalignCLI(args=[*base, "--trainer.callbacks+", "TQDMProgressBar", "--trainer.callbacks.refresh_rate",
                               "7"], run=False).trainer.progress_bar_callback
     assert type(own) is TQDMProgressBar and own.refresh_rate == 7
+
+
+def test_throughput_after_resume_is_measured_over_the_step(tiny_dir, data_dir, tmp_path, monkeypatch):
+    """The first step after a mid-epoch resume gets no on_train_epoch_start; its tokens/s must still be measured
+    from the start of training (it was divided by 1e-9 s: ~3e11 tokens/s)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightalign import SFTDataModule, SFTModule, TokenThroughput
+    from lightalign.callbacks import throughput
+
+    class Clock:  # one second per reading: a step's tokens/s is at most its token count
+        now = 0.0
+
+        def perf_counter(self):
+            self.now += 1.0
+            return self.now
+
+    monkeypatch.setattr(throughput, "time", Clock())
+    logged = {}
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if "train/tokens_per_sec" in trainer.callback_metrics:
+                logged[trainer.global_step] = float(trainer.callback_metrics["train/tokens_per_sec"])
+
+    def fit(max_steps, ckpt_path=None):
+        module = SFTModule(str(tiny_dir), from_config=True)
+        data = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=4,
+                             max_length=32)
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, accumulate_grad_batches=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[TokenThroughput(), Record(),
+                                       ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)])
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+
+    fit(2)
+    fit(4, ckpt_path=str(tmp_path / "last.ckpt"))  # resumed at step 2, inside the first epoch
+    assert sorted(logged) == [1, 2, 3, 4], logged
+    most = 2 * 4 * 32  # a step: 2 micro-batches of 4 rows of at most 32 tokens
+    assert all(0 < value <= most for value in logged.values()), logged

@@ -243,3 +243,42 @@ def test_resume_point_reaches_a_loader_built_after_the_restore(tiny_dir, data_di
     assert [b["input_ids"].tolist() for b in dm.train_dataloader()] == full[3:]
     # consumed: the next loader of the epoch starts from its first batch
     assert [b["input_ids"].tolist() for b in dm.train_dataloader()] == full
+
+
+def test_loaders_draw_nothing_from_the_global_rng_and_seed_workers_by_epoch_and_rank(tiny_dir, data_dir, monkeypatch):
+    """The training RNG is restored from a checkpoint on resume, so iterating a loader must not draw from it (a
+    plain DataLoader draws its workers' base seed there: a resumed run was one draw off). The base seed is a pure
+    function of (seed, epoch, rank): a loader built fresh on resume draws what the uninterrupted one drew."""
+    from torch.utils.data import dataloader as torch_dataloader
+
+    dm = SFTDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(tiny_dir), batch_size=4)
+    dm.setup("fit")
+    seeds = []
+    original = torch_dataloader._BaseDataLoaderIter.__init__
+
+    def record(self, loader):
+        original(self, loader)
+        seeds.append(self._base_seed)
+
+    monkeypatch.setattr(torch_dataloader._BaseDataLoaderIter, "__init__", record)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    uninterrupted = dm.train_dataloader()
+    for epoch in range(3):
+        uninterrupted.sampler.set_epoch(epoch)
+        next(iter(uninterrupted))
+    next(iter(dm.eval_dataloader(dm.train_dataset)))
+    assert torch.equal(torch.get_rng_state(), state)  # not one draw from the training RNG
+    resumed = dm.train_dataloader()  # a fresh loader, as after a restore, at epoch 2
+    resumed.sampler.set_epoch(2)
+    next(iter(resumed))
+    assert seeds[3] != seeds[2] != seeds[1] != seeds[0] and seeds[4] == seeds[2]
+    from lightalign.datamodules.samplers import EpochSampler
+    from lightalign.datamodules.step_loader import SeededLoader
+
+    for rank in (0, 1):
+        loader = SeededLoader(dm.train_dataset, sampler=EpochSampler(len(dm.train_dataset), num_replicas=2, rank=rank),
+                              batch_size=4, collate_fn=dm.collate_fn(), seed=dm.seed)
+        loader.sampler.set_epoch(2)
+        next(iter(loader))
+    assert seeds[5] == seeds[2] and seeds[6] != seeds[2]  # workers of different ranks get different seeds

@@ -43,9 +43,37 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     proc = subprocess.run([sys.executable, str(WORKER), "--method", "sft", "--out", str(tmp_path), "--max-steps", "6",
                            "--every", "2", "--die-during-save", "4"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert list((tmp_path / "ckpt").glob(".*.tmp-*"))  # the interrupted write went to a temporary name
+    left = list((tmp_path / "ckpt").glob(".*.tmp-*"))
+    assert left  # the interrupted write went to a temporary name
     last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 2  # the previous good checkpoint, intact
+    # the next load (a resume) deletes the dead process's temporary file
+    AtomicCheckpointIO().load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert not any(p.exists() for p in left)
+
+
+def test_stale_temporaries_of_dead_processes_are_removed_at_the_next_save(tmp_path):
+    import socket
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, host = int(dead.stdout), socket.gethostname()
+    try:
+        files = {
+            "dead": tmp_path / f".last.ckpt.tmp-{host}-{dead_pid}",
+            "dead_old_name": tmp_path / f".step=4.ckpt.tmp-{dead_pid}",
+            "alive": tmp_path / f".last.ckpt.tmp-{host}-{sleeper.pid}",
+            "other_host": tmp_path / f".last.ckpt.tmp-not-{host}-{dead_pid}",
+            "not_a_pid": tmp_path / ".last.ckpt.tmp-abc",
+        }
+        for f in files.values():
+            f.write_bytes(b"partial")
+        AtomicCheckpointIO().save_checkpoint({"x": 1}, tmp_path / "last.ckpt")
+        assert {k for k, f in files.items() if f.exists()} == {"alive", "other_host", "not_a_pid"}
+        assert torch.load(tmp_path / "last.ckpt", weights_only=True) == {"x": 1}
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_out_of_disk_keeps_previous_checkpoint(sft_checkpoint, monkeypatch):
@@ -127,6 +155,74 @@ def test_nonfinite_gradient_stop_names_step_batch_and_parameter(tiny_dir, data_d
     module, data = _sft(tiny_dir, data_dir, nonfinite="stop")
     with pytest.raises(FloatingPointError, match=r"Non-finite gradient at optimizer step 2 \(epoch 0, batch 2\), first in parameter 'model\."):
         _trainer(max_steps=4, callbacks=[_PoisonGrad(2)], enable_checkpointing=False).fit(module, data)
+
+
+def test_consecutive_nonfinite_steps_stop_the_run(tiny_dir, data_dir):
+    module, data = _sft(tiny_dir, data_dir, max_consecutive_nonfinite_steps=3)
+
+    class PoisonFrom(_PoisonGrad):
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step >= self.step:
+                next(p for p in pl_module.parameters() if p.grad is not None).grad[0].fill_(float("inf"))
+
+    with pytest.warns(UserWarning, match="Skipped optimizer step"):
+        with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row had non-finite gradients \(the last "
+                                                     r"at optimizer step 3 .*max_consecutive_nonfinite_steps"):
+            _trainer(max_steps=8, callbacks=[PoisonFrom(1)], enable_checkpointing=False).fit(module, data)
+    assert module.nonfinite_steps == 3
+
+
+class _PoisonWeight(L.Callback):
+    """Turns one weight into inf after the optimizer step of a given step (an update that overflowed)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                dict(pl_module.named_parameters())["model.model.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
+
+
+def test_nonfinite_weights_stop_the_run_before_any_checkpoint(tiny_dir, data_dir, tmp_path):
+    module, data = _sft(tiny_dir, data_dir)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
+    with pytest.raises(FloatingPointError, match=r"Non-finite weights after optimizer step 2 \(epoch 0\): parameter "
+                                                 r"'model.model.layers.1.mlp.up_proj.weight' holds NaN/inf. The step's "
+                                                 r"gradients were finite"):
+        _trainer(max_steps=4, callbacks=[_PoisonWeight(2), ckpt]).fit(module, data)
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1  # the last good state
+
+
+def test_nonfinite_weights_are_never_checkpointed_or_exported(tiny_dir, data_dir, tmp_path):
+    module, data = _sft(tiny_dir, data_dir, nonfinite="off")  # no per-step checks: the save itself refuses
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    with pytest.raises(FloatingPointError, match=r"Non-finite weights in the checkpoint of step 2: parameter "
+                                                 r"'model\.model\..*' holds NaN/inf\. The checkpoint is not written"):
+        _trainer(max_steps=4, callbacks=[_PoisonWeight(1), ckpt]).fit(module, data)
+    assert not list(tmp_path.glob("*.ckpt"))
+    with pytest.raises(FloatingPointError, match=r"Refusing to export to .*hf_model': parameter '.*' holds NaN/inf"):
+        module.export_hf(tmp_path / "hf_model")
+    assert not (tmp_path / "hf_model").exists()
+
+
+def test_exploding_learning_rate_exits_with_an_error_and_no_export(repo, tiny_dir, data_dir, tmp_path):
+    """lr 1e38: finite gradients, then the update makes the weights infinite. The run must fail naming the step
+    and the parameter, and write no Hugging Face model (the console script, as a user runs it)."""
+    lines = (data_dir / "arithmetic_sft.jsonl").read_text().splitlines()[:32]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    script = Path(sys.executable).with_name("lightalign")
+    proc = subprocess.run([str(script), "fit", "--config", str(repo / "configs" / "quickstart.yaml"),
+                           "--model.model_name_or_path", str(tiny_dir), "--model.init_args.learning_rate", "1e38",
+                           "--data.path", str(tmp_path / "train.jsonl"), "--data.val_path", "null",
+                           "--data.batch_size", "4", "--trainer.max_steps", "20", "--plot.enabled", "false",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "FloatingPointError: Non-finite weights after optimizer step 2" in proc.stderr, proc.stderr[-3000:]
+    assert "parameter 'model." in proc.stderr
+    assert not list((tmp_path / "runs").rglob("hf_model")) and not list((tmp_path / "runs").rglob("*.safetensors"))
 
 
 def test_unknown_nonfinite_policy():

@@ -1,0 +1,146 @@
+"""``NonFiniteGuard``: NaN/inf gradients skip the optimizer step (or stop the run); NaN/inf weights stop the run and
+are never checkpointed or exported.
+
+``PolicyModule`` adds it itself (``configure_callbacks``), so the CLI and the Python API both get it. The gradient
+check is one fused reduction per step (``torch._foreach_norm``; a per-tensor ``isfinite`` loop cost 13-25% of a
+small model's step), and its per-tensor norms are kept for the module's gradient clipping of the same step
+(``PolicyModule.configure_gradient_clipping``), which then needs no second pass over the gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterable
+
+import lightning as L
+import torch
+
+POLICIES = ("skip", "stop", "off")
+
+
+def first_nonfinite(named_tensors: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
+    """The name of the first tensor holding a NaN or inf (None when all are finite)."""
+    return next((n for n, t in named_tensors if t is not None and not bool(torch.isfinite(t).all())), None)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Every element of every tensor is finite: one fused max-abs per tensor (it cannot overflow, and a NaN or
+    inf anywhere makes it non-finite), one reduction over them."""
+    tensors = [t for t in tensors if t.numel()]  # (ZeRO-3 leaves empty placeholders outside its gather)
+    if not tensors:
+        return True
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf")))).all())
+
+
+class NonFiniteGuard(L.Callback):
+    """Guards training against NaN/inf.
+
+    Args:
+        policy: what a non-finite gradient does: ``skip`` the optimizer step (the gradients are dropped, so no
+            update, no weight decay, no momentum; a warning and the ``train/nonfinite_steps`` counter), ``stop``
+            with an error naming the step, batch and parameter, or ``off`` (no per-step checks). With
+            ``16-mixed`` precision the gradient scaler handles overflowing gradients and this check stays off.
+        max_consecutive_nonfinite_steps: with ``skip``, stop with an error after this many skipped steps in a row
+            (the run is no longer training); None: never.
+
+    Unless ``off``, the weights are checked after every optimizer step too (one fused reduction): an update can
+    make them non-finite from finite gradients (a learning rate far too high), and no later step can repair that,
+    so the run stops with an error naming the step and the parameter. Whatever the policy, a checkpoint of
+    non-finite weights is refused with an error (``PolicyModule.export_hf`` refuses them too).
+    """
+
+    def __init__(self, policy: str = "skip", max_consecutive_nonfinite_steps: int | None = 10) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"nonfinite='{policy}' is unknown; use skip, stop or off.")
+        if max_consecutive_nonfinite_steps is not None and max_consecutive_nonfinite_steps < 1:
+            raise ValueError(f"max_consecutive_nonfinite_steps must be >= 1 or None, got {max_consecutive_nonfinite_steps}.")
+        self.policy = policy
+        self.max_consecutive = max_consecutive_nonfinite_steps
+        self.nonfinite_steps = 0  # skipped steps of the run (checkpointed)
+        self.consecutive = 0  # skipped steps since the last good one (checkpointed)
+        self.grad_norms: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
+        self._checked_step = -1
+
+    # ------------------------------------------------------------------------------------- gradients
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.grad_norms = None
+        if self.policy == "off" or str(trainer.precision) == "16-mixed":
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None and p.grad.numel()]
+        norms = torch.stack(torch._foreach_norm(grads)) if grads else None
+        self.grad_norms = (grads, norms)  # for this step's clipping (PolicyModule.configure_gradient_clipping)
+        bad = norms is not None and not bool(torch.isfinite(norms).all())
+        if not _on_any_rank(trainer, pl_module, bad):
+            self.consecutive = 0
+            return
+        name = first_nonfinite((n, p.grad) for n, p in pl_module.named_parameters()) or "(on another rank's shard)"
+        where = f"optimizer step {trainer.global_step} (epoch {trainer.current_epoch}, batch " \
+                f"{trainer.fit_loop.epoch_loop.batch_idx}), first in parameter '{name}'"
+        if self.policy == "stop":
+            raise FloatingPointError(
+                f"Non-finite gradient at {where}. Lower the learning rate, enable gradient_clip_val, check the data "
+                "of that batch, or set nonfinite: skip to skip such steps."
+            )
+        self.grad_norms = None
+        for p in pl_module.parameters():
+            p.grad = None  # optimizers skip parameters without gradients: no update, no weight decay, no momentum
+        self.nonfinite_steps += 1
+        self.consecutive += 1
+        if self.max_consecutive is not None and self.consecutive >= self.max_consecutive:
+            raise FloatingPointError(
+                f"{self.consecutive} optimizer steps in a row had non-finite gradients (the last at {where}); the run "
+                "is no longer training. Lower the learning rate, enable gradient_clip_val, or resume from an earlier "
+                "checkpoint (max_consecutive_nonfinite_steps sets this limit)."
+            )
+        warnings.warn(f"Skipped {where}: non-finite gradient ({self.nonfinite_steps} skipped so far).", stacklevel=2)
+        pl_module.log("train/nonfinite_steps", float(self.nonfinite_steps), on_step=True)
+
+    def take_grad_norms(self) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+        """This step's gradients and their per-tensor norms (once; None if the check did not run)."""
+        cached, self.grad_norms = self.grad_norms, None
+        return cached
+
+    # ------------------------------------------------------------------------------------- weights
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.grad_norms = None
+        step = trainer.global_step
+        if self.policy == "off" or step == self._checked_step or step == 0:
+            return  # still accumulating: no optimizer step since the last check
+        self._checked_step = step
+        cause = ""
+        if str(trainer.precision) != "16-mixed":
+            cause = ("The step's gradients were finite, so the update itself overflowed: the learning rate is far too "
+                     "high (or the optimizer state is broken). ")
+        self.check_weights(trainer, pl_module, f"after optimizer step {step} (epoch {trainer.current_epoch})", cause)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.check_weights(trainer, pl_module, f"in the checkpoint of step {trainer.global_step}",
+                           "The checkpoint is not written, so the previous one stays the last good state. ")
+
+    def check_weights(self, trainer: L.Trainer, pl_module: L.LightningModule, where: str, explanation: str = "") -> None:
+        """Stop with an error naming the parameter if any weight (this rank's shard, any rank) is NaN/inf."""
+        bad = not all_finite([p.detach() for p in pl_module.parameters()])
+        if not _on_any_rank(trainer, pl_module, bad):
+            return
+        name = first_nonfinite((n, p.detach()) for n, p in pl_module.named_parameters()) or "(on another rank's shard)"
+        raise FloatingPointError(
+            f"Non-finite weights {where}: parameter '{name}' holds NaN/inf. {explanation}Lower the learning rate, "
+            "then resume from the last checkpoint (its weights are finite) or start over."
+        )
+
+    # ------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"nonfinite_steps": self.nonfinite_steps, "consecutive": self.consecutive}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.nonfinite_steps = int(state_dict.get("nonfinite_steps", 0))
+        self.consecutive = int(state_dict.get("consecutive", 0))
+
+
+def _on_any_rank(trainer: L.Trainer, pl_module: L.LightningModule, flag: bool) -> bool:
+    """``flag`` on any rank: sharded strategies (FSDP) give each rank its own slice of the weights and gradients,
+    and every rank must make the same skip/stop decision, so one scalar all-reduce settles it (every rank calls)."""
+    if trainer.world_size <= 1:
+        return flag
+    value = torch.tensor(float(flag), device=pl_module.device)
+    return bool(trainer.strategy.reduce(value, reduce_op="sum") > 0)
