@@ -13,11 +13,11 @@ from typing import Any, Callable, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
 from lightalign.hub import load_causal_lm
+from lightalign.modules.lora import apply_peft, enable_activation_checkpointing, is_peft_model  # noqa: F401
 from lightalign.modules.adaptations import AdaptationReport, adapt_model
 from lightalign.modules.optimizers import (  # noqa: F401  (re-exported: the schedule and groups were defined here)
     ScheduleType,
@@ -26,37 +26,6 @@ from lightalign.modules.optimizers import (  # noqa: F401  (re-exported: the sch
     schedule_factor,
 )
 from lightalign.modules.rng_state import gather_rng_states, set_rng_state
-
-
-def apply_peft(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
-    """Wrap ``model`` with LoRA (or any peft config); only the adapter parameters stay trainable."""
-    try:
-        import peft
-    except ImportError as err:
-        raise ImportError("peft_config needs the peft package: pip install 'lightalign[peft]'") from err
-    if isinstance(peft_config, dict):
-        cfg = dict(peft_config)
-        cfg.setdefault("task_type", "CAUSAL_LM")
-        peft_type = cfg.pop("peft_type", "LORA").upper()
-        config_cls = {"LORA": peft.LoraConfig}.get(peft_type)
-        if config_cls is None:
-            raise ValueError(f"peft_config.peft_type '{peft_type}' is not supported from YAML; use LORA or pass a peft config object.")
-        peft_config = config_cls(**cfg)
-    return peft.get_peft_model(model, peft_config)
-
-
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation (gradient) checkpointing; transformers 5 renamed the method."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.config.use_cache = False
-
-
-def is_peft_model(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
 
 
 def check_state_dict_matches(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
@@ -252,33 +221,14 @@ class PolicyModule(L.LightningModule):
 
     def check_model_layout(self) -> None:
         """At fit start, before any batch: refuse a layout the policy (or a separately loaded reference) cannot
-        compute exactly (``adaptations.check_layout``), then say in one line what was adapted; the same facts go
-        to the logger's hyperparameters (``hparams.yaml`` of the run folder)."""
-        from lightalign.modules.adaptations import check_layout
+        compute exactly, and say in one line what was adapted (``adaptations.check_run``)."""
+        from lightalign.modules.adaptations import check_run
 
         layout, longest = self.batch_layout()
-        if layout in ("padding_free", "packed"):
-            self._use_gpu_varlen_attention()
-        for model in (self.model, getattr(self, "ref_model", None)):
-            if model is not None:
-                check_layout(model, layout, max_tokens=longest)
-        self.adaptations.layout = layout
-        if self.neftune is None and self.hparams.get("neftune_noise_alpha"):
-            self.adaptations.notes = [f"NEFTune alpha {self.hparams.neftune_noise_alpha}"]
-        rank_zero_info(self.adaptations.describe())
-        if self._trainer is not None and self.logger is not None:
-            self.logger.log_hyperparams({"lightalign_adaptations": self.adaptations.as_dict()})
-
-    def _use_gpu_varlen_attention(self) -> None:
-        """Packed rows on a GPU with flash-attn installed run transformers' flash-attention varlen path."""
-        from lightalign.modules.adaptations.support import packed_gpu_attention
-
-        choice = packed_gpu_attention(self.model, self.device)
-        if choice is None:
-            return
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        base.set_attn_implementation(choice)
-        self.adaptations.attention = choice
+        neftune = self.hparams.get("neftune_noise_alpha")
+        check_run(self.model, getattr(self, "ref_model", None), layout, longest, self.adaptations, self.device,
+                  self.logger if self._trainer is not None else None,
+                  notes=[f"NEFTune alpha {neftune}"] if neftune else [])
 
     def attach_neftune(self) -> None:
         if self.hparams.get("neftune_noise_alpha"):  # noise while fitting only; on_fit_end restores the embeddings

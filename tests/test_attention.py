@@ -230,7 +230,9 @@ def test_packed_sft_on_gpu_runs_flash_attention_and_matches_padded(tiny_dir):
     module = SFTModule(str(tiny_dir), from_config=True, model_init_kwargs={"dtype": "bfloat16"})
     module.configure_model()
     module.model.cuda()
-    module._use_gpu_varlen_attention()
+    from lightalign.modules.adaptations import check_run
+
+    check_run(module.model, None, "padding_free", None, module.adaptations, torch.device("cuda"))
     assert module.model.config._attn_implementation == "flash_attention_2"
     rows = [{"input_ids": list(range(5, 5 + n))} for n in (6, 9, 4)]
     packed = PaddingFreeCollator()(rows)

@@ -27,7 +27,7 @@ from lightalign.modules.adaptations.support import (
     model_traits,
 )
 
-__all__ = ["LAYOUTS", "AdaptationReport", "LayoutRefused", "ModelTraits", "adapt_model", "check_layout",
+__all__ = ["LAYOUTS", "AdaptationReport", "LayoutRefused", "ModelTraits", "adapt_model", "check_layout", "check_run",
            "model_traits"]
 
 
@@ -85,3 +85,25 @@ def adapt_model(model: torch.nn.Module, recompute_mlp: bool = True, liger: bool 
     traits = model_traits(model)
     report.family, report.attention = traits.family, traits.attn
     return report
+
+
+def check_run(model: torch.nn.Module, ref_model: torch.nn.Module | None, layout: str, longest: int | None,
+              report: AdaptationReport, device: torch.device, logger: Any = None, notes: list[str] = ()) -> None:
+    """Fit start, before any batch: packed rows on a GPU take flash-attention varlen when installed; the layout
+    is refused (``LayoutRefused``) if the policy or a separate reference cannot compute it exactly; the fit-start
+    line says what was adapted, and the same facts go to the logger's hyperparameters (``hparams.yaml``)."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from lightalign.modules.adaptations.support import packed_gpu_attention
+
+    if layout in ("padding_free", "packed") and (choice := packed_gpu_attention(model, device)) is not None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.set_attn_implementation(choice)
+        report.attention = choice
+    for m in (model, ref_model):
+        if m is not None:
+            check_layout(m, layout, max_tokens=longest)
+    report.layout, report.notes = layout, list(notes)
+    rank_zero_info(report.describe())
+    if logger is not None:
+        logger.log_hyperparams({"lightalign_adaptations": report.as_dict()})
