@@ -169,18 +169,25 @@ class DPOModule(PolicyModule):
     # ------------------------------------------------------------------------------------- forward
     def _pair_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
         """One forward over every pair of the batch -> (chosen_logps [B], rejected_logps [B])."""
+        chosen, rejected, _ = self._pair_logps_and_chosen_sums(model, batch)
+        return chosen, rejected
+
+    def _pair_logps_and_chosen_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        """(chosen, rejected) as the loss compares them (``ld_alpha``-weighted when set) and the plain sums of
+        the chosen token log-probs (what the ``sft`` term's NLL reads), from one forward."""
         token_logps, mask = completion_token_logps(model, batch)
         half = token_logps.shape[0] // 2
-        if self.hparams.ld_alpha is not None:
-            return length_desensitized_logps(token_logps[:half], mask[:half], token_logps[half:], mask[half:],
-                                             self.hparams.ld_alpha)
         sums = token_logps.sum(-1)
-        return sums[:half], sums[half:]
+        if self.hparams.ld_alpha is not None:
+            chosen, rejected = length_desensitized_logps(token_logps[:half], mask[:half], token_logps[half:],
+                                                         mask[half:], self.hparams.ld_alpha)
+            return chosen, rejected, sums[:half]
+        return sums[:half], sums[half:], sums[:half]
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
         hp = self.hparams
         ref_chosen, ref_rejected = self.reference_logps(batch)
-        policy_chosen, policy_rejected = self._pair_logps(self.model, batch)
+        policy_chosen, policy_rejected, chosen_sums = self._pair_logps_and_chosen_sums(self.model, batch)
         chosen_lengths, rejected_lengths = completion_lengths(batch)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected,
@@ -188,7 +195,7 @@ class DPOModule(PolicyModule):
             label_smoothing=hp.label_smoothing, reference_free=hp.reference_free,
             chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
             bco_delta=self._bco_delta(policy_chosen, policy_rejected, ref_chosen, ref_rejected),
-            discopop_tau=hp.discopop_tau,
+            discopop_tau=hp.discopop_tau, chosen_token_logp_sums=chosen_sums,
         )
         loss = losses.mean()
         n = float(chosen_lengths.shape[0])
