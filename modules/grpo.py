@@ -273,7 +273,10 @@ class GRPOModule(PolicyModule):
         if self.reward_normalizer is not None and self.training:
             rewards = self.reward_normalizer.normalize(rewards)
         rewards = clip_rewards(rewards, hp.reward_clip)
-        return scale_advantages(rewards, hp.num_generations, hp.scale_rewards)
+        batch_rewards = None  # "batch" divides by the std of every rank's rewards (TRL gathers them too)
+        if hp.scale_rewards == "batch" and self._trainer is not None and self.trainer.world_size > 1:
+            batch_rewards = self.all_gather(rewards).flatten()
+        return scale_advantages(rewards, hp.num_generations, hp.scale_rewards, batch_rewards=batch_rewards)
 
     def token_logps(self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False):
         """Per-token log-probs of the completion tokens ``[B, T]`` (and the mean entropy, detached)."""
