@@ -52,9 +52,13 @@ class DPOModule(PolicyModule):
 
     Args:
         beta: strength of the implicit KL penalty (TRL's ``beta``).
-        loss_type: one of ``LOSS_TYPES`` or a list of them (combined with ``loss_weights``).
+        loss_type: one of ``LOSS_TYPES`` or a list of them (combined with ``loss_weights``). ``bco_pair``
+            subtracts the running mean of the rewards (BCO's δ), unlike TRL 1.16, which dropped it: the shift is
+            part of BCO's formula (and was in TRL's bco_pair until its DPO refactor).
         loss_weights: one weight per loss type.
-        label_smoothing: assumed label-noise rate for ``sigmoid``/``robust``/``exo_pair``/``aot*``.
+        label_smoothing: assumed label-noise rate for ``sigmoid``/``robust``/``exo_pair``/``aot*``. On
+            ``sigmoid`` it gives cDPO, unlike TRL 1.16, which ignores it there (setting it would silently change
+            nothing).
         reference_free: compare against a uniform reference (log-prob 0): no reference model.
         ld_alpha: LD-DPO length desensitisation (tokens past the shorter completion weigh ``ld_alpha``).
         discopop_tau: temperature of the ``discopop`` loss.

@@ -129,10 +129,14 @@ def dpo_loss(
       (TRL 1.16 does the same: its sft term reads the unweighted per-token log-probs).
     - ``bco_pair`` subtracts ``bco_delta``, a running mean of rewards that the caller keeps. To follow TRL's
       original scheme, update the running mean with ``beta * cat([chosen - ref_chosen, rejected - ref_rejected])
-      .mean()`` of the current batch *before* calling, then pass it; ``0.0`` (default) matches current TRL,
-      which dropped the running mean.
+      .mean()`` of the current batch *before* calling, then pass it; ``0.0`` (default) matches TRL 1.16,
+      which dropped the running mean. ``DPOModule`` passes the running mean: deliberately unlike TRL 1.16,
+      because the shift δ is part of BCO's formula (and of TRL's own bco_pair until its DPO refactor).
     - ``aot`` and ``aot_pair`` sort across the batch, so each example's loss depends on the others.
     - ``label_smoothing`` (cDPO / robust DPO / EXO epsilon) affects sigmoid, robust, exo_pair, aot, aot_pair.
+      Deliberately unlike TRL 1.16, ``sigmoid`` applies it (cDPO: ``-(1-e) logsig(x) - e logsig(-x)``), because
+      TRL 1.16 ignores it there without a word, so a user who sets it would silently train plain DPO;
+      ``label_smoothing=0`` (the default) equals TRL.
 
     Returns ``(losses [B], chosen_rewards [B], rejected_rewards [B])``, rewards being
     ``beta * (policy - reference)`` detached.
