@@ -303,3 +303,23 @@ def test_cli_progress_bar_steps_aside(repo, tiny_dir, tmp_path):
     own = LightalignCLI(args=[*base, "--trainer.callbacks+", "TQDMProgressBar", "--trainer.callbacks.refresh_rate",
                               "7"], run=False).trainer.progress_bar_callback
     assert type(own) is TQDMProgressBar and own.refresh_rate == 7
+
+
+def test_rank_logging_setup_sets_every_library_logger_per_rank():
+    import logging
+    from types import SimpleNamespace
+
+    from lightalign.strategies import RankLogging
+    from lightalign.strategies.launch import LOGGERS
+
+    saved = {name: logging.getLogger(name).level for name in LOGGERS}
+    callback = RankLogging(log_level="debug", log_level_replica="error", log_on_each_node=True)
+    try:
+        callback.setup(SimpleNamespace(local_rank=1, global_rank=3), None, "fit")  # a replica
+        assert {name: logging.getLogger(name).level for name in LOGGERS} == dict.fromkeys(LOGGERS, logging.ERROR)
+        callback.setup(SimpleNamespace(local_rank=0, global_rank=2), None, "fit")  # a node's first process
+        assert {name: logging.getLogger(name).level for name in LOGGERS} == dict.fromkeys(LOGGERS, logging.DEBUG)
+        assert set(LOGGERS) >= {"lightalign", "lightning.pytorch", "transformers", "datasets"}
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
