@@ -24,58 +24,78 @@ TruncationMode = Literal["keep_start", "keep_end"]
 COMPLETIONS = ("chosen", "rejected")
 # Part of the datasets cache fingerprint of tokenized rows: bump it whenever tokenization changes its output, so
 # caches written by an older lightalign are not reused.
-TOKENIZATION_VERSION = 2
+TOKENIZATION_VERSION = 3
 
 
 def extract_prompt(chosen: Any, rejected: Any, row: int) -> tuple[Any, Any, Any]:
     """Implicit prompt: the shared beginning of ``chosen`` and ``rejected`` is the prompt.
 
-    Conversations share their leading messages; strings share their longest common prefix (a trailing space
-    of the prefix goes to the completions, so they start with it like the explicit-prompt convention).
+    The prompt is the longest common prefix (of messages, or of characters) that leaves both completions
+    non-empty (``"x\\n1"`` / ``"x\\n11"`` gives ``"x\\n"``, ``"1"``, ``"11"``, as TRL does), and a trailing
+    space of the prefix goes to the completions, so they start with it like the explicit-prompt convention.
+    The split is in characters; ``tokenize_preference_row`` then moves it to a token boundary.
     """
+    longest = min(len(chosen), len(rejected)) - 1  # the prompt must leave a message or character in each completion
+    i = 0
+    while i < longest and chosen[i] == rejected[i]:
+        i += 1
     if isinstance(chosen, list):
-        i = 0
-        while i < min(len(chosen), len(rejected)) and chosen[i] == rejected[i]:
-            i += 1
         if i == 0:
             raise DataFormatError(
-                f"row {row}: implicit-prompt conversations in 'chosen' and 'rejected' share no leading message, so "
-                "there is no prompt. Add a 'prompt' column or start both with the same user turn."
+                f"row {row}: implicit-prompt conversations in 'chosen' and 'rejected' share no leading message that "
+                "leaves both a completion, so there is no prompt. Add a 'prompt' column or start both with the same "
+                "user turn."
             )
         return chosen[:i], chosen[i:], rejected[i:]
-    i = 0
-    while i < min(len(chosen), len(rejected)) and chosen[i] == rejected[i]:
-        i += 1
     if i > 0 and chosen[i - 1] == " ":
         i -= 1
     if i == 0:
         raise DataFormatError(
-            f"row {row}: 'chosen' and 'rejected' share no prefix, so the implicit prompt is empty. "
-            "Add a 'prompt' column (explicit prompt) or make both start with the prompt text."
+            f"row {row}: 'chosen' and 'rejected' share no prefix that leaves both non-empty, so the implicit prompt "
+            f"is empty (chosen {chosen!r:.60}, rejected {rejected!r:.60}). Add a 'prompt' column (explicit prompt) "
+            "or make both start with the prompt text."
         )
     return chosen[:i], chosen[i:], rejected[i:]
+
+
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
+    """How many leading tokens ``ids`` and ``other`` share."""
+    n = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def tokenize_preference_row(row: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
     """Prompt and completions -> token ids (before truncation).
 
-    As TRL does, EOS ends each completion of standard (string) rows unless it is already there; conversational
-    completions end where the chat template closes the assistant turn.
+    ``prompt + chosen`` and ``prompt + rejected`` are tokenized as whole texts, so every sequence is the
+    tokenizer's own output (tokenizing the parts apart can split a word the split point cuts, ``"Th" + "e"``).
+    The prompt is the tokenized prompt up to where it stops being a prefix of both whole sequences, and each
+    completion is the rest of its sequence, as TRL does. As TRL does, EOS ends each completion of standard
+    (string) rows unless it is already there; conversational completions end where the chat template closes the
+    assistant turn.
     """
     prompt = row["prompt"]
-    out: dict[str, list[int]] = {}
+    wholes: dict[str, list[int]] = {}
     if is_conversation(prompt):
         prompt_text = None
         for key in COMPLETIONS:
             prompt_text, completion_text = render_prompt_completion(tokenizer, prompt, row[key])
-            out[f"{key}_input_ids"] = tokenizer(completion_text, add_special_tokens=False)["input_ids"]
-        out["prompt_input_ids"] = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        return out
-    out["prompt_input_ids"] = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    eos = tokenizer.eos_token_id
+            wholes[key] = tokenizer(prompt_text + completion_text, add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        eos = tokenizer.eos_token_id
+        for key in COMPLETIONS:
+            ids = tokenizer(prompt + row[key], add_special_tokens=True)["input_ids"]
+            wholes[key] = ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
+    split = min(common_prefix_length(prompt_ids, wholes[key]) for key in COMPLETIONS)
+    out = {"prompt_input_ids": prompt_ids[:split]}
     for key in COMPLETIONS:
-        ids = tokenizer(row[key], add_special_tokens=False)["input_ids"]
-        out[f"{key}_input_ids"] = ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
+        out[f"{key}_input_ids"] = wholes[key][split:]
     return out
 
 
@@ -88,11 +108,17 @@ def truncate_pair(
     max_completion_length: int | None,
     mode: str,
 ) -> tuple[list[int], list[int], list[int]]:
-    """TRL's preference truncation.
+    """Fit a tokenized pair to the length limits.
 
     The prompt keeps its last ``max_prompt_length`` tokens, each completion its first ``max_completion_length``.
-    Then prompt + completion must fit ``max_length``: ``keep_start`` cuts the completions' ends; ``keep_end``
-    drops prompt tokens from the start (keeping at least one) and only then cuts the completions' ends.
+    Then prompt + completion must fit ``max_length``: ``keep_start`` (the default) keeps the sequence's start,
+    cutting the completions' ends (the prompt too if it alone passes ``max_length``); ``keep_end`` drops prompt
+    tokens from the start (keeping at least one) and only then cuts the completions' ends.
+
+    Differences from TRL 1.16, which has no ``max_prompt_length`` and truncates each whole prompt+completion
+    sequence: ``keep_start`` gives TRL's sequences whenever the prompt fits ``max_prompt_length``; TRL's
+    ``keep_end`` (deprecated there) keeps the last ``max_length`` tokens, which can cut a completion's start,
+    while ours keeps both completions' starts and the end of the prompt.
     """
     if max_prompt_length is not None:
         prompt = prompt[-max_prompt_length:]
@@ -185,8 +211,13 @@ class PreferenceDataModule(TokenizedDataModule):
         max_length: prompt + completion tokens per sequence (``None``: no limit).
         max_prompt_length: the prompt keeps its last ``max_prompt_length`` tokens (``None``: no limit).
         max_completion_length: each completion keeps its first ``max_completion_length`` tokens.
-        truncation_mode: how prompt + completion is fitted to ``max_length``: ``keep_end`` (TRL's default)
-            drops prompt tokens from the start first; ``keep_start`` cuts the completions' ends.
+        truncation_mode: how prompt + completion is fitted to ``max_length``: ``keep_start`` (default, as in
+            TRL 1.16) cuts the completions' ends, so every kept token sees its whole prompt (capped by
+            ``max_prompt_length``); ``keep_end`` drops prompt tokens from the start first and cuts the completions
+            only when one token of prompt is left (whole completions, but a context the model does not see at
+            inference). A row left without a completion token is an error naming the row (TRL drops it).
+            Unlike TRL 1.16 (no ``max_prompt_length``; its deprecated ``keep_end`` keeps the last ``max_length``
+            tokens of each sequence) the prompt is capped first, and ``keep_end`` never cuts a completion's start.
         prompt_sharing: batch each pair as one ``[prompt, chosen, rejected]`` segment so the prompt is computed
             once (``SharedPromptCollator``; same log-probs as the classic layout, fewer tokens, no padding but
             each row's tail). Needs an attention implementation that takes a 4D mask (``sdpa``, ``eager``);
@@ -210,7 +241,7 @@ class PreferenceDataModule(TokenizedDataModule):
         max_length: int | None = 1024,
         max_prompt_length: int | None = 512,
         max_completion_length: int | None = None,
-        truncation_mode: TruncationMode = "keep_end",
+        truncation_mode: TruncationMode = "keep_start",
         prompt_sharing: bool = True,
         pack_length: int | None = 2048,
         **kwargs: Any,

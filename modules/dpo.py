@@ -35,7 +35,11 @@ from lightalign.modules.reference import (
     model_fingerprint,
     move_reference,
     save_cached,
+    tokenized_fingerprint,
 )
+
+# The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
+TOKENIZED_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "index")
 
 # ============================================================================================== DPOModule
 PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -52,9 +56,13 @@ class DPOModule(PolicyModule):
 
     Args:
         beta: strength of the implicit KL penalty (TRL's ``beta``).
-        loss_type: one of ``LOSS_TYPES`` or a list of them (combined with ``loss_weights``).
+        loss_type: one of ``LOSS_TYPES`` or a list of them (combined with ``loss_weights``). ``bco_pair``
+            subtracts the running mean of the rewards (BCO's δ), unlike TRL 1.16, which dropped it: the shift is
+            part of BCO's formula (and was in TRL's bco_pair until its DPO refactor).
         loss_weights: one weight per loss type.
-        label_smoothing: assumed label-noise rate for ``sigmoid``/``robust``/``exo_pair``/``aot*``.
+        label_smoothing: assumed label-noise rate for ``sigmoid``/``robust``/``exo_pair``/``aot*``. On
+            ``sigmoid`` it gives cDPO, unlike TRL 1.16, which ignores it there (setting it would silently change
+            nothing).
         reference_free: compare against a uniform reference (log-prob 0): no reference model.
         ld_alpha: LD-DPO length desensitisation (tokens past the shorter completion weigh ``ld_alpha``).
         discopop_tau: temperature of the ``discopop`` loss.
@@ -169,18 +177,25 @@ class DPOModule(PolicyModule):
     # ------------------------------------------------------------------------------------- forward
     def _pair_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
         """One forward over every pair of the batch -> (chosen_logps [B], rejected_logps [B])."""
+        chosen, rejected, _ = self._pair_logps_and_chosen_sums(model, batch)
+        return chosen, rejected
+
+    def _pair_logps_and_chosen_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        """(chosen, rejected) as the loss compares them (``ld_alpha``-weighted when set) and the plain sums of
+        the chosen token log-probs (what the ``sft`` term's NLL reads), from one forward."""
         token_logps, mask = completion_token_logps(model, batch)
         half = token_logps.shape[0] // 2
-        if self.hparams.ld_alpha is not None:
-            return length_desensitized_logps(token_logps[:half], mask[:half], token_logps[half:], mask[half:],
-                                             self.hparams.ld_alpha)
         sums = token_logps.sum(-1)
-        return sums[:half], sums[half:]
+        if self.hparams.ld_alpha is not None:
+            chosen, rejected = length_desensitized_logps(token_logps[:half], mask[:half], token_logps[half:],
+                                                         mask[half:], self.hparams.ld_alpha)
+            return chosen, rejected, sums[:half]
+        return sums[:half], sums[half:], sums[:half]
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
         hp = self.hparams
         ref_chosen, ref_rejected = self.reference_logps(batch)
-        policy_chosen, policy_rejected = self._pair_logps(self.model, batch)
+        policy_chosen, policy_rejected, chosen_sums = self._pair_logps_and_chosen_sums(self.model, batch)
         chosen_lengths, rejected_lengths = completion_lengths(batch)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected,
@@ -188,7 +203,7 @@ class DPOModule(PolicyModule):
             label_smoothing=hp.label_smoothing, reference_free=hp.reference_free,
             chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
             bco_delta=self._bco_delta(policy_chosen, policy_rejected, ref_chosen, ref_rejected),
-            discopop_tau=hp.discopop_tau,
+            discopop_tau=hp.discopop_tau, chosen_token_logp_sums=chosen_sums,
         )
         loss = losses.mean()
         n = float(chosen_lengths.shape[0])
@@ -288,8 +303,9 @@ class DPOModule(PolicyModule):
     def precompute_reference(self, datamodule: Any) -> None:
         """Give the datamodule the reference log-probs of every split (``set_reference_logps``).
 
-        Values come from the disk cache when the same reference weights met the same tokenized data before;
-        otherwise one ordered pass computes and caches them. The reference model is released afterwards.
+        Values come from the disk cache when the same reference weights met the same tokenized rows before
+        (the key hashes every weight and every token id); otherwise each rank computes its share of the rows
+        and the shares are gathered, and rank 0 writes the cache. The reference model is released afterwards.
         """
         fingerprint = None
         was_training = self.training
@@ -299,16 +315,12 @@ class DPOModule(PolicyModule):
                 continue
             if fingerprint is None:
                 fingerprint = self.reference_fingerprint()
-            path = cache_path(self.hparams.ref_log_probs_cache_dir, fingerprint, dataset._fingerprint)
+            data_key = tokenized_fingerprint(dataset, TOKENIZED_COLUMNS)
+            path = cache_path(self.hparams.ref_log_probs_cache_dir, fingerprint, data_key)
             cached = load_cached(path)
-            if cached is None:
-                chosen, rejected = [], []
-                for batch in datamodule.eval_dataloader(dataset, "reference"):
-                    batch = {k: v.to(self.device) for k, v in batch.items()}
-                    c, r = self.reference_logps(batch)
-                    chosen.append(c.float().cpu())
-                    rejected.append(r.float().cpu())
-                cached = {"chosen": torch.cat(chosen), "rejected": torch.cat(rejected)}
+            if not self.trainer.strategy.reduce_boolean_decision(cached is not None, all=True):
+                chosen, rejected = self._sharded_reference_pass(datamodule, dataset)
+                cached = {"chosen": chosen, "rejected": rejected}
                 if self.trainer.is_global_zero:
                     save_cached(path, cached)
             datamodule.set_reference_logps(label, cached["chosen"], cached["rejected"])
@@ -317,6 +329,39 @@ class DPOModule(PolicyModule):
             self.ref_model = None
             self._policy_is_reference = False
             self._ref_released = True
+
+    def _sharded_reference_pass(self, datamodule: Any, dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference log-probs of every row of ``dataset``, in row order: rank ``r`` of ``W`` computes the
+        contiguous rows ``[n*r//W, n*(r+1)//W)``, then the shares are all-gathered. Every rank runs the same
+        number of forwards (a short share repeats its last batch and drops the result), so a sharded policy
+        acting as its own reference (FSDP, ZeRO-3) meets its collectives in step."""
+        world, rank, n = self.trainer.world_size, self.trainer.global_rank, len(dataset)
+        bounds = [n * r // world for r in range(world + 1)]
+        batch_size = datamodule.val_batch_size
+        steps = max(-(-(bounds[r + 1] - bounds[r]) // batch_size) for r in range(world))
+        start, stop = bounds[rank], bounds[rank + 1]
+        share = dataset.select(range(start, stop)) if stop > start else dataset.select(range(min(n, 1)))
+        batches = iter(datamodule.eval_dataloader(share, "reference"))
+        chosen, rejected, batch = [], [], None
+        for _ in range(steps):
+            real = next(batches, None)
+            batch = real if real is not None else batch
+            if batch is None:  # an empty share: compute something, drop it
+                batch = next(iter(datamodule.eval_dataloader(share, "reference")))
+            c, r = self.reference_logps({k: v.to(self.device) for k, v in batch.items()})
+            if real is not None and stop > start:
+                chosen.append(c.float())
+                rejected.append(r.float())
+        mine = torch.stack([torch.cat(chosen), torch.cat(rejected)]) if chosen \
+            else torch.zeros(2, 0, device=self.device)
+        if world == 1:
+            return mine[0].cpu(), mine[1].cpu()
+        widest = max(bounds[r + 1] - bounds[r] for r in range(world))
+        padded = torch.zeros(2, widest, device=self.device)
+        padded[:, : mine.shape[1]] = mine
+        everyone = self.all_gather(padded)  # [W, 2, widest]
+        full = torch.cat([everyone[r, :, : bounds[r + 1] - bounds[r]] for r in range(world)], dim=1).cpu()
+        return full[0], full[1]
 
 
 # ============================================================================================== batch layouts

@@ -111,6 +111,7 @@ def dpo_loss(
     rejected_lengths: torch.Tensor | None = None,
     bco_delta: torch.Tensor | float = 0.0,
     discopop_tau: float = 0.05,
+    chosen_token_logp_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-example DPO losses (TRL's loss types) from summed completion log-probs.
 
@@ -123,13 +124,19 @@ def dpo_loss(
       clamped to >= 1), as TRL does; only the ipo term sees the normalised values.
     - ``sft`` is TRL's mean token NLL over all chosen tokens of the batch: example ``i`` gets
       ``-policy_chosen_logps[i] / mean(chosen_lengths)``, so ``losses.mean()`` equals
-      ``sum(NLL) / sum(chosen_lengths)`` exactly.
+      ``sum(NLL) / sum(chosen_lengths)`` exactly. The NLL is of the plain per-token log-probs: when the other
+      terms get length-desensitised sums (``ld_alpha``), pass the plain sums as ``chosen_token_logp_sums``
+      (TRL 1.16 does the same: its sft term reads the unweighted per-token log-probs).
     - ``bco_pair`` subtracts ``bco_delta``, a running mean of rewards that the caller keeps. To follow TRL's
       original scheme, update the running mean with ``beta * cat([chosen - ref_chosen, rejected - ref_rejected])
-      .mean()`` of the current batch *before* calling, then pass it; ``0.0`` (default) matches current TRL,
-      which dropped the running mean.
+      .mean()`` of the current batch *before* calling, then pass it; ``0.0`` (default) matches TRL 1.16,
+      which dropped the running mean. ``DPOModule`` passes the running mean: deliberately unlike TRL 1.16,
+      because the shift δ is part of BCO's formula (and of TRL's own bco_pair until its DPO refactor).
     - ``aot`` and ``aot_pair`` sort across the batch, so each example's loss depends on the others.
     - ``label_smoothing`` (cDPO / robust DPO / EXO epsilon) affects sigmoid, robust, exo_pair, aot, aot_pair.
+      Deliberately unlike TRL 1.16, ``sigmoid`` applies it (cDPO: ``-(1-e) logsig(x) - e logsig(-x)``), because
+      TRL 1.16 ignores it there without a word, so a user who sets it would silently train plain DPO;
+      ``label_smoothing=0`` (the default) equals TRL.
 
     Returns ``(losses [B], chosen_rewards [B], rejected_rewards [B])``, rewards being
     ``beta * (policy - reference)`` detached.
@@ -204,7 +211,8 @@ def dpo_loss(
             mix = torch.sigmoid(logits / discopop_tau)
             term = (1 - mix) * -F.logsigmoid(logits) + mix * torch.exp(-logits)
         else:  # "sft"
-            term = -pc / lengths(chosen_lengths, "chosen_lengths", "sft").mean()
+            nll_logps = pc if chosen_token_logp_sums is None else chosen_token_logp_sums.to(device=device, dtype=dtype)
+            term = -nll_logps / lengths(chosen_lengths, "chosen_lengths", "sft").mean()
         losses = losses + weight * term
 
     chosen_rewards = (beta * chosen_logratios).detach()

@@ -54,7 +54,11 @@ class GRPOModule(PolicyModule):
         num_iterations: how many times each rollout is trained on (PPO-style reuse, TRL's μ).
         max_completion_length: generated tokens at most.
         temperature, top_p, top_k, min_p, repetition_penalty: sampling knobs of ``generate``.
-        loss_type: ``dapo`` (default) | ``grpo`` | ``bnpo`` | ``dr_grpo``.
+        loss_type: ``dapo`` (default) | ``grpo`` | ``bnpo`` | ``dr_grpo``. ``dapo`` divides by the completion
+            tokens of each optimizer step's own micro-batches; when ``steps_per_generation`` exceeds
+            ``accumulate_grad_batches`` TRL 1.16 divides by the rollout's tokens times ``accumulate / steps``
+            (an average over the rollout) instead. Deliberately: each step's gradient is then the token mean of
+            exactly the tokens it trains on, whatever the lengths in the rollout's other steps.
         epsilon, epsilon_high: clipping range ``[1 - epsilon, 1 + epsilon_high]`` of the importance ratio.
         beta: KL coefficient (k3 estimator) against a reference model, which is built only when ``beta > 0``.
         scale_rewards: advantage scaling: ``group`` std, ``batch`` std, or ``none``.
@@ -275,7 +279,10 @@ class GRPOModule(PolicyModule):
         if self.reward_normalizer is not None and self.training:
             rewards = self.reward_normalizer.normalize(rewards)
         rewards = clip_rewards(rewards, hp.reward_clip)
-        return scale_advantages(rewards, hp.num_generations, hp.scale_rewards)
+        batch_rewards = None  # "batch" divides by the std of every rank's rewards (TRL gathers them too)
+        if hp.scale_rewards == "batch" and self._trainer is not None and self.trainer.world_size > 1:
+            batch_rewards = self.all_gather(rewards).flatten()
+        return scale_advantages(rewards, hp.num_generations, hp.scale_rewards, batch_rewards=batch_rewards)
 
     def token_logps(self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False):
         """Per-token log-probs of the completion tokens ``[B, T]`` (and the mean entropy, detached)."""

@@ -60,6 +60,9 @@ def grpo_loss(
       - ``dapo``: pass ``num_items_in_batch`` = completion tokens of the whole optimizer step (all K micro-batches)
         and multiply the returned loss by K; the accumulated gradient is then ``grad(sum_k S_k) / N`` = the one-big-
         batch gradient. Under DDP (gradients averaged over W ranks) pass the global count / W, as TRL does.
+        ``GRPOModule`` counts each optimizer step's own tokens also when a rollout spans several optimizer steps;
+        TRL 1.16 then uses the rollout's count x K / steps_per_generation (its average step): deliberately
+        different, so that a step's gradient is the token mean of the tokens it trains on.
       - ``grpo`` / ``dr_grpo``: return as is. With K micro-batches of equal size b, the per-batch loss is
         ``(1/b) sum_{i in k} x_i`` (x_i = row loss, resp. row sum / max_completion_length), and Lightning's
         ``sum_k (.) / K = (1/(bK)) sum_i x_i``, exactly the loss of one batch of ``bK`` rows.

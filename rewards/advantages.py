@@ -47,29 +47,37 @@ def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     return rewards.view(-1, num_generations)
 
 
-def _reward_std(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
-    """Per-row std used for scaling: the group's (also for "none", for logging) or the batch's."""
+def _reward_std(rewards: torch.Tensor, num_generations: int, scale_rewards: str,
+                batch_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row std used for scaling: the group's (also for "none", for logging) or the batch's (``batch_rewards``,
+    the whole generation batch, when given; else ``rewards``)."""
     grouped = _grouped(rewards, num_generations)
     if scale_rewards == "batch":
-        return nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        batch = rewards if batch_rewards is None else batch_rewards.float().flatten()
+        return nanstd(batch).expand_as(rewards) if batch.numel() > 1 else torch.zeros_like(rewards)
     if num_generations == 1:
         return torch.zeros_like(rewards)
     return nanstd(grouped, dim=1).repeat_interleave(num_generations)
 
 
-def scale_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str | bool = "group") -> torch.Tensor:
+def scale_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str | bool = "group",
+                     batch_rewards: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO advantages: ``reward - group mean``, divided by ``std + 1e-4`` unless ``scale_rewards="none"``.
 
-    ``"group"`` divides by each group's std, ``"batch"`` by the std over all N rewards (both unbiased, as TRL),
-    ``"none"`` does not divide (Dr. GRPO). A group of equal rewards gets advantages 0. NaN rewards are ignored by
-    the means and stds and get advantage 0.
+    ``"group"`` divides by each group's std, ``"batch"`` by the std over the whole generation batch (both
+    unbiased, as TRL), ``"none"`` does not divide (Dr. GRPO). A group of equal rewards gets advantages 0. NaN
+    rewards are ignored by the means and stds and get advantage 0.
+
+    ``batch_rewards``: for ``"batch"`` under data parallelism, the rewards of every rank's completions (this
+    rank's included, e.g. an all-gather), so each rank divides by the global batch's std as TRL does; without it
+    the batch is ``rewards``. Groups never straddle ranks, so the group means stay local.
     """
     scale_rewards = _check_scale_rewards(scale_rewards)
     rewards = rewards.float()
     mean = torch.nanmean(_grouped(rewards, num_generations), dim=1).repeat_interleave(num_generations)
     advantages = rewards - mean
     if scale_rewards != "none":
-        advantages = advantages / (_reward_std(rewards, num_generations, scale_rewards) + 1e-4)
+        advantages = advantages / (_reward_std(rewards, num_generations, scale_rewards, batch_rewards) + 1e-4)
     return torch.nan_to_num(advantages, nan=0.0)
 
 

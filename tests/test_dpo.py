@@ -215,7 +215,9 @@ def test_quantized_reference(tiny_dir, data_dir, tmp_path, tiny_model, bits):
     q_c, _ = module.reference_logps(batch)
     fp_c, _ = module._pair_logps(tiny_model.eval(), batch)
     assert torch.isfinite(q_c).all()
-    assert (q_c - fp_c).abs().max() < 0.5 * fp_c.abs().max()  # close to the full-precision reference
+    # close to the full-precision reference: measured 0.010 (8-bit) and 0.097 (4-bit) on sums of about -28;
+    # another random init of the same model is 1.2 away, and 1% off is 0.28 away
+    assert (q_c - fp_c).abs().max() < {8: 0.05, 4: 0.2}[bits]
 
 
 def test_reference_free_and_loss_list(tiny_dir, data_dir):

@@ -204,3 +204,40 @@ def test_validate_loss_config_errors():
         validate_loss_config("exo_pair", None, 0.1, 0.0)
     with pytest.raises(ValueError, match="valid names"):
         dpo_loss(t(PC), t(PR), t(RC), t(RR), loss_type=["sigmoid", "kto_pair"])
+
+
+def test_sft_term_with_ld_alpha_is_the_plain_token_nll(monkeypatch, tiny_model):
+    """One pair: chosen has 4 tokens of log-prob -1, rejected 1 token. With ld_alpha=0 the compared chosen
+    log-prob keeps only the shared first token (-1), but the sft term is the mean NLL of all 4 chosen tokens:
+    4 / 4 = 1.00 (reading the weighted sum would give 1 / 4 = 0.25)."""
+    import lightalign.modules.dpo as dpo_module
+    from lightalign.modules.dpo import DPOModule
+
+    token_logps = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-1.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    monkeypatch.setattr(dpo_module, "completion_token_logps", lambda model, batch: (token_logps, mask))
+    batch = {"input_ids": torch.zeros(2, 6, dtype=torch.long), "attention_mask": torch.ones(2, 6, dtype=torch.long),
+             "completion_mask": torch.tensor([[0, 1, 1, 1, 1, 0], [0, 1, 0, 0, 0, 0]])}
+    module = DPOModule(model=tiny_model, loss_type="sft", ld_alpha=0.0, reference_free=True)
+    assert module._step(batch, module.train_stats).item() == pytest.approx(1.0, abs=1e-6)
+    # the pure function: the weighted sums feed the preference terms, the plain sums the NLL
+    losses, _, _ = dpo_loss(t([-1.0]), t([-1.0]), None, None, loss_type="sft", reference_free=True,
+                            chosen_lengths=torch.tensor([4]), chosen_token_logp_sums=t([-4.0]))
+    assert losses.tolist() == pytest.approx([1.0])
+
+
+def test_module_step_loss_is_the_mean_over_pairs(monkeypatch, tiny_model):
+    """DPOModule's training loss is the mean of the per-pair losses (a sum would scale the step with the batch
+    size and break accumulation's equivalence), by hand: pairs with log-ratios (c - r) = 1 and -2, beta 0.5."""
+    import lightalign.modules.dpo as dpo_module
+    from lightalign.modules.dpo import DPOModule
+
+    # rows: chosen 0, chosen 1, rejected 0, rejected 1 (policy log-probs; reference_free: reference 0)
+    token_logps = torch.tensor([[-1.0, -1.0], [-3.0, 0.0], [-3.0, 0.0], [-0.5, -0.5]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 1]])
+    monkeypatch.setattr(dpo_module, "completion_token_logps", lambda model, batch: (token_logps, mask))
+    batch = {"input_ids": torch.zeros(4, 4, dtype=torch.long), "attention_mask": torch.ones(4, 4, dtype=torch.long),
+             "completion_mask": torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0]])}
+    module = DPOModule(model=tiny_model, beta=0.5, reference_free=True)
+    expected = (-logsig(0.5 * (-2.0 + 3.0)) - logsig(0.5 * (-3.0 + 1.0))) / 2
+    assert module._step(batch, module.train_stats).item() == pytest.approx(expected, abs=1e-6)

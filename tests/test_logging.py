@@ -344,3 +344,23 @@ def test_throughput_after_resume_is_measured_over_the_step(tiny_dir, data_dir, t
     assert sorted(logged) == [1, 2, 3, 4], logged
     most = 2 * 4 * 32  # a step: 2 micro-batches of 4 rows of at most 32 tokens
     assert all(0 < value <= most for value in logged.values()), logged
+
+
+def test_rank_logging_setup_sets_every_library_logger_per_rank():
+    import logging
+    from types import SimpleNamespace
+
+    from lightalign.strategies import RankLogging
+    from lightalign.strategies.launch import LOGGERS
+
+    saved = {name: logging.getLogger(name).level for name in LOGGERS}
+    callback = RankLogging(log_level="debug", log_level_replica="error", log_on_each_node=True)
+    try:
+        callback.setup(SimpleNamespace(local_rank=1, global_rank=3), None, "fit")  # a replica
+        assert {name: logging.getLogger(name).level for name in LOGGERS} == dict.fromkeys(LOGGERS, logging.ERROR)
+        callback.setup(SimpleNamespace(local_rank=0, global_rank=2), None, "fit")  # a node's first process
+        assert {name: logging.getLogger(name).level for name in LOGGERS} == dict.fromkeys(LOGGERS, logging.DEBUG)
+        assert set(LOGGERS) >= {"lightalign", "lightning.pytorch", "transformers", "datasets"}
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)

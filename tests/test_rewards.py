@@ -190,6 +190,19 @@ def test_scale_advantages_group_batch_none():
         scale_advantages(REWARDS, 3)
 
 
+def test_batch_scaling_divides_by_the_std_of_the_whole_generation_batch():
+    # this rank holds REWARDS; another rank's completions scored far apart: "batch" divides by the std of all 16
+    other = torch.tensor([10.0, 20.0, 30.0, 40.0, 0.0, 5.0, 5.0, 0.0])
+    everyone = torch.cat([REWARDS, other])
+    centred = [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
+    global_std = statistics.stdev(everyone.tolist())
+    got = scale_advantages(REWARDS, 4, "batch", batch_rewards=everyone)
+    assert got.tolist() == pytest.approx([c / (global_std + 1e-4) for c in centred])
+    # the group means stay local, and "group" ignores the batch
+    assert scale_advantages(REWARDS, 4, "group", batch_rewards=everyone).tolist() == \
+        scale_advantages(REWARDS, 4, "group").tolist()
+
+
 def test_running_normalizer_matches_numpy_and_round_trips():
     a, b = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([-3.0, 0.5, 8.0, 10.0, float("nan")])
     norm = RunningRewardNormalizer(eps=0.0)
