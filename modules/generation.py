@@ -44,3 +44,102 @@ def generate_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
         attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
         past_key_values=cache, **generate_kwargs,
     )
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """Every id that ends a completion: the generation config's and the tokenizer's EOS."""
+    ids = model.generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else ([] if ids is None else [ids])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+@torch.no_grad()
+def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, Any], num_generations: int,
+                       share_prefill: bool = True, **sampling: Any) -> dict[str, Any]:
+    """A GRPO rollout: ``num_generations`` sampled completions per prompt of a ``PromptCollator`` batch (eval mode,
+    KV cache, then the model's mode is restored), cut after their first EOS.
+
+    Returns rows grouped by prompt: ``prompt_ids``/``prompt_mask`` (left-padded), ``completion_ids``/
+    ``completion_mask`` (through EOS, padded after), ``truncated`` (no EOS), and for the reward functions
+    ``prompts``, ``completions`` (strings, or assistant messages for conversational prompts), ``texts`` and
+    ``columns`` (the data's other columns, plus ``completion_ids``)."""
+    from lightalign.strategies.sharding import generation_context
+
+    eos = eos_token_ids(model, tokenizer)
+    was_training = model.training
+    model.eval()
+    try:
+        with generation_context(model) as extra:  # full parameters under FSDP2 / ZeRO-3, released after
+            out = generate_groups(model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations,
+                                  share_prefill=share_prefill, **extra, do_sample=True, eos_token_id=eos,
+                                  pad_token_id=tokenizer.pad_token_id, use_cache=True, **sampling)
+    finally:
+        model.train(was_training)
+    completion_ids = out[:, batch["prompt_input_ids"].shape[1]:]
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
+    has_eos = is_eos.any(-1)
+    first = torch.where(has_eos, is_eos.int().argmax(-1), completion_ids.shape[1])
+    positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    completion_mask = (positions[None, :] <= first[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    prompts = [p for p in batch["prompts"] for _ in range(num_generations)]
+    completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+    columns = {k: [v for v in vals for _ in range(num_generations)] for k, vals in batch["columns"].items()}
+    columns["completion_ids"] = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask)]
+    return {
+        "prompt_ids": batch["prompt_input_ids"].repeat_interleave(num_generations, 0),
+        "prompt_mask": batch["prompt_attention_mask"].repeat_interleave(num_generations, 0),
+        "completion_ids": completion_ids, "completion_mask": completion_mask, "truncated": ~has_eos,
+        "prompts": prompts, "completions": completions, "texts": texts, "columns": columns,
+    }
+
+
+def check_generation_arithmetic(generation_batch_size: int, num_generations: int, steps: int | None) -> None:
+    if generation_batch_size % num_generations:
+        raise ValueError(
+            f"generation_batch_size ({generation_batch_size}) must be divisible by num_generations ({num_generations}): "
+            f"{generation_batch_size} = {generation_batch_size // num_generations} x {num_generations} + "
+            f"{generation_batch_size % num_generations}. Use a multiple of {num_generations}, e.g. "
+            f"{(generation_batch_size // num_generations + 1) * num_generations}."
+        )
+    if steps and generation_batch_size % steps:
+        raise ValueError(
+            f"generation_batch_size ({generation_batch_size}) must split evenly into steps_per_generation ({steps}) "
+            f"micro-batches: {generation_batch_size} / {steps} is not an integer."
+        )
+
+
+def check_rollout_config(num_generations: int, num_iterations: int, steps_per_generation: int | None,
+                         generation_batch_size: int | None, pack_length: int) -> None:
+    """GRPO's rollout knobs, checked at construction."""
+    if num_generations < 2:
+        raise ValueError(f"num_generations must be >= 2 (advantages compare completions of a group), got {num_generations}.")
+    if num_iterations < 1:
+        raise ValueError(f"num_iterations must be >= 1, got {num_iterations}.")
+    if steps_per_generation is not None and steps_per_generation < 1:
+        raise ValueError(f"steps_per_generation must be >= 1, got {steps_per_generation}.")
+    if generation_batch_size is not None:
+        check_generation_arithmetic(generation_batch_size, num_generations, steps_per_generation)
+    if pack_length < 1:
+        raise ValueError(f"pack_length must be >= 1, got {pack_length}.")
+
+
+def split_rollout(tensors: dict[str, torch.Tensor], lengths: torch.Tensor, steps: int, num_generations: int,
+                  whole_groups: bool) -> list[dict[str, torch.Tensor]]:
+    """A rollout's rows, shuffled (the torch RNG), into ``steps`` micro-batches; each also gets ``lengths`` (its
+    rows' completion lengths). ``whole_groups`` keeps each prompt's group in one micro-batch (prompt sharing);
+    otherwise groups mix across micro-batches, as TRL does."""
+    rows = lengths.shape[0]
+    device = lengths.device
+    if whole_groups:
+        g = num_generations
+        order = (torch.randperm(rows // g, device=device)[:, None] * g + torch.arange(g, device=device)).flatten()
+    else:
+        order = torch.randperm(rows, device=device)
+    tensors = {k: v[order] for k, v in tensors.items()}
+    tensors["lengths"] = lengths[order]
+    micro = rows // steps
+    return [{k: v[i * micro:(i + 1) * micro] for k, v in tensors.items()} for i in range(steps)]

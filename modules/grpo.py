@@ -18,11 +18,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
-from lightalign.modules.generation import generate_groups
+from lightalign.modules.generation import (check_generation_arithmetic, check_rollout_config, sample_completions,
+                                           split_rollout)
 from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
 from lightalign.modules.layouts import grpo_forward, prompt_group_batch
+from lightalign.modules.logprobs import mean_entropy
 from lightalign.modules.reference import build_reference, move_reference
-from lightalign.strategies.sharding import generation_context
 from lightalign.rewards import (
     RunningRewardNormalizer,
     check_reward_weights,
@@ -120,16 +121,7 @@ class GRPOModule(PolicyModule):
         check_reward_weights(funcs, reward_weights)
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
-        if num_generations < 2:
-            raise ValueError(f"num_generations must be >= 2 (advantages compare completions of a group), got {num_generations}.")
-        if num_iterations < 1:
-            raise ValueError(f"num_iterations must be >= 1, got {num_iterations}.")
-        if steps_per_generation is not None and steps_per_generation < 1:
-            raise ValueError(f"steps_per_generation must be >= 1, got {steps_per_generation}.")
-        if generation_batch_size is not None:
-            _check_generation_arithmetic(generation_batch_size, num_generations, steps_per_generation)
-        if pack_length < 1:
-            raise ValueError(f"pack_length must be >= 1, got {pack_length}.")
+        check_rollout_config(num_generations, num_iterations, steps_per_generation, generation_batch_size, pack_length)
         if reward_clip is not None and reward_clip <= 0:
             raise ValueError(f"reward_clip must be > 0 or null, got {reward_clip}.")
         super().__init__(model_name_or_path, **kwargs)
@@ -172,7 +164,7 @@ class GRPOModule(PolicyModule):
         if stage != "fit":
             return
         gen, steps, _ = self.rollout_shape
-        _check_generation_arithmetic(gen, self.hparams.num_generations, steps)
+        check_generation_arithmetic(gen, self.hparams.num_generations, steps)
         accumulate = self.trainer.accumulate_grad_batches
         if self.hparams.loss_type == "dapo" and steps % accumulate:
             raise ValueError(
@@ -206,50 +198,15 @@ class GRPOModule(PolicyModule):
         return ("grpo_shared" if self.hparams.prompt_sharing else "grpo_padded"), longest
 
     # ------------------------------------------------------------------------------------- rollout
-    def _eos_ids(self) -> list[int]:
-        ids = self.model.generation_config.eos_token_id
-        ids = list(ids) if isinstance(ids, (list, tuple)) else ([] if ids is None else [ids])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return sorted(set(ids))
-
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], num_generations: int) -> dict[str, Any]:
-        """Sample ``num_generations`` completions per prompt (eval mode, KV cache), then back to train mode."""
+        """Sample ``num_generations`` completions per prompt (``generation.sample_completions``)."""
         hp = self.hparams
-        eos = self._eos_ids()
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with generation_context(self.model) as extra:  # full parameters under FSDP2 / ZeRO-3, released after
-                out = generate_groups(
-                    self.model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations,
-                    share_prefill=hp.share_prefill, **extra,
-                    do_sample=True, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0,
-                    min_p=hp.min_p, repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
-                    eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
-                )
-        finally:
-            self.model.train(was_training)
-        prompt_len = batch["prompt_input_ids"].shape[1]
-        completion_ids = out[:, prompt_len:]
-        is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
-        has_eos = is_eos.any(-1)
-        first = torch.where(has_eos, is_eos.int().argmax(-1), completion_ids.shape[1])
-        positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
-        completion_mask = (positions[None, :] <= first[:, None]).long()
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        prompts = [p for p in batch["prompts"] for _ in range(num_generations)]
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
-        columns = {k: [v for v in vals for _ in range(num_generations)] for k, vals in batch["columns"].items()}
-        columns["completion_ids"] = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask)]
-        return {
-            "prompt_ids": batch["prompt_input_ids"].repeat_interleave(num_generations, 0),
-            "prompt_mask": batch["prompt_attention_mask"].repeat_interleave(num_generations, 0),
-            "completion_ids": completion_ids, "completion_mask": completion_mask, "truncated": ~has_eos,
-            "prompts": prompts, "completions": completions, "texts": texts, "columns": columns,
-        }
+        return sample_completions(
+            self.model, self.tokenizer, batch, num_generations, share_prefill=hp.share_prefill,
+            temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0, min_p=hp.min_p,
+            repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
+        )
 
     def score(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> torch.Tensor:
         """Rewards -> (normalised, clipped) -> group-relative advantages; logs the reward statistics."""
@@ -287,19 +244,12 @@ class GRPOModule(PolicyModule):
     def token_logps(self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False):
         """Per-token log-probs of the completion tokens ``[B, T]`` (and the mean entropy, detached)."""
         logps, logits, scored = grpo_forward(model, mb, self.hparams.temperature)
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                flat = logits.detach()[scored].float()
-                if flat.numel():
-                    probs = flat.softmax(-1)
-                    entropy = (torch.logsumexp(flat, -1) - (probs * flat).sum(-1)).mean()
-        return logps, entropy
+        return logps, (mean_entropy(logits, scored) if with_entropy else None)
 
     @torch.no_grad()
     def _make_rollout(self, batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
         hp = self.hparams
-        gen, steps, micro = self.rollout_shape
+        gen, steps, _ = self.rollout_shape
         prompts_expected = gen // hp.num_generations
         if len(batch["prompts"]) != prompts_expected:
             raise ValueError(f"Expected {prompts_expected} prompts per rollout (generation_batch_size {gen} / "
@@ -312,20 +262,12 @@ class GRPOModule(PolicyModule):
             rollout["completion_mask"] = rollout["completion_mask"] * (~rollout["truncated"]).long().unsqueeze(-1)
         tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         tensors["advantages"] = advantages
-        device = advantages.device
-        if hp.prompt_sharing:  # whole groups per micro-batch, so a micro-batch's completions share their prompts
-            g = hp.num_generations
-            order = (torch.randperm(gen // g, device=device)[:, None] * g + torch.arange(g, device=device)).flatten()
-        else:
-            order = torch.randperm(gen, device=device)  # mix groups across micro-batches, as TRL does
-        tensors = {k: v[order] for k, v in tensors.items()}
-        lengths = lengths[order]
-        chunks = [{k: v[i * micro:(i + 1) * micro] for k, v in tensors.items()} for i in range(steps)]
-        if hp.prompt_sharing:
-            pad = self.tokenizer.pad_token_id
-            for i, mb in enumerate(chunks):
-                mb["shared"] = prompt_group_batch(mb, pad if pad is not None else 0, hp.pack_length,
-                                                  lengths[i * micro:(i + 1) * micro])
+        chunks = split_rollout(tensors, lengths, steps, hp.num_generations, whole_groups=hp.prompt_sharing)
+        pad = self.tokenizer.pad_token_id
+        for mb in chunks:
+            lengths = mb.pop("lengths")
+            if hp.prompt_sharing:
+                mb["shared"] = prompt_group_batch(mb, pad if pad is not None else 0, hp.pack_length, lengths)
         needs_old = hp.num_iterations > 1 or steps > self.trainer.accumulate_grad_batches
         for mb in chunks:
             if needs_old:
@@ -456,18 +398,3 @@ def _gather_per_rank(state: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _key(name: str) -> str:
     return name.replace("/", "__").replace(".", "_")
-
-
-def _check_generation_arithmetic(generation_batch_size: int, num_generations: int, steps: int | None) -> None:
-    if generation_batch_size % num_generations:
-        raise ValueError(
-            f"generation_batch_size ({generation_batch_size}) must be divisible by num_generations ({num_generations}): "
-            f"{generation_batch_size} = {generation_batch_size // num_generations} x {num_generations} + "
-            f"{generation_batch_size % num_generations}. Use a multiple of {num_generations}, e.g. "
-            f"{(generation_batch_size // num_generations + 1) * num_generations}."
-        )
-    if steps and generation_batch_size % steps:
-        raise ValueError(
-            f"generation_batch_size ({generation_batch_size}) must split evenly into steps_per_generation ({steps}) "
-            f"micro-batches: {generation_batch_size} / {steps} is not an integer."
-        )

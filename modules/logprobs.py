@@ -119,3 +119,13 @@ def shared_prefix_token_logps(model: torch.nn.Module, batch: dict[str, torch.Ten
     logps = selective_log_softmax(logits, batch["targets"])
     out, _ = scatter_to_sequences(logps, batch, num_sequences, width)
     return out, logits
+
+
+@torch.no_grad()
+def mean_entropy(logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor | None:
+    """Mean entropy of the token distributions of ``logits[scored]`` (detached; None when nothing is scored)."""
+    flat = logits.detach()[scored].float()
+    if not flat.numel():
+        return None
+    probs = flat.softmax(-1)
+    return (torch.logsumexp(flat, -1) - (probs * flat).sum(-1)).mean()
