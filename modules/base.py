@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -17,6 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
 from lightalign.hub import load_causal_lm
+from lightalign.modules.export import export_hf
 from lightalign.modules.lora import apply_peft, enable_activation_checkpointing, is_peft_model  # noqa: F401
 from lightalign.modules.adaptations import AdaptationReport, adapt_model
 from lightalign.modules.optimizers import (  # noqa: F401  (re-exported: the schedule and groups were defined here)
@@ -389,45 +387,5 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write a Hugging Face model folder (``save_pretrained`` of model and tokenizer), atomically.
-
-        The folder is written under a temporary name beside ``output_dir`` and renamed into place, so a crash
-        mid-write leaves the previous export intact. With LoRA, the adapters are saved; ``merge_lora`` saves a
-        merged full model instead (merged on a copy, so training can go on). ``state_dict``: the full weights of
-        a sharded model (``lightalign.strategies.full_state_dict``), written instead of the local shards.
-        """
-        output_dir = Path(output_dir)
-        from lightalign.callbacks.nonfinite import first_nonfinite
-
-        bad = first_nonfinite(state_dict.items() if state_dict else self.model.named_parameters())
-        if bad is not None:
-            raise FloatingPointError(f"Refusing to export to '{output_dir}': parameter '{bad}' holds NaN/inf. Export "
-                                     "from a checkpoint taken before the weights went non-finite.")
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-        model = self.model
-        if is_peft_model(model) and merge_lora:
-            model = copy.deepcopy(model).merge_and_unload()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
-        try:
-            config = getattr(model, "config", None)
-            use_cache = getattr(config, "use_cache", None)
-            if config is not None:
-                config.use_cache = True  # generation from the export should use the KV cache
-            try:
-                model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
-            finally:
-                if config is not None and use_cache is not None:
-                    config.use_cache = use_cache
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            old = None
-            if output_dir.exists():
-                old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
-                os.replace(output_dir, old)
-            os.replace(tmp, output_dir)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return output_dir
+        """Write the policy as a Hugging Face model folder, atomically (``modules/export.py``: ``export_hf``)."""
+        return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict)
