@@ -6,8 +6,9 @@ from lightalign.callbacks.hf_export import HFExport
 from lightalign.callbacks.plot import PlotCurves
 from lightalign.callbacks.progress import StepProgressBar
 from lightalign.callbacks.run_config import SaveRunConfig
+from lightalign.callbacks.run_folder import RunFolder
 from lightalign.callbacks.summary import RunSummary
 from lightalign.callbacks.throughput import TokenThroughput
 
-__all__ = ["CompletionSamples", "DeviceCacheCleanup", "HFExport", "PlotCurves", "RunSummary", "SaveRunConfig",
+__all__ = ["CompletionSamples", "DeviceCacheCleanup", "HFExport", "PlotCurves", "RunFolder", "RunSummary", "SaveRunConfig",
            "StepProgressBar", "TokenThroughput"]
