@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import sys
+from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
 import lightning as L
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -58,6 +60,10 @@ DEBUG_ENV = "LIGHTALIGN_DEBUG"
 
 
 
+class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help pages, with KNOB_HELP's lines kept as written."""
+
+
 class LightalignCLI(LightningCLI):
     """LightningCLI with lightalign's defaults (see the module docstring)."""
 
@@ -78,6 +84,7 @@ class LightalignCLI(LightningCLI):
 
     def init_parser(self, **kwargs):
         kwargs.setdefault("description", KNOB_HELP)  # `lightalign --help` names the subcommands and `plot`
+        kwargs.setdefault("formatter_class", HelpFormatter)
         return super().init_parser(**kwargs)
 
     def add_core_arguments_to_parser(self, parser) -> None:
