@@ -161,13 +161,13 @@ class LightalignCLI(LightningCLI):
         step = int(checkpoint.get("global_step", 0))
         if step == trainer.max_steps:
             export = self._get(self.config_init, "export")
-            folder = run if run is not None else Path(trainer.default_root_dir)
-            target = Path(export.output_dir) if export.output_dir else folder / "hf_model"
-            if not export.enabled or target.exists():
+            # a checkpoint outside this config's run folders starts a new folder, where no export exists yet
+            target = Path(export.output_dir) if export.output_dir else run / "hf_model" if run else None
+            if not export.enabled or (target is not None and target.exists()):
                 raise ResumeError(f"Checkpoint '{path}' is at step {step} = --trainer.max_steps: that run is finished. "
                                   f"Raise --trainer.max_steps above {step} to train further.")
             rank_zero_info(f"Checkpoint '{path}' is at --trainer.max_steps ({step}): nothing left to train; writing "
-                           f"the Hugging Face export the interrupted run did not finish ({target}).")
+                           f"the Hugging Face export the interrupted run did not finish ({target or 'in a new run folder'}).")
         del checkpoint
         if run is not None:
             pin_version(trainer, version_of(run))
