@@ -8,20 +8,32 @@ end of fit), ``--throughput.*`` (tokens/s in the progress bar and the logger), `
 every N steps when stdout is not a terminal), ``--summary.*`` (a table at the end of fit) and ``--plot.*`` (the
 learning curves as ``curves.png``). ``config.yaml`` and ``versions.json`` are saved in every run's folder.
 ``lightalign plot RUN_DIR ...`` draws the curves of finished runs (``lightalign.plotting``).
+
+Runs and resume (``lightalign.runs``): everything a run writes goes into one run folder; ``--ckpt_path last``
+continues the newest run of the config in its folder, after checking the checkpoint against the config.
+lightalign's own errors (bad data, config, checkpoint) print as one message and exit 1; ``--debug`` or
+``LIGHTALIGN_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from argparse import RawDescriptionHelpFormatter
+from pathlib import Path
 
 import lightning as L
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightalign.callbacks import (CompletionSamples, HFExport, PlotCurves, RunSummary, SaveRunConfig, StepProgressBar,
-                                  TokenThroughput)
+from lightalign.callbacks import (CompletionSamples, HFExport, PlotCurves, RunFolder, RunSummary, SaveRunConfig,
+                                  StepProgressBar, TokenThroughput)
 from lightalign.modules.base import PolicyModule
+from lightalign.runs import ResumeError, RunError, check_resume, continue_logs, latest_run, pin_version, read_checkpoint, \
+    run_of_checkpoint, runs_root, version_of
 from lightalign.strategies.launch import RankLogging, check_multinode_env
 
 TRAINER_DEFAULTS = {
@@ -41,7 +53,15 @@ The method and data knobs belong to the classes a config names; list them with
   lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config
 Learning curves of finished runs: lightalign plot RUN_DIR [RUN_DIR ...] (see lightalign plot --help)
+Continue the newest run of a config in its folder: lightalign fit --config X --ckpt_path last
+Errors print as one message; --debug (or LIGHTALIGN_DEBUG=1) prints the traceback.
 """
+DEBUG_ENV = "LIGHTALIGN_DEBUG"
+
+
+
+class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help pages, with KNOB_HELP's lines kept as written."""
 
 
 class LightalignCLI(LightningCLI):
@@ -59,7 +79,21 @@ class LightalignCLI(LightningCLI):
         # Optimizers and schedules belong to the module (they must see the lazily built model and step per
         # optimizer step), so the top-level --optimizer/--lr_scheduler of LightningCLI are not offered.
         kwargs.setdefault("auto_configure_optimizers", False)
+        self.run_folder = RunFolder()
         super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs):
+        kwargs.setdefault("description", KNOB_HELP)  # `lightalign --help` names the subcommands and `plot`
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        return super().init_parser(**kwargs)
+
+    def add_core_arguments_to_parser(self, parser) -> None:
+        # As LightningCLI's, except that the modules' `model` argument (a built torch.nn.Module, Python API only)
+        # is not offered: `--model.help` would list every torch.nn.Module subclass for it.
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        parser.add_subclass_arguments(self._model_class, "model", fail_untyped=False, required=True, skip={"model"})
+        parser.add_subclass_arguments(self._datamodule_class, "data", fail_untyped=False, required=True)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.description = KNOB_HELP
@@ -76,29 +110,122 @@ class LightalignCLI(LightningCLI):
         parser.add_lightning_class_args(RunSummary, "summary")  # after PlotCurves: the table names the PNG
         parser.add_lightning_class_args(RankLogging, "logging")
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI would replace the config's --model.* with the checkpoint's hyperparameters (another model
+        # trains, silently); lightalign keeps the config and checks the checkpoint against it instead (fit below).
+        return
+
     def instantiate_trainer(self, **kwargs):
         # The StepProgressBar steps aside when the progress bar is off or the config brings its own (Lightning
-        # refuses both situations otherwise).
+        # refuses both situations otherwise); the ModelCheckpoint when checkpointing is off.
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         own = config.get("callbacks") or []
         own = own if isinstance(own, list) else [own]
-        skip_bar = config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in own)
-        keys = [k for k in self._parser(self.subcommand).callback_keys if not (k == "progress_bar" and skip_bar)]
-        return self._instantiate_trainer(config, [self._get(self.config_init, k) for k in keys])
+        skip = set()
+        if config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in own):
+            skip.add("progress_bar")
+        if config.get("enable_checkpointing") is False:
+            skip.add("checkpoint")
+        keys = [k for k in self._parser(self.subcommand).callback_keys if k not in skip]
+        return self._instantiate_trainer(config, [self.run_folder] + [self._get(self.config_init, k) for k in keys])
 
     def before_fit(self) -> None:
         check_multinode_env(self.trainer.num_nodes)  # before any process group: a missing variable would hang
+        if self.trainer.max_steps == 0:
+            raise RunError("--trainer.max_steps is 0: there is nothing to train. Set it to the number of optimizer "
+                           "steps to run (or -1 with --trainer.max_epochs to train by epochs).")
+
+    def fit(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
+            ckpt_path: str | None = None, **kwargs) -> None:
+        if ckpt_path is not None and str(ckpt_path) not in ("best", "hpc", "registry"):
+            ckpt_path = self.prepare_resume(str(ckpt_path), model, datamodule)
+        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+
+    def prepare_resume(self, ckpt_path: str, model: L.LightningModule, datamodule) -> str | None:
+        """The checkpoint to load (None: start fresh), checked against the config; pins the run folder it continues."""
+        trainer = self.trainer
+        root = runs_root(trainer)
+        if ckpt_path == "last":
+            run = latest_run(root)
+            if run is None:
+                rank_zero_info(f"--ckpt_path last: no earlier run of this config has a checkpoint (no "
+                               f"{root}/version_N/checkpoints/last.ckpt): starting a new run.")
+                return None
+            path = run / "checkpoints" / "last.ckpt"
+        else:
+            path = Path(ckpt_path)
+            run = run_of_checkpoint(path, root) if path.is_file() else None
+        checkpoint = read_checkpoint(path)
+        for warning in check_resume(checkpoint, path, trainer, model, datamodule):
+            rank_zero_warn(warning)
+        step = int(checkpoint.get("global_step", 0))
+        if step == trainer.max_steps:
+            export = self._get(self.config_init, "export")
+            # a checkpoint outside this config's run folders starts a new folder, where no export exists yet
+            target = Path(export.output_dir) if export.output_dir else run / "hf_model" if run else None
+            if not export.enabled or (target is not None and target.exists()):
+                raise ResumeError(f"Checkpoint '{path}' is at step {step} = --trainer.max_steps: that run is finished. "
+                                  f"Raise --trainer.max_steps above {step} to train further.")
+            rank_zero_info(f"Checkpoint '{path}' is at --trainer.max_steps ({step}): nothing left to train; writing "
+                           f"the Hugging Face export the interrupted run did not finish ({target or 'in a new run folder'}).")
+        del checkpoint
+        if run is not None:
+            pin_version(trainer, version_of(run))
+            self.run_folder.resume = run
+            dropped = continue_logs(trainer, step) if rank_zero_only.rank == 0 else 0
+            rank_zero_info(f"Continuing run {run} from step {step} ({path.name})" + (
+                f"; {dropped} metric rows the interrupted run logged after that step are dropped." if dropped else "."))
+        return str(path)
 
 
-def main(args: list[str] | None = None):
+def main(args: list[str] | None = None) -> int:
+    """The ``lightalign`` console script: 0 on success, 1 on an error of lightalign's own (printed as one message)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["plot"]:  # not a Trainer subcommand: handled before LightningCLI parses
-        from lightalign.plotting import main as plot_main
+    if "--debug" in argv:
+        os.environ[DEBUG_ENV] = "1"  # also for the processes a DDP launch starts
+        argv = [a for a in argv if a != "--debug"]
+        if args is None:
+            sys.argv = [sys.argv[0], *argv]
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        if argv[:1] == ["plot"]:  # not a Trainer subcommand: handled before LightningCLI parses
+            from lightalign.plotting import main as plot_main
 
-        return plot_main(argv[1:])  # the matplotlib Figure
-    LightalignCLI(args=args)
+            return plot_main(argv[1:])
+        LightalignCLI(args=None if args is None else argv)
+        return 0
+    except Exception as err:
+        if debug or not is_user_error(err):
+            raise
+        print(f"lightalign: error: {err}\n(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+def is_user_error(err: BaseException) -> bool:
+    """An error lightalign raised about the user's input (data, config, checkpoint, reward function): its message
+    says what to do, so the traceback is noise. Anything else (a bug, an error inside a library) keeps it."""
+    from lightalign.datamodules.formats import DataFormatError
+    from lightalign.hub import ModelNotFoundError
+    from lightalign.rewards.runner import RewardFunctionError
+    from lightalign.strategies.checkpoint_io import CheckpointError
+
+    if isinstance(err, (DataFormatError, CheckpointError, RunError, ModelNotFoundError, RewardFunctionError)):
+        return True
+    if not isinstance(err, (ValueError, TypeError, FileNotFoundError)):
+        return False
+    if err.__traceback__ is None:
+        return False
+    module = _module_of(err.__traceback__)
+    return module == "lightalign" or module.startswith("lightalign.")
+
+
+def _module_of(tb) -> str:
+    """The module of the innermost frame of a traceback (where the exception was raised)."""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__", "")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,6 +25,7 @@ DEFAULT_METRICS = {
             "val/rewards/margins", "train/rewards/chosen", "train/rewards/rejected"],
     "sft": ["train/loss", "val/loss", "train/token_accuracy", "val/token_accuracy"],
 }
+REWARD_SUMMARIES = ("train/reward/mean", "train/reward/std")  # GRPO: the weighted sum over functions, its spread
 PANEL_WIDTH, PANEL_HEIGHT, DPI = 4.5, 3.2, 100  # inches per panel: a panel is 450 x 320 pixels
 MAX_COLUMNS = 3
 
@@ -87,18 +88,31 @@ def read_run_metrics(path: str | Path) -> Curves:
     return read_tensorboard_metrics(run_dir)
 
 
+def reward_function_metrics(available: Sequence[str]) -> list[str]:
+    """GRPO's per-function rewards (``train/reward/<name>``), sorted; not the weighted mean or its spread."""
+    return sorted(m for m in available if m.startswith("train/reward/") and m not in REWARD_SUMMARIES)
+
+
 def default_metrics(available: Sequence[str]) -> list[str]:
-    """What to draw when no ``--metrics`` are given: the method's usual curves, then the learning rate."""
+    """What to draw when no ``--metrics`` are given: the method's usual curves (GRPO: each reward function too,
+    so one sees which moved), then the learning rate."""
     names = set(available)
     method = "grpo" if "train/reward/mean" in names else "dpo" if "train/rewards/margins" in names else "sft"
     chosen = [m for m in DEFAULT_METRICS[method] if m in names]
+    if method == "grpo":
+        at = chosen.index("train/reward/mean") + 1 + ("val/reward/mean" in chosen)
+        chosen[at:at] = reward_function_metrics(names)
     chosen += sorted(m for m in names if m.startswith("lr-"))[:1]
     return chosen or sorted(names)
 
 
 def panel_of(metric: str) -> str:
-    """Metrics that differ only by stage (``train/loss``, ``val/loss``) share a panel."""
-    return re.sub(r"^(train|val|test)/", "", metric)
+    """Metrics that differ only by stage (``train/loss``, ``val/loss``) share a panel; GRPO's per-function rewards
+    share one panel ("reward per function")."""
+    name = re.sub(r"^(train|val|test)/", "", metric)
+    if name.startswith("reward/") and f"train/{name}" not in REWARD_SUMMARIES:
+        return "reward per function"
+    return name
 
 
 def plot_runs(run_dirs: Sequence[str | Path], metrics: Sequence[str] | None = None, out: str | Path | None = None,
@@ -166,7 +180,8 @@ def _run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return [str(d) for d in run_dirs]
 
 
-def main(args: Sequence[str] | None = None) -> Any:
+def plot_from_args(args: Sequence[str] | None = None) -> Any:
+    """``lightalign plot`` without the exit status: parse, draw, save; return the matplotlib Figure."""
     parser = argparse.ArgumentParser(prog="lightalign plot", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (runs/<name>/version_N)")
@@ -180,3 +195,9 @@ def main(args: Sequence[str] | None = None) -> Any:
     figure = plot_runs(parsed.run_dirs, metrics=parsed.metrics, out=out)
     print(f"Learning curves written to {out}")
     return figure
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """``lightalign plot``: 0 once the PNG is written (errors raise; the ``lightalign`` entry point prints them)."""
+    plot_from_args(args)
+    return 0

@@ -8,12 +8,16 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightalign.callbacks.run_folder import run_dir_of
+from lightalign.runs import RunError, check_writable
+
 
 class HFExport(L.Callback):
     """Save the policy with ``save_pretrained`` (and the tokenizer) so ``from_pretrained(folder)`` loads it.
 
     Args:
-        output_dir: where the final model goes; default ``<log_dir>/hf_model`` (e.g. ``runs/sft/version_0/hf_model``).
+        output_dir: where the final model goes; default ``<run folder>/hf_model`` (e.g. ``runs/sft/version_0/hf_model``).
+            Checked at fit start: a folder that cannot be written stops the run before training.
         every_n_train_steps: also export to ``<output_dir>/../checkpoint-<step>`` every N optimizer steps (0: never).
         merge_lora: with LoRA, export merged full weights instead of the adapters.
         enabled: set False to skip the export.
@@ -31,12 +35,26 @@ class HFExport(L.Callback):
         self.merge_lora = merge_lora
         self.enabled = enabled
         self.last_export: Path | None = None
+        self._exported_final = False
 
     def resolve_output_dir(self, trainer: L.Trainer) -> Path:
         if self.output_dir is not None:
             return Path(self.output_dir)
-        base = trainer.log_dir or trainer.default_root_dir
-        return Path(base) / "hf_model"
+        return run_dir_of(trainer) / "hf_model"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not self.enabled or stage != "fit":
+            return
+        self._exported_final = False
+        problem, out = None, self.resolve_output_dir(trainer)  # every rank (log_dir broadcasts)
+        if trainer.is_global_zero:
+            try:
+                check_writable(out, "the Hugging Face export", "--export.output_dir")
+            except RunError as err:
+                problem = str(err)
+        problem = trainer.strategy.broadcast(problem)
+        if problem is not None:
+            raise RunError(problem)
 
     def _tokenizer(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
         datamodule = getattr(trainer, "datamodule", None)
@@ -69,3 +87,12 @@ class HFExport(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.enabled:
             self.export(trainer, pl_module, self.resolve_output_dir(trainer))
+            self._exported_final = True
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A run resumed from a checkpoint already at max_steps trains nothing, and Lightning then skips
+        # on_train_end: export here, so a run killed during its export finishes on resume.
+        if self.enabled and not self._exported_final and trainer.max_steps is not None \
+                and 0 <= trainer.max_steps <= trainer.global_step:
+            self.export(trainer, pl_module, self.resolve_output_dir(trainer))
+            self._exported_final = True

@@ -7,9 +7,11 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightalign.callbacks.run_folder import run_dir_of
+
 
 class PlotCurves(L.Callback):
-    """At the end of fit, the curves ``lightalign plot`` would draw for this run, as ``<log_dir>/<filename>``.
+    """At the end of fit, the curves ``lightalign plot`` would draw for this run, as ``<run folder>/<filename>``.
 
     Reads what the CSVLogger (or TensorBoardLogger) of the run wrote. Needs matplotlib (``lightalign[plot]``);
     enabled without it, the run stops at the start, not at the end.
@@ -31,7 +33,7 @@ class PlotCurves(L.Callback):
         from lightalign.plotting import _require_matplotlib
 
         _require_matplotlib()
-        self._log_dir = trainer.log_dir  # all ranks (it broadcasts)
+        self._log_dir = str(run_dir_of(trainer))  # all ranks (without RunFolder, log_dir broadcasts)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.enabled or not trainer.is_global_zero or self._log_dir is None:

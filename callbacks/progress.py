@@ -45,7 +45,10 @@ class StepProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
-        if trainer.optimizers:
+        used = items.pop("train/lr", None)  # TokenThroughput's: the lr the step used, shown once as `lr`
+        if used is not None:
+            items["lr"] = f"{float(used):.2e}"
+        elif trainer.optimizers:
             items["lr"] = f"{trainer.optimizers[0].param_groups[0]['lr']:.2e}"
         return items
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.cli import SaveConfigCallback
 
+from lightalign.callbacks.run_folder import run_dir_of
+
 VERSIONED_PACKAGES = ("lightalign", "torch", "lightning", "transformers", "datasets", "tokenizers", "torchmetrics",
                       "jsonargparse", "peft", "deepspeed", "bitsandbytes", "accelerate", "numpy")
 
@@ -31,19 +33,25 @@ def package_versions() -> dict[str, str | None]:
 
 
 class SaveRunConfig(SaveConfigCallback):
-    """LightningCLI's config saving (``config.yaml`` in the run's log_dir) plus ``versions.json`` beside it; with
-    an MLFlowLogger or WandbLogger both files are also attached to that run (artifacts / run files)."""
+    """``config.yaml`` (what ``--print_config`` prints) and ``versions.json`` in the run folder, whatever the
+    logger (``lightalign.runs``); with an MLFlowLogger or WandbLogger both files are also attached to that run
+    (artifacts / run files). A resumed run rewrites them (the newest invocation, ``ckpt_path`` included)."""
 
     versions_filename = "versions.json"
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not self.already_saved:
-            self._log_dir = trainer.log_dir  # every rank: it broadcasts; save_config below runs on rank 0 only
-        super().setup(trainer, pl_module, stage)
+        if self.already_saved:
+            return
+        self._log_dir = run_dir_of(trainer)  # every rank (without RunFolder, log_dir broadcasts)
+        if trainer.is_global_zero:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(self._log_dir / self.config_filename), skip_none=False, overwrite=True,
+                             multifile=self.multifile)
+            self.save_config(trainer, pl_module, stage)
+        self.already_saved = True
 
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         log_dir = Path(self._log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
         versions = log_dir / self.versions_filename
         versions.write_text(json.dumps(package_versions(), indent=2) + "\n")
         files = [p for p in (log_dir / self.config_filename, versions) if p.is_file()]

@@ -46,6 +46,14 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: 
                 config.use_cache = use_cache
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        # mkdtemp makes the folder 0700 and safetensors writes 0600 files: give the export the permissions a
+        # plain mkdir/open would (the umask's), or nobody else could read the model.
+        umask = os.umask(0)
+        os.umask(umask)
+        for folder, _, files in os.walk(tmp):
+            os.chmod(folder, 0o777 & ~umask)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o666 & ~umask)
         old = None
         if output_dir.exists():
             old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")

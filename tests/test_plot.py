@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from lightalign.cli import main
-from lightalign.plotting import DPI, PANEL_HEIGHT, PANEL_WIDTH, default_metrics, find_run_dir, plot_runs
+from lightalign.plotting import DPI, PANEL_HEIGHT, PANEL_WIDTH, default_metrics, find_run_dir, plot_from_args, plot_runs
 
 pytest.importorskip("matplotlib")
 
@@ -44,7 +43,7 @@ def test_plot_cli_compares_runs_one_line_per_metric_and_run(two_runs, tmp_path, 
     a, b = two_runs
     out = tmp_path / "curves.png"
     # the parent folder of b resolves to its newest version
-    figure = main(["plot", str(a), str(b.parent), "--metrics", "train/loss", "val/loss", "lr-AdamW", "--out", str(out)])
+    figure = plot_from_args([str(a), str(b.parent), "--metrics", "train/loss", "val/loss", "lr-AdamW", "--out", str(out)])
     assert f"Learning curves written to {out}" in capsys.readouterr().out
     panels = [ax.get_title() for ax in figure.axes if ax.get_visible()]
     assert panels == ["loss", "lr-AdamW"]  # train/loss and val/loss share a panel
@@ -61,7 +60,7 @@ def test_plot_cli_compares_runs_one_line_per_metric_and_run(two_runs, tmp_path, 
 
 def test_plot_default_out_is_inside_the_run(two_runs):
     a, _ = two_runs
-    figure = main(["plot", str(a)])
+    figure = plot_from_args([str(a)])
     assert (a / "curves.png").is_file()
     assert set(lines_of(figure)) == {"train/loss", "val/loss", "lr-AdamW"}  # the SFT default selection
 
@@ -71,8 +70,28 @@ def test_default_selection_per_method():
     assert default_metrics(sft) == ["train/loss", "val/loss", "train/token_accuracy", "lr-AdamW/pg1"]
     dpo = ["train/loss", "train/rewards/margins", "train/rewards/accuracies", "val/loss", "train/logps/chosen"]
     assert default_metrics(dpo) == ["train/loss", "val/loss", "train/rewards/accuracies", "train/rewards/margins"]
-    grpo = ["train/loss", "train/reward/mean", "train/kl", "train/completions/mean_length", "train/clip_ratio"]
-    assert default_metrics(grpo) == ["train/reward/mean", "train/loss", "train/kl", "train/completions/mean_length"]
+    grpo = ["train/loss", "train/reward/mean", "train/kl", "train/completions/mean_length", "train/clip_ratio",
+            "train/reward/std", "train/reward/format", "train/reward/accuracy", "val/reward/mean"]
+    assert default_metrics(grpo) == ["train/reward/mean", "val/reward/mean", "train/reward/accuracy",
+                                     "train/reward/format", "train/loss", "train/kl", "train/completions/mean_length"]
+
+
+def test_grpo_curves_draw_each_reward_function(tmp_path):
+    """Each reward function's curve is drawn (in one "reward per function" panel), beside the weighted mean."""
+    run = tmp_path / "grpo" / "version_0"
+    run.mkdir(parents=True)
+    names = ["step", "train/loss", "train/reward/mean", "train/reward/std", "train/reward/format", "train/reward/accuracy"]
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(names)
+        for step in range(3):
+            writer.writerow([step, 1.0, 0.5 * step, 0.1, 0.2 * step, 0.8 * step])
+    figure = plot_from_args([str(run)])
+    panels = {ax.get_title(): sorted(line.get_label() for line in ax.get_lines())
+              for ax in figure.axes if ax.get_visible()}
+    assert panels["reward per function"] == ["train/reward/accuracy", "train/reward/format"]
+    assert panels["reward/mean"] == ["train/reward/mean"]
+    assert lines_of(figure)["train/reward/accuracy"] == ([0, 1, 2], [0.0, 0.8, 1.6])
 
 
 def test_plot_reads_tensorboard_runs(tmp_path):
