@@ -23,9 +23,9 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: 
     merged full model instead (merged on a copy, so training can go on). ``state_dict``: the full weights of
     a sharded model (``lightalign.strategies.full_state_dict``), written instead of the local shards.
     """
-    output_dir = Path(output_dir)
     from lightalign.callbacks.nonfinite import first_nonfinite
 
+    output_dir = Path(output_dir)
     bad = first_nonfinite(state_dict.items() if state_dict else model.named_parameters())
     if bad is not None:
         raise FloatingPointError(f"Refusing to export to '{output_dir}': parameter '{bad}' holds NaN/inf. Export "
