@@ -124,7 +124,11 @@ def build_reference(
     from lightalign.modules.base import is_peft_model
 
     if separate:
-        ref = load_causal_lm(name_or_path, init_kwargs=quantization_kwargs(init_kwargs), trust_remote_code=trust_remote_code)
+        from lightalign.strategies.sharding import loading_whole
+
+        with loading_whole():  # ZeRO-3: a whole, replicated reference, not a partition nobody gathers
+            ref = load_causal_lm(name_or_path, init_kwargs=quantization_kwargs(init_kwargs),
+                                 trust_remote_code=trust_remote_code)
         disable_cpu_4bit_repacking(ref)
         from lightalign.modules.adaptations.attention import use_varlen_sdpa
 

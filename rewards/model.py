@@ -79,10 +79,13 @@ class RewardModel:
         tokenizer = load_tokenizer(self.tokenizer_name, trust_remote_code=self.trust_remote_code)
         tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
         kwargs = normalize_init_kwargs({"dtype": self.dtype} if self.dtype is not None else {})
+        from lightalign.strategies.sharding import loading_whole
+
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                self.name_or_path, num_labels=1, trust_remote_code=self.trust_remote_code, **kwargs
-            )
+            with loading_whole():  # ZeRO-3: whole on every rank (DeepSpeed never wraps it)
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    self.name_or_path, num_labels=1, trust_remote_code=self.trust_remote_code, **kwargs
+                )
         except OSError as err:
             raise ModelNotFoundError(
                 f"Could not load reward model '{self.name_or_path}' (a folder with config.json and weights, or a "

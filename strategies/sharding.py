@@ -7,6 +7,7 @@ full parameters for ``generate`` (GRPO rollouts).
 * ``generation_context``: parameters gathered for ``generate`` and released after (FSDP2, FSDP, ZeRO-3), and
   the ``generate`` kwargs that keep ranks in lock-step (``synced_gpus``) when a forward is a collective.
 * ``full_state_dict``: the policy's full (unsharded) weights — a collective: every rank calls it (FSDP v1: with its root).
+* ``loading_whole``: models loaded inside it (a separate reference, a reward model) load whole under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -164,3 +165,29 @@ def full_parameters_for_copy(model: torch.nn.Module) -> Iterator[None]:
 
             stack.enter_context(deepspeed.zero.GatheredParameters(list(model.parameters())))
         yield
+
+
+@contextmanager
+def loading_whole() -> Iterator[None]:
+    """Models loaded inside this context load whole, even during a ZeRO-3 run.
+
+    ``DeepSpeedZeroStrategy`` registers its config with transformers for the whole run (``generate`` reads it
+    to keep ranks in step), and while it is registered ``from_pretrained`` partitions every model it loads. A
+    separately loaded reference or reward model is never wrapped by DeepSpeed, so it must load whole: the
+    registration is lifted here and restored on exit.
+    """
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:
+        yield
+        return
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers exposes set/unset but no getter
+    config = registered() if registered is not None else None
+    if config is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(config)
