@@ -23,6 +23,7 @@ from lightalign.modules.generation import (check_generation_arithmetic, check_ro
 from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
 from lightalign.modules.layouts import grpo_forward, prompt_group_batch
 from lightalign.modules.logprobs import mean_entropy
+from lightalign.modules.rng_state import gather_per_rank, to_cpu
 from lightalign.modules.reference import build_reference, move_reference
 from lightalign.rewards import (
     RunningRewardNormalizer,
@@ -352,7 +353,7 @@ class GRPOModule(PolicyModule):
         prompts, so each resumes its own (every rank gathers; rank 0 writes)."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["lightalign_grpo"] = {"generation_count": self.generation_count,
-                                         "ranks": _gather_per_rank(self._rank_state())}
+                                         "ranks": gather_per_rank(self._rank_state())}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -372,28 +373,11 @@ class GRPOModule(PolicyModule):
 
     def _rank_state(self) -> dict[str, Any]:
         """This rank's rollout buffer (on the CPU), its position, and its reward normaliser's statistics."""
-        buffer = None if self._buffer is None else [_to_cpu(mb) for mb in self._buffer]
+        buffer = None if self._buffer is None else [to_cpu(mb) for mb in self._buffer]
         state = {"buffer": buffer, "buffer_pos": self._buffer_pos}
         if self.reward_normalizer is not None:
             state["reward_normalizer"] = self.reward_normalizer.state_dict()
         return state
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
-
-
-def _gather_per_rank(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """``state`` of every rank, in rank order (one entry without a process group)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        states: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(states, state)
-        return states
-    return [state]
 
 
 def _key(name: str) -> str:

@@ -39,11 +39,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG state (rank order), so each rank resumes its own streams."""
-    state = get_rng_state()
+def gather_per_rank(state: Any) -> list[Any]:
+    """``state`` of every rank, in rank order (one entry without a process group): what a checkpoint keeps of
+    each rank's own streams and buffers (every rank gathers; rank 0 writes)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         states: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(states, state)
         return states
     return [state]
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors (also inside dicts) on the CPU, for a checkpoint that loads on any device."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG state (rank order), so each rank resumes its own streams."""
+    return gather_per_rank(get_rng_state())
