@@ -51,6 +51,11 @@ class CompletionSamples(L.Callback):
             experiment = getattr(logger, "experiment", None)
             if type(logger).__name__ == "TensorBoardLogger" and hasattr(experiment, "add_text"):
                 header = "| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n"
-                body = "".join("| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in r.values()) + " |\n"
-                               for r in rows)
+                body = "".join("| " + " | ".join(_cell(v) for v in r.values()) + " |\n" for r in rows)
                 experiment.add_text("completions", header + body, global_step=step)
+
+
+def _cell(value: Any) -> str:
+    """A markdown table cell: pipes escaped, every kind of line break (``\\r``, ``\\u2028`` … which generated text can
+    hold, not only ``\\n``) turned into a space, so a row stays one line."""
+    return " ".join(str(value).replace("|", "\\|").splitlines())

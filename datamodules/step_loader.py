@@ -7,8 +7,7 @@ draw would put a resumed run one draw off the uninterrupted one. ``SeededLoader`
 generator instead, reseeded at every iteration from (seed, epoch, rank): a pure function of where the run is,
 so a resumed run draws what the uninterrupted run drew, with nothing to save in the checkpoint.
 
-
-With gradient accumulation the correct loss of an optimizer step is (sum of token losses of all its
+``StepTokenCountingLoader``: with gradient accumulation the correct loss of an optimizer step is (sum of token losses of all its
 micro-batches) / (number of target tokens of all its micro-batches). A micro-batch alone cannot know the
 denominator, so this loader reads the ``accumulate_grad_batches`` batches of a step ahead and stamps each with
 ``num_items_in_batch``. (TRL and transformers shipped the per-micro-batch mean for a long time:
@@ -38,7 +37,7 @@ def count_loss_tokens(batch: dict[str, Any]) -> int:
 
 def loader_seed(seed: int, epoch: int, rank: int) -> int:
     """The base seed stream of a loader at ``epoch`` on ``rank`` (distinct per rank, so workers differ)."""
-    return (seed * 1_000_003 + epoch * 1_009 + rank) % (2**63)
+    return ((seed * 1_000_003 + epoch) * 1_000_033 + rank) % (2**63)
 
 
 class SeededLoader(DataLoader):

@@ -289,6 +289,13 @@ def test_grpo_completions_table_reaches_tensorboard(grpo_module, prompt_data, tm
     assert f"train/reward/mean {reward:.4g}" in line and "lr " in line
 
 
+def test_completion_table_cells_stay_on_one_line():
+    """Generated text holds any line break (\\r, \\u2028 ...), not only \\n: each would split a markdown row."""
+    from lightalign.callbacks.completions import _cell
+
+    assert _cell("a\rb|c\u2028d\ne\x85f") == "a b\\|c d e f"
+
+
 def test_cli_progress_bar_steps_aside(repo, tiny_dir, tmp_path):
     """enable_progress_bar: false, or a progress bar of the config's own, replaces the StepProgressBar (which
     is the default: test_progress_lines_and_summary reads its lines)."""
