@@ -340,14 +340,13 @@ class DPOModule(PolicyModule):
         batch_size = datamodule.val_batch_size
         steps = max(-(-(bounds[r + 1] - bounds[r]) // batch_size) for r in range(world))
         start, stop = bounds[rank], bounds[rank + 1]
-        share = dataset.select(range(start, stop)) if stop > start else dataset.select(range(min(n, 1)))
+        # an empty share (fewer rows than ranks) computes row 0 and drops it
+        share = dataset.select(range(start, stop)) if stop > start else dataset.select([0])
         batches = iter(datamodule.eval_dataloader(share, "reference"))
         chosen, rejected, batch = [], [], None
         for _ in range(steps):
             real = next(batches, None)
-            batch = real if real is not None else batch
-            if batch is None:  # an empty share: compute something, drop it
-                batch = next(iter(datamodule.eval_dataloader(share, "reference")))
+            batch = real if real is not None else batch  # a short share repeats its last batch
             c, r = self.reference_logps({k: v.to(self.device) for k, v in batch.items()})
             if real is not None and stop > start:
                 chosen.append(c.float())
