@@ -59,6 +59,7 @@ def test_sliding_window_model_trains_with_prompt_sharing_and_says_what_was_adapt
     assert proc.returncode == 0, out[-3000:]
     line = next(x for x in out.splitlines() if "lightalign adaptations:" in x)
     assert "model mistral" in line and "attention sdpa_varlen" in line and "layout dpo_shared" in line
+    assert "sliding window 6 kept" in line
     assert "recompute_mlp_activation 2/2 MLPs" in line
     hparams = next(tmp_path.rglob("hparams.yaml")).read_text()
     assert "lightalign_adaptations" in hparams and "dpo_shared" in hparams
@@ -71,3 +72,13 @@ def test_packing_on_falcon_is_refused(repo, tmp_path, tiny_dir):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "packing (SFTDataModule)" in out and "FalconForCausalLM" in out and "packing: false" in out, out[-3000:]
+
+
+def test_an_attention_the_family_lacks_is_named_with_the_fix(tmp_path, tiny_dir):
+    """configs/sft.yaml asks for sdpa; Bloom has only eager: the error says which knob to change."""
+    from lightalign.hub import load_causal_lm
+
+    folder = model_folder(tmp_path, "bloom", tiny_dir)
+    with pytest.raises(ValueError, match="attn_implementation 'sdpa'.*model_init_kwargs.attn_implementation to eager"):
+        load_causal_lm(str(folder), from_config=True, init_kwargs={"attn_implementation": "sdpa"})
+    assert load_causal_lm(str(folder), from_config=True, init_kwargs={"attn_implementation": "eager"}) is not None

@@ -40,6 +40,7 @@ class AdaptationReport:
     mlps: MLPReport = field(default_factory=MLPReport)
     mlp_recompute: str = "off"  # off | on | liger
     layout: str | None = None
+    sliding_window: int | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -53,7 +54,11 @@ class AdaptationReport:
     def describe(self) -> str:
         attention = self.attention
         if attention == VARLEN_SDPA:
-            attention += " (sdpa, per sequence on packed rows)"
+            attention += (" (sdpa, one call per sequence)" if self.layout in ("padding_free", "packed")
+                          else " (sdpa with the shared-prefix mask)" if self.layout in ("dpo_shared", "grpo_shared")
+                          else " (plain sdpa for this layout)")
+        if self.sliding_window is not None:
+            attention += f", sliding window {self.sliding_window} kept"
         mlp = {"off": "off", "liger": "Liger SwiGLU"}.get(self.mlp_recompute, self.mlps.describe())
         parts = [f"model {self.family}", f"attention {attention}", f"layout {self.layout or '-'}",
                  f"recompute_mlp_activation {mlp}"] + self.notes
@@ -62,7 +67,7 @@ class AdaptationReport:
     def as_dict(self) -> dict[str, Any]:
         return {"family": self.family, "attention": self.attention, "layout": self.layout,
                 "recompute_mlp_activation": self.mlp_recompute, "mlps_switched": self.mlps.switched,
-                "mlps_total": self.mlps.total, "mlps_skipped": dict(self.mlps.skipped), "notes": list(self.notes)}
+                "mlps_total": self.mlps.total, "sliding_window": self.sliding_window, "mlps_skipped": dict(self.mlps.skipped), "notes": list(self.notes)}
 
 
 def adapt_model(model: torch.nn.Module, recompute_mlp: bool = True, liger: bool = False,
@@ -83,7 +88,7 @@ def adapt_model(model: torch.nn.Module, recompute_mlp: bool = True, liger: bool 
         use_varlen_sdpa(model)
     report.mlps = mlp_report(model)
     traits = model_traits(model)
-    report.family, report.attention = traits.family, traits.attn
+    report.family, report.attention, report.sliding_window = traits.family, traits.attn, traits.sliding_window
     return report
 
 
