@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
@@ -290,6 +291,8 @@ class GRPOModule(PolicyModule):
             self._buffer_pos = 0
         slot = self._buffer_pos % steps
         self._buffer_pos += 1
+        if self._buffer[slot]["advantages"].device != self.device:  # restored from a checkpoint (loaded on CPU)
+            self._buffer = [move_data_to_device(chunk, self.device) for chunk in self._buffer]
         mb = self._buffer[slot]
         self.last_batch_tokens = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
         self.last_batch_samples = int(mb["completion_ids"].shape[0])
