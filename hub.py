@@ -54,13 +54,6 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, **kwargs:
     except ValueError as err:
         if "trust_remote_code" in str(err):
             raise _remote_code_error(name_or_path, err) from err
-        if "does not support an attention implementation" in str(err):
-            attn = (init_kwargs or {}).get("attn_implementation")
-            raise ValueError(
-                f"'{name_or_path}' cannot run attn_implementation '{attn}' (model_init_kwargs): {err.args[0].split('.')[0]}. "
-                "Set model.init_args.model_init_kwargs.attn_implementation to eager (or remove it: transformers then "
-                "picks what the model supports)."
-            ) from err
         raise
     except OSError as err:
         if Path(name_or_path).expanduser().is_dir():
