@@ -14,7 +14,7 @@ import torch
 from lightalign.datamodules.shared_prefix import prompt_group_segments, shared_prefix_batch
 from lightalign.modules.adaptations.attention import VARLEN_SDPA, sequence_sizes
 from lightalign.modules.adaptations.support import PACKED_MASK_FAMILIES
-from lightalign.modules.logprobs import selective_log_softmax, shared_prefix_token_logps
+from lightalign.modules.logprobs import forward_accepts, selective_log_softmax, shared_prefix_token_logps
 
 
 def is_packed_row(batch: dict[str, Any]) -> bool:
@@ -45,12 +45,6 @@ def padded_position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def takes_position_ids(model: torch.nn.Module) -> bool:
-    from lightalign.modules.adaptations.support import model_traits
-
-    return model_traits(model).takes_position_ids
-
-
 def grpo_forward(model: torch.nn.Module, mb: dict[str, Any], temperature: float = 1.0):
     """Per-token log-probs ``[B, T]`` of a GRPO micro-batch's completion tokens, the logits they came from
     (divided by ``temperature``) and the mask selecting the scored rows of those logits.
@@ -66,7 +60,7 @@ def grpo_forward(model: torch.nn.Module, mb: dict[str, Any], temperature: float 
     input_ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
     attention_mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1)
-    if takes_position_ids(model):
+    if forward_accepts(model, "position_ids"):
         inputs["position_ids"] = padded_position_ids(attention_mask)
     logits = model(**inputs).logits[:, :-1] / temperature  # the sampling distribution
     return selective_log_softmax(logits, mb["completion_ids"]), logits, mb["completion_mask"].bool()

@@ -46,9 +46,10 @@ def sequence_logps(
 
 
 # ---------------------------------------------------------------------------------- shared-prefix layout
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+def forward_accepts(model: torch.nn.Module, argument: str) -> bool:
+    """Whether the (base) model's ``forward`` takes ``argument`` (``logits_to_keep``, ``position_ids`` ...)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return argument in inspect.signature(base.forward).parameters
 
 
 def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -80,7 +81,7 @@ def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor])
             bounds = segment_bounds(batch)
             if attention.worth_splitting(bounds, batch["input_ids"].shape[1]):
                 inputs["segment_bounds"] = bounds
-    if _accepts_logits_to_keep(model):
+    if forward_accepts(model, "logits_to_keep"):
         logits = model(**inputs, logits_to_keep=batch["logits_mask"]).logits
         if logits.dim() == 3:  # a model that ignores a boolean mask returns [R, T, V]
             logits = logits[batch["logits_mask"]]

@@ -26,12 +26,12 @@ model.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
 from lightalign.modules.adaptations.attention import VARLEN_SDPA
+from lightalign.modules.logprobs import forward_accepts
 
 LAYOUTS = ("padded", "padding_free", "packed", "dpo_shared", "dpo_classic", "grpo_padded", "grpo_shared",
            "shared_prefill")
@@ -98,9 +98,8 @@ def sliding_window_of(config) -> int | None:
 def model_traits(model: torch.nn.Module) -> ModelTraits:
     base = _base(model)
     config = base.config
-    forward = getattr(base, "forward", None)
     try:
-        takes_position_ids = "position_ids" in inspect.signature(forward).parameters
+        takes_position_ids = forward_accepts(base, "position_ids")
     except (TypeError, ValueError):
         takes_position_ids = False
     return ModelTraits(
