@@ -18,6 +18,7 @@ lightalign's own errors (bad data, config, checkpoint) print as one message and 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
@@ -57,6 +58,7 @@ Continue the newest run of a config in its folder: lightalign fit --config X --c
 Errors print as one message; --debug (or LIGHTALIGN_DEBUG=1) prints the traceback.
 """
 DEBUG_ENV = "LIGHTALIGN_DEBUG"
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 
@@ -85,7 +87,11 @@ class LightalignCLI(LightningCLI):
     def init_parser(self, **kwargs):
         kwargs.setdefault("description", KNOB_HELP)  # `lightalign --help` names the subcommands and `plot`
         kwargs.setdefault("formatter_class", HelpFormatter)
-        return super().init_parser(**kwargs)
+        parser = super().init_parser(**kwargs)
+        # argparse takes `-1e-3` for an option (its negative-number pattern has no exponent), so
+        # `--model.learning_rate -1e-3` failed with "expected one argument" instead of reaching the knob's check.
+        parser._negative_number_matcher = NEGATIVE_NUMBER
+        return parser
 
     def add_core_arguments_to_parser(self, parser) -> None:
         # As LightningCLI's, except that the modules' `model` argument (a built torch.nn.Module, Python API only)

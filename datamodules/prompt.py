@@ -93,12 +93,13 @@ class PromptDataModule(TokenizedDataModule):
                 "Rename the column holding the prompts to 'prompt' (strings or message lists)."
             )
         conversational = isinstance(raw[0]["prompt"], list)
+        first = self.row_numbers[0] if self.row_numbers else 0
         if conversational:
             check_chat_template(tokenizer, f"{label} prompts")
-        for i, row in iter_rows(raw, ["prompt"]):
+        for i, row in iter_rows(raw, ["prompt"], self.row_numbers):
             validate_field(row["prompt"], i, "prompt")
             if isinstance(row["prompt"], list) != conversational:
-                raise DataFormatError(f"row {i}, column 'prompt': mixes strings and conversations (row 0 is "
+                raise DataFormatError(f"row {i}, column 'prompt': mixes strings and conversations (row {first} is "
                                       f"{'a conversation' if conversational else 'a string'}).")
         return raw.map(_tokenize_prompts, batched=True, num_proc=self.dataset_num_proc, desc=f"Tokenizing {label}",
                        fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length))
