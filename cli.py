@@ -202,10 +202,23 @@ def main(args: list[str] | None = None) -> int:
         LightalignCLI(args=None if args is None else argv)
         return 0
     except Exception as err:
-        if debug or not is_user_error(err):
+        user = user_error_of(err)
+        if debug or user is None:
             raise
-        print(f"lightalign: error: {err}\n(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        print(f"lightalign: error: {user}\n(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
         return 1
+
+
+def user_error_of(err: BaseException) -> BaseException | None:
+    """``err``, or the error it was raised from, when that is a user error (``is_user_error``): jsonargparse
+    re-raises a class's construction error (e.g. ``learning_rate must be > 0``) as its own."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if is_user_error(err):
+            return err
+        seen.add(id(err))
+        err = err.__cause__
+    return None
 
 
 def is_user_error(err: BaseException) -> bool:

@@ -9,6 +9,7 @@ import torch
 from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.shared_prefix import SharedPromptCollator, check_pack_length
 from lightalign.datamodules.formats import (
     DataFormatError,
@@ -237,7 +238,7 @@ class PreferenceDataModule(TokenizedDataModule):
 
     def __init__(
         self,
-        path: str | Dataset | None = None,
+        path: DataSource = None,
         tokenizer: Any = None,
         *,
         max_length: int | None = 1024,

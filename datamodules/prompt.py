@@ -9,6 +9,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.samplers import RepeatBatchSampler
 from lightalign.datamodules.step_loader import SeededLoader
 from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
@@ -70,7 +71,7 @@ class PromptDataModule(TokenizedDataModule):
         **kwargs: the shared arguments of ``TokenizedDataModule`` (``val_path``, ``val_split_size``, ``seed`` …).
     """
 
-    def __init__(self, path: str | Dataset | None = None, tokenizer: Any = None, *,
+    def __init__(self, path: DataSource = None, tokenizer: Any = None, *,
                  max_prompt_length: int | None = 512, **kwargs: Any) -> None:
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or null, got {max_prompt_length}.")

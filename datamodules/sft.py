@@ -9,6 +9,7 @@ from typing import Any, Callable, Literal
 from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.samplers import EpochSampler, LengthGroupedSampler
 from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator, pack_best_fit
 from lightalign.datamodules.formats import (
@@ -116,7 +117,7 @@ class SFTDataModule(TokenizedDataModule):
 
     def __init__(
         self,
-        path: str | Dataset | None = None,
+        path: DataSource = None,
         tokenizer: Any = None,
         *,
         dataset_text_field: str = "text",

@@ -26,6 +26,11 @@ from datasets import Dataset, DatasetDict, Features, Value
 
 from lightalign.datamodules.formats import DataFormatError
 
+# What ``path``/``val_path``/``test_path`` take: a local path, a hub name or a ``Dataset``. Typed ``Any`` for the CLI:
+# jsonargparse reads a file named for an argument whose type includes a class (``Dataset``) as the argument's value,
+# so an empty data file became None ("needs `path`") and a CSV file's path its text.
+DataSource = Any
+
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 # Extensions that mark a path as a local file even when it does not exist (a hub name has none of these).
 _OTHER_FILE_EXTENSIONS = {

@@ -107,6 +107,24 @@ def test_prompt_rows_name_the_row(tiny_dir, write_jsonl):
         PromptDataModule(write_jsonl(rows), tokenizer=str(tiny_dir), val_split_size=0.25).setup("fit")
 
 
+@pytest.mark.parametrize("cls", ["SFTDataModule", "PreferenceDataModule", "PromptDataModule"])
+def test_the_cli_parser_keeps_a_data_path_as_a_path(tmp_path, cls):
+    """jsonargparse reads a file given for a class-typed argument as the value: an empty file became None (then
+    "needs `path`") and a CSV path its text. The datamodules type ``path`` so that a path stays a path."""
+    import lightning as L
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(L.LightningDataModule, "data", required=True, fail_untyped=False)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "one.csv").write_text("text\nhello\n")
+    for name in ("empty.jsonl", "one.csv"):
+        path = str(tmp_path / name)
+        for arg in ("path", "val_path", "test_path"):
+            cfg = parser.parse_args(["--data", f"lightalign.{cls}", f"--data.{arg}", path, "--data.tokenizer", "t"])
+            assert cfg.data.init_args[arg] == path
+
+
 # --------------------------------------------------------------------------------------------- reading files
 @pytest.mark.parametrize("lines, match", [
     (['{"text": "a"}', '{"text": "b"}', '{"text": "c"', '{"text": "d"}'],

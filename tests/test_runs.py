@@ -153,8 +153,9 @@ def test_unwritable_export_folder_fails_before_training(repo, tmp_path):
 
 @pytest.mark.parametrize("logger", ["wandb", "mlflow"])
 def test_tracker_runs_get_one_folder_each(repo, tmp_path, logger):
-    """With W&B (offline) or MLflow (file store) as the only logger, two runs of a config write into two
-    lightalign run folders (version_0, version_1), and nothing lands in the logger's save_dir itself."""
+    """With W&B (offline) or MLflow (the README's sqlite store, with the [dev] install) as the only logger, two runs
+    of a config write into two lightalign run folders (version_0, version_1), and nothing lands in the logger's
+    save_dir itself."""
     pytest.importorskip(logger)
     if logger == "wandb":
         spec = ["--trainer.logger", "lightning.pytorch.loggers.WandbLogger", "--trainer.logger.init_args.save_dir",
@@ -162,12 +163,13 @@ def test_tracker_runs_get_one_folder_each(repo, tmp_path, logger):
         root = tmp_path / "proj"
     else:
         spec = ["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger", "--trainer.logger.init_args.experiment_name",
-                "exp", "--trainer.logger.init_args.tracking_uri", (tmp_path / "mlruns").as_uri(),
+                "exp", "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                "--trainer.logger.init_args.artifact_location", str(tmp_path / "mlartifacts"),
                 "--trainer.default_root_dir", str(tmp_path)]
         root = tmp_path / "runs" / "exp"
     extra_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path),
                  "WANDB_CONFIG_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path), "WANDB_DATA_DIR": str(tmp_path),
-                 "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
+                 "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}
     args = ["fit", "--config", "configs/quickstart.yaml", *spec, "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "0", "--plot.enabled", "false"]
     finish(lightalign(repo, *args, extra_env=extra_env))
