@@ -245,6 +245,84 @@ def test_corrupt_or_truncated_safetensors_is_named(tiny_dir, tmp_path):
         SFTModule(str(folder))
 
 
+def test_lora_on_a_from_config_model_exports_the_merged_model(tiny_dir, tmp_path):
+    """The random base weights are saved nowhere, so the export is base + LoRA merged (a usable model), with a
+    warning, instead of an adapter whose base does not exist."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    module = SFTModule(str(tiny_dir), from_config=True, peft_config={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    module.configure_model()
+    with torch.no_grad():  # LoRA's B starts at zero: give the adapter an effect the merge must carry
+        for name, param in module.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    with pytest.warns(UserWarning, match=r"LoRA on a from_config model .*gets the merged model"):
+        out = module.export_hf(tmp_path / "hf")
+    assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+    ids = torch.tensor([[5, 9, 17, 3, 11]])
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, module.model.eval()(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_pretrained_lora_export_stays_an_adapter(tiny_dir, tmp_path):
+    """Only from_config changes the export: LoRA on pretrained weights keeps writing the adapter alone."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    pytest.importorskip("peft")
+    folder = tiny_copy(tiny_dir, tmp_path)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    module = SFTModule(str(folder), peft_config={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    module.configure_model()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LoRA on a from_config")
+        out = module.export_hf(tmp_path / "hf")
+    assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------------------------- the hub
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound then closed: nobody listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_hub_is_detected_at_once_and_only_the_cache_is_asked(monkeypatch):
+    """HF_HUB_OFFLINE unset, the hub's host refuses: hub names load with local_files_only (the cache answers at
+    once instead of a minute of retries) and the error says the hub cannot be reached."""
+    import transformers
+
+    import lightalign.hub as hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    for key in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setattr(hub, "_HUB_REACHABLE", {})
+    seen = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(name, **kwargs):
+        seen.append(kwargs.get("local_files_only"))
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    with pytest.raises(ModelNotFoundError, match=r"'some-org/not-cached-xyz' is not a local folder, and the Hugging "
+                                                 r"Face hub cannot be reached \(no network\)"):
+        hub.load_tokenizer("some-org/not-cached-xyz")
+    assert seen == [True]
+    monkeypatch.setattr(hub, "_HUB_REACHABLE", {})
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # behind a proxy the direct connect says nothing
+    assert hub.hub_reachable()
+
+
 # --------------------------------------------------------------------------------------------- knobs
 @pytest.mark.parametrize("lr", [0.0, -1e-3])
 def test_learning_rate_must_be_positive(lr):
@@ -253,9 +331,6 @@ def test_learning_rate_must_be_positive(lr):
 
 
 # --------------------------------------------------------------------------------------------- console
-pytestmark_slow = pytest.mark.slow
-
-
 @pytest.mark.slow
 def test_console_data_errors(repo, tmp_path):
     """Through the console script: a bad row with a validation carve-out, an empty file, invalid JSON."""
@@ -292,11 +367,7 @@ def test_console_model_folder_without_weights_fails_before_tokenizing(repo, tiny
 def test_console_uncached_hub_name_without_network_fails_fast_with_the_offline_message(repo, tmp_path):
     """HF_HUB_OFFLINE unset and the hub unreachable (HF_ENDPOINT at a closed local port): the uncached name is looked
     up in the local cache only, and the message says the hub cannot be reached."""
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()
     out = lightalign(repo, *fit_args(tmp_path, "--model.model_name_or_path", "some-org/not-cached-model-xyz",
                                      "--model.from_config", "false"),
                      env_drop=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"), HF_ENDPOINT=f"http://127.0.0.1:{port}")

@@ -134,6 +134,30 @@ def test_resume_at_max_steps_writes_the_missing_export(repo, finished_run, tmp_p
     assert (run / "metrics.csv").read_text() == before
 
 
+def test_truncated_checkpoint_is_named_with_the_others_of_its_folder(repo, finished_run, tmp_path):
+    """--ckpt_path last on a truncated last.ckpt: one message naming the file, saying it is truncated or corrupt,
+    and listing the other checkpoints of the run folder to resume from instead."""
+    run = copy_run(finished_run, tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    shutil.copy(last, run / "checkpoints" / "step=2.ckpt")
+    last.write_bytes(last.read_bytes()[:4096])
+    out = finish(lightalign(repo, *quickstart(tmp_path, "--ckpt_path", "last", steps=6)), 1)
+    assert f"lightalign: error: Checkpoint '{last}' (4096 bytes) cannot be read" in out, out[-3000:]
+    assert "truncated, corrupt" in out and f"Other checkpoints in {last.parent}: step=2.ckpt" in out
+    assert "Traceback" not in out
+
+
+def test_truncated_checkpoint_alone_says_start_anew(tmp_path):
+    from lightalign.runs import read_checkpoint
+    from lightalign.strategies.checkpoint_io import CheckpointError
+
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(b"PK\x03\x04 not a whole zip")
+    with pytest.raises(CheckpointError, match=r"truncated, corrupt or not a Lightning checkpoint. .* holds no other "
+                                              r"checkpoint: start a new run without --ckpt_path"):
+        read_checkpoint(path)
+
+
 def test_resume_on_another_data_file_warns_and_continues(repo, finished_run, tmp_path):
     run = copy_run(finished_run, tmp_path)
     data = tmp_path / "more.jsonl"
