@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -99,7 +100,11 @@ def test_one_forward_scores_each_sequence_as_alone(tiny_dir, pairs):
     dm = pairs(prompt_sharing=False, shuffle=False)
     dm.setup("fit")
     module.configure_model()
+    # a checkpoint whose config names another pad id: the data tokenizer's (what the batches are padded with) wins
+    module.model.config.pad_token_id = 7
+    module._trainer = SimpleNamespace(datamodule=dm)
     module.set_pad_token_id()
+    assert module.model.config.pad_token_id == dm.tokenizer.pad_token_id == 0
     module.model.eval()
     batch = dm.collate_fn()([dm.train_dataset[i] for i in range(4)])
     calls = []
