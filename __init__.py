@@ -15,7 +15,7 @@ from lightalign.callbacks import CompletionSamples, DeviceCacheCleanup, HFExport
 from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
 from lightalign.strategies import AtomicCheckpointIO, CheckpointError
-from lightalign.modules import DPOModule, GRPOModule, IterativeSFT, NEFTune, PolicyModule, SFTModule, create_reference_model, dpo_loss, grpo_loss, sft_loss
+from lightalign.modules import DPOModule, GRPOModule, IterativeSFT, NEFTune, PolicyModule, RewardModule, SFTModule, create_reference_model, dpo_loss, grpo_loss, reward_loss, sft_loss
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ __all__ = [
     "PolicyModule",
     "PreferenceDataModule",
     "PromptDataModule",
+    "RewardModule",
     "SFTDataModule",
     "SFTModule",
     "TokenThroughput",
@@ -47,5 +48,6 @@ __all__ = [
     "grpo_loss",
     "load_causal_lm",
     "load_tokenizer",
+    "reward_loss",
     "sft_loss",
 ]
