@@ -166,6 +166,25 @@ def test_high_entropy_mask_keeps_the_top_quantile():
     assert not high_entropy_mask(ent, mask, 0.4, pool=pool).any()
 
 
+def test_high_entropy_quantile_under_ddp_is_over_every_ranks_tokens(grpo_module):
+    module = grpo_module(top_entropy_quantile=0.4)
+    module._trainer = SimpleNamespace(world_size=2)
+    other = torch.tensor([2.0, 3.0, 4.0])  # the other rank's 3 real tokens (this rank has 5)
+
+    def all_gather(x):
+        if x.dim() == 0:
+            return torch.stack([x, torch.tensor(other.numel())])
+        return torch.stack([x, torch.cat([other, torch.full((x.numel() - other.numel(),), -1e9)])])
+
+    module.all_gather = all_gather
+    ent = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
+    # pooled 0.1 0.3 0.5 0.7 0.9 2 3 4: the 0.6 quantile is 1.12, above every token of this rank
+    assert not module._high_entropy_mask(ent, mask).any()
+    module._trainer = SimpleNamespace(world_size=1)
+    assert module._high_entropy_mask(ent, mask).tolist() == [[False, False, True], [False, True, False]]
+
+
 def test_top_entropy_quantile_zeroes_the_policy_gradient_of_low_entropy_tokens(grpo_module, tokenizer, monkeypatch):
     seen = {}
     real = grpo_mod.grpo_loss
