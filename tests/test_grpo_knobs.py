@@ -152,6 +152,31 @@ def test_module_knob_errors_at_construction(grpo_module, kwargs, message):
         grpo_module(**kwargs)
 
 
+@pytest.mark.parametrize("knobs", [
+    dict(loss_type="grpo", importance_sampling_level="sequence", delta=3.0, off_policy_mask_threshold=0.4,
+         beta=0.05, use_bias_correction_kl=True),
+    dict(loss_type="sapo", sapo_temperature_pos=0.7, sapo_temperature_neg=1.3),
+    dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
+    dict(loss_type="cispo", epsilon_high=4.0, entropy_coef=0.2),
+])
+def test_loss_knobs_reach_grpo_loss(grpo_module, tokenizer, monkeypatch, knobs):
+    """Every loss knob of the module is what training_step hands to grpo_loss (a dropped one would be silent)."""
+    seen = {}
+    real = grpo_mod.grpo_loss
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(grpo_mod, "grpo_loss", spy)
+    module = _module(grpo_module, tokenizer, **knobs)
+    torch.manual_seed(0)
+    module.training_step({"prompts": ["p"]}, 0)
+    for name, value in knobs.items():
+        assert seen[name] == value, name
+    assert ("entropies" in seen and seen["entropies"] is not None) == ("entropy_coef" in knobs)
+
+
 # ---------------------------------------------------------------- high-entropy token mask
 def test_high_entropy_mask_keeps_the_top_quantile():
     ent = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
