@@ -15,7 +15,7 @@ from lightalign.callbacks import CompletionSamples, DeviceCacheCleanup, HFExport
 from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule, UnpairedPreferenceDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
 from lightalign.strategies import AtomicCheckpointIO, CheckpointError
-from lightalign.modules import (DPOModule, GRPOModule, IterativeSFT, KTOModule, NEFTune, PolicyModule, RewardModule,
+from lightalign.modules import (DPOModule, GRPOModule, IterativeSFT, KTOModule, NEFTune, PolicyModule, RewardModule, RLOOModule,
                                 SFTModule, create_reference_model, dpo_loss, grpo_loss, kto_loss, reward_loss, sft_loss)
 
 __version__ = "0.1.0"
@@ -32,6 +32,7 @@ __all__ = [
     "DeviceCacheCleanup",
     "DataFormatError",
     "GRPOModule",
+    "RLOOModule",
     "HFExport",
     "IterativeSFT",
     "KTOModule",

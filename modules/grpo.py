@@ -17,7 +17,6 @@ from typing import Any, Callable, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
@@ -276,17 +275,7 @@ class GRPOModule(GRPORollout, PolicyModule):
     # ------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         hp = self.hparams
-        _, steps, _ = self.rollout_shape
-        if self._buffer is None or self._buffer_pos >= steps * hp.num_iterations:
-            self._buffer = self._make_rollout(batch)
-            self._buffer_pos = 0
-        slot = self._buffer_pos % steps
-        self._buffer_pos += 1
-        if self._buffer[slot]["advantages"].device != self.device:  # restored from a checkpoint (loaded on CPU)
-            self._buffer = [move_data_to_device(chunk, self.device) for chunk in self._buffer]
-        mb = self._buffer[slot]
-        self.last_batch_tokens = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
-        self.last_batch_samples = int(mb["completion_ids"].shape[0])
+        mb, slot = self.next_micro_batch(batch)
         control = self.entropy_control
         logps, entropies = self.token_logps(self.model, mb, entropy_grad=control.enabled,
                                             with_entropy=hp.log_entropy or control.enabled or hp.top_entropy_quantile < 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightalign.modules.entropy_control import token_entropies
 from lightalign.modules.generation import sample_completions, split_rollout
@@ -44,7 +45,6 @@ class GRPORollout:
         """Rewards -> (normalised, clipped) -> group-relative advantages; logs the reward statistics."""
         hp = self.hparams
         group = num_generations or hp.num_generations
-        gather = self._trainer is not None and self.trainer.world_size > 1  # statistics over every rank's rewards
         per_func, total = compute_rewards(self.reward_funcs, rollout["prompts"], rollout["completions"],
                                           rollout["columns"], hp.reward_weights)
         total = total.to(self.device).float()
@@ -66,6 +66,13 @@ class GRPORollout:
         if not self.training and (self.eval_metric_objects or self.eval_metric_fns):
             scored = total[~torch.isnan(total)]  # eval_metrics see each scored completion's total reward, and ones
             self.update_eval_metrics(scored, torch.ones_like(scored, dtype=torch.long))
+        return self.rewards_to_advantages(per_func, total, group)
+
+    def rewards_to_advantages(self, per_func: torch.Tensor, total: torch.Tensor, group: int) -> torch.Tensor:
+        """GRPO's advantages ``[N]`` from each function's rewards ``[N, F]`` and their weighted sum ``[N]``
+        (``multi_objective_aggregation``, ``normalize_rewards``, ``reward_clip``, ``scale_rewards``)."""
+        hp = self.hparams
+        gather = self._trainer is not None and self.trainer.world_size > 1  # statistics over every rank's rewards
         if hp.multi_objective_aggregation == "normalize_then_sum":
             weights = check_reward_weights(self.reward_funcs, hp.reward_weights).to(self.device)
             return normalize_then_sum(per_func.to(self.device), weights, group,
@@ -93,6 +100,22 @@ class GRPORollout:
             entropies = scatter_to_sequences(entropies, mb["shared"], *mb["completion_ids"].shape)[0]
         return logps, torch.where(mb["completion_mask"].bool(), entropies, torch.zeros_like(entropies))
 
+    def next_micro_batch(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+        """The buffered micro-batch this training step trains on (a new rollout when the buffer is used up), and
+        its slot in the rollout."""
+        _, steps, _ = self.rollout_shape
+        if self._buffer is None or self._buffer_pos >= steps * self.hparams.num_iterations:
+            self._buffer = self._make_rollout(batch)
+            self._buffer_pos = 0
+        slot = self._buffer_pos % steps
+        self._buffer_pos += 1
+        if self._buffer[slot]["advantages"].device != self.device:  # restored from a checkpoint (loaded on CPU)
+            self._buffer = [move_data_to_device(chunk, self.device) for chunk in self._buffer]
+        mb = self._buffer[slot]
+        self.last_batch_tokens = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
+        self.last_batch_samples = int(mb["completion_ids"].shape[0])
+        return mb, slot
+
     @torch.no_grad()
     def _make_rollout(self, batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
         hp = self.hparams
@@ -109,6 +132,7 @@ class GRPORollout:
             rollout["completion_mask"] = rollout["completion_mask"] * (~rollout["truncated"]).long().unsqueeze(-1)
         tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         tensors["advantages"] = advantages
+        tensors["row"] = torch.arange(advantages.shape[0], device=advantages.device)  # the rollout order (groups)
         chunks = split_rollout(tensors, lengths, steps, hp.num_generations, whole_groups=hp.prompt_sharing)
         pad = self.tokenizer.pad_token_id
         for mb in chunks:

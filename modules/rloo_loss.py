@@ -15,6 +15,8 @@ prompt ``i``; a NaN reward marks a completion no reward function could score. Th
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from lightalign.rewards.advantages import nanstd
@@ -30,11 +32,11 @@ def kl_penalized_rewards(rewards: torch.Tensor, old_per_token_logps: torch.Tenso
 
 
 def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False,
-                    batch_advantages: torch.Tensor | None = None) -> torch.Tensor:
+                    gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Leave-one-out advantages ``[N]`` of rewards ``[N]`` (NaN = unscorable).
 
-    ``batch_advantages``: under DDP, every rank's (un-normalised) advantages gathered, so that
-    ``normalize`` standardises over the whole generation batch as TRL does; None uses ``rewards``' own.
+    ``gather``: under data parallelism, maps this rank's advantages to every rank's (concatenated), so that
+    ``normalize`` standardises over the whole generation batch as TRL does; None uses this rank's own.
     """
     if rewards.dim() != 1 or num_generations < 1 or rewards.numel() % num_generations:
         raise ValueError(f"rloo_advantages needs 1-D rewards holding whole groups of num_generations="
@@ -47,8 +49,8 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool
         others = torch.nansum(grouped, dim=1, keepdim=True) - grouped  # NaN stays NaN for unscorable rows
         baselines = others / (scorable - 1)  # 0/0 -> NaN for a group with a single scorable completion
         advantages = (grouped - baselines).view(-1)
-    if normalize:
-        pool = advantages if batch_advantages is None else batch_advantages
+    if normalize:  # over the scorable completions (NaN still marks the others)
+        pool = advantages if gather is None else gather(advantages)
         advantages = (advantages - torch.nanmean(pool)) / (nanstd(pool) + 1e-4)
     return torch.nan_to_num(advantages, nan=0.0)
 

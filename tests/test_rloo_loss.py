@@ -29,10 +29,12 @@ def test_normalize_over_the_batch_by_hand():
     expected = [(a - mean) / (std + 1e-4) for a in raw] + [0.0]
     assert rloo_advantages(rewards, 3, normalize=True).tolist() == pytest.approx(expected, rel=1e-6)
     # under DDP the mean and std are the whole batch's: another rank's advantages change them
-    pool = torch.tensor([-2.0, -0.5, 2.5, 0.0, 0.0, 10.0])
-    other = rloo_advantages(rewards, 3, normalize=True, batch_advantages=pool)
-    mean, std = pool.mean().item(), pool.std().item()
-    assert other[0].item() == pytest.approx((-2.0 - mean) / (std + 1e-4), rel=1e-6)
+    other_rank = torch.tensor([10.0, 0.0, 0.0])
+    pooled = rloo_advantages(rewards, 3, normalize=True, gather=lambda local: torch.cat([local, other_rank]))
+    pool = raw + [10.0, 0.0, 0.0]
+    mean = sum(pool) / len(pool)
+    std = math.sqrt(sum((a - mean) ** 2 for a in pool) / (len(pool) - 1))
+    assert pooled[0].item() == pytest.approx((-2.0 - mean) / (std + 1e-4), rel=1e-6)
 
 
 def test_kl_goes_into_the_reward_per_sequence():
