@@ -18,6 +18,7 @@ lightalign's own errors (bad data, config, checkpoint) print as one message and 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
@@ -49,14 +50,16 @@ TRAINER_DEFAULTS = {
 KNOB_HELP = """lightalign: SFT, DPO and GRPO on PyTorch Lightning.
 
 The method and data knobs belong to the classes a config names; list them with
-  lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RewardModule)
-  lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule)
+  lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RewardModule, KTOModule)
+  lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule,
+                                                       UnpairedPreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config
 Learning curves of finished runs: lightalign plot RUN_DIR [RUN_DIR ...] (see lightalign plot --help)
 Continue the newest run of a config in its folder: lightalign fit --config X --ckpt_path last
 Errors print as one message; --debug (or LIGHTALIGN_DEBUG=1) prints the traceback.
 """
 DEBUG_ENV = "LIGHTALIGN_DEBUG"
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 
@@ -85,7 +88,11 @@ class LightalignCLI(LightningCLI):
     def init_parser(self, **kwargs):
         kwargs.setdefault("description", KNOB_HELP)  # `lightalign --help` names the subcommands and `plot`
         kwargs.setdefault("formatter_class", HelpFormatter)
-        return super().init_parser(**kwargs)
+        parser = super().init_parser(**kwargs)
+        # argparse takes `-1e-3` for an option (its negative-number pattern has no exponent), so
+        # `--model.learning_rate -1e-3` failed with "expected one argument" instead of reaching the knob's check.
+        parser._negative_number_matcher = NEGATIVE_NUMBER
+        return parser
 
     def add_core_arguments_to_parser(self, parser) -> None:
         # As LightningCLI's, except that the modules' `model` argument (a built torch.nn.Module, Python API only)
@@ -196,10 +203,23 @@ def main(args: list[str] | None = None) -> int:
         LightalignCLI(args=None if args is None else argv)
         return 0
     except Exception as err:
-        if debug or not is_user_error(err):
+        user = user_error_of(err)
+        if debug or user is None:
             raise
-        print(f"lightalign: error: {err}\n(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        print(f"lightalign: error: {user}\n(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
         return 1
+
+
+def user_error_of(err: BaseException) -> BaseException | None:
+    """``err``, or the error it was raised from, when that is a user error (``is_user_error``): jsonargparse
+    re-raises a class's construction error (e.g. ``learning_rate must be > 0``) as its own."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if is_user_error(err):
+            return err
+        seen.add(id(err))
+        err = err.__cause__
+    return None
 
 
 def is_user_error(err: BaseException) -> bool:

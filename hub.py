@@ -17,9 +17,52 @@ class ModelNotFoundError(OSError):
     """A model or tokenizer name that is neither a local folder nor reachable on the hub."""
 
 
+def _offline_env() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no", "off")
+
+
+_HUB_REACHABLE: dict[str, bool] = {}
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub's host accepts a connection (one short TCP connect per process).
+
+    Without network, transformers retries for about a minute before giving up; this check lets a hub name fail (or
+    load from the local cache) at once. Behind an HTTP(S) proxy the direct connect says nothing, so it is skipped.
+    """
+    from urllib.parse import urlparse
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if endpoint not in _HUB_REACHABLE:
+        if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+            _HUB_REACHABLE[endpoint] = True
+        else:
+            import socket
+
+            url = urlparse(endpoint)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            try:
+                socket.create_connection((url.hostname, port), timeout=timeout).close()
+                _HUB_REACHABLE[endpoint] = True
+            except OSError:  # no route, no DNS, refused, timed out
+                _HUB_REACHABLE[endpoint] = False
+    return _HUB_REACHABLE[endpoint]
+
+
+def _hub_kwargs(name: str) -> dict[str, Any]:
+    """``local_files_only=True`` for a hub name when the hub cannot be reached: the local cache answers at once."""
+    if Path(name).expanduser().exists() or _offline_env() or hub_reachable():
+        return {}
+    return {"local_files_only": True}
+
+
 def _hub_unreachable_hint(name: str) -> str:
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub could not be reached or has no such repository"
+    if _offline_env():
+        why = "HF_HUB_OFFLINE is set"
+    elif not hub_reachable():
+        why = "the Hugging Face hub cannot be reached (no network) and it is not in the local cache"
+    else:
+        why = "the Hugging Face hub has no such repository (or it is private)"
     return (
         f"'{name}' is not a local folder, and {why}. "
         "Point at a local folder that holds config.json (and tokenizer files), e.g. "
@@ -50,7 +93,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, **kwargs:
 
     _check_local_folder(name_or_path, "Tokenizer")
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                            **{**_hub_kwargs(name_or_path), **kwargs})
     except ValueError as err:
         if "trust_remote_code" in str(err):
             raise _remote_code_error(name_or_path, err) from err
@@ -118,11 +162,13 @@ def load_model(
     kwargs = normalize_init_kwargs(init_kwargs)
     overrides = dict(config_overrides or {})
     _check_local_folder(name_or_path, "Model")
+    if not from_config:
+        check_weights(name_or_path, kwargs)
     try:
         if from_config:
             config_kwargs = {k: kwargs.pop(k) for k in ("revision",) if k in kwargs}
-            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **config_kwargs,
-                                                **overrides)
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                **_hub_kwargs(name_or_path), **config_kwargs, **overrides)
             attn = kwargs.pop("attn_implementation", None)
             if attn is not None:
                 config._attn_implementation = attn
@@ -136,6 +182,7 @@ def load_model(
             if isinstance(dtype, torch.dtype):
                 model = model.to(dtype)
             return model
+        kwargs = {**_hub_kwargs(name_or_path), **kwargs}
         if loading_info is None:
             return auto_class.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides, **kwargs)
         model, info = auto_class.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides,
@@ -157,3 +204,65 @@ def load_model(
         if Path(name_or_path).expanduser().is_dir():
             raise ModelNotFoundError(f"Could not load a model from folder '{name_or_path}': {err}") from err
         raise ModelNotFoundError(_hub_unreachable_hint(name_or_path) + f" (transformers said: {err})") from err
+
+
+# Weight files ``from_pretrained`` reads (sharded checkpoints have an index beside their shards).
+_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json",
+                    "tf_model.h5", "flax_model.msgpack", "*.gguf", "model.ckpt.index")
+
+
+def check_weights(name_or_path: str, init_kwargs: dict[str, Any] | None = None) -> None:
+    """A local model folder has weights, and its safetensors files are whole; checked before any data is tokenized.
+
+    A hub name is left to transformers. Every ``.safetensors`` header is read (a few KB): a file that is shorter
+    than its header says (an interrupted copy) or whose header is garbage fails here, naming the file.
+    """
+    folder = Path(name_or_path).expanduser()
+    subfolder = (init_kwargs or {}).get("subfolder")
+    if subfolder:
+        folder = folder / subfolder
+    if not folder.is_dir() or (init_kwargs or {}).get("gguf_file"):
+        return
+    weights = sorted({p for pattern in _WEIGHT_PATTERNS for p in folder.glob(pattern)})
+    if not weights:
+        raise ModelNotFoundError(
+            f"Model folder '{name_or_path}' has no weights: none of model.safetensors, model-*-of-*.safetensors, "
+            "pytorch_model.bin (or their .index.json) is there, only "
+            f"{sorted(p.name for p in folder.iterdir())[:8]}. Copy the weight files into it, or train from random "
+            "weights built from its config.json with `--model.from_config true` (from_config=True)."
+        )
+    for path in weights:
+        if path.suffix == ".safetensors":
+            check_safetensors(path)
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise ``ModelNotFoundError`` naming ``path`` unless its header parses and its size matches the header."""
+    import json
+    import struct
+
+    size = path.stat().st_size
+    problem = None
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            problem = f"it has {size} bytes, fewer than a safetensors header"
+        else:
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                problem = f"its header claims {length} bytes but the file has {size}"
+            else:
+                try:
+                    header = json.loads(f.read(length))
+                    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+                    problem = f"its header is not valid safetensors JSON ({type(err).__name__})"
+                else:
+                    expected = 8 + length + max(ends, default=0)
+                    if size < expected:
+                        problem = f"it has {size} bytes but its tensors need {expected}: it is truncated"
+    if problem is not None:
+        raise ModelNotFoundError(
+            f"Weight file '{path}' is corrupt or truncated: {problem}. Copy or download it again (an interrupted copy "
+            "leaves such a file)."
+        )

@@ -193,8 +193,13 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # truncated, corrupt, or not a checkpoint
-        raise CheckpointError(f"Checkpoint '{path}' cannot be read: {type(err).__name__}: {str(err)[:200]}. It is "
-                              "truncated, corrupt or not a Lightning checkpoint; pass another one.") from err
+        others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name)
+        where = (f"Other checkpoints in {path.parent}: {', '.join(others)}; pass one of them as --ckpt_path."
+                 if others else f"{path.parent} holds no other checkpoint: start a new run without --ckpt_path (the "
+                 "run's hf_model folder, if written, can be --model.model_name_or_path).")
+        raise CheckpointError(f"Checkpoint '{path}' ({path.stat().st_size} bytes) cannot be read: "
+                              f"{type(err).__name__}: {str(err)[:200]}. It is truncated, corrupt or not a Lightning "
+                              f"checkpoint. {where}") from err
 
 
 def check_resume(checkpoint: dict[str, Any], path: Path, trainer: L.Trainer, module: L.LightningModule,

@@ -15,8 +15,9 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
-from lightalign.datamodules.formats import DataFormatError, load_rows, resolve_chat_template
+from lightalign.datamodules.formats import DataFormatError, resolve_chat_template
 from lightalign.datamodules.samplers import EpochSampler
+from lightalign.datamodules.sources import describe, load_rows
 from lightalign.datamodules.step_loader import SeededLoader, StepTokenCountingLoader
 from lightalign.hub import load_tokenizer
 
@@ -85,10 +86,14 @@ class TokenizedDataModule(L.LightningDataModule):
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
         self._prepared = False
+        # While a split is prepared: each of its rows' number in the user's data (None: its position), for errors.
+        self.row_numbers: list[int] | None = None
 
     # ------------------------------------------------------------------------------------- to override
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
-        """Validate and tokenize one split; ``label`` is ``train``/``validation``/``test`` for messages."""
+        """Validate and tokenize one split; ``label`` is ``train``/``validation``/``test`` for messages.
+
+        Errors about a row name it by ``self.row_numbers`` (``formats.iter_rows(raw, columns, self.row_numbers)``)."""
         raise NotImplementedError
 
     def default_collator(self) -> Callable:
@@ -109,24 +114,39 @@ class TokenizedDataModule(L.LightningDataModule):
             return
         tokenizer = self.load_tokenizer()
         raw_train = load_rows(self.path, split=self.split, name=self.name)
-        raw_val = None
+        train_numbers = val_numbers = None
+        raw_val, val_source = None, self.val_path
         if self.val_path is not None:
             raw_val = load_rows(self.val_path, split="train" if self.val_split is None else self.val_split)
         elif self.val_split is not None:
-            raw_val = load_rows(self.path, split=self.val_split, name=self.name)
+            raw_val, val_source = load_rows(self.path, split=self.val_split, name=self.name), self.path
         elif self.val_split_size:
             size = self.val_split_size
             size = int(size) if size >= 1 else size  # a row count, or a fraction
             parts = raw_train.train_test_split(test_size=size, seed=self.seed, shuffle=True)
-            raw_train, raw_val = parts["train"], parts["test"]
-        self.train_dataset = self.prepare_rows(raw_train, tokenizer, "train")
+            raw_train, raw_val, val_source = parts["train"], parts["test"], self.path
+            # the same split of the row numbers, so errors name rows as they are in the user's file
+            numbers = Dataset.from_dict({"row": range(len(parts["train"]) + len(parts["test"]))})
+            numbers = numbers.train_test_split(test_size=size, seed=self.seed, shuffle=True)
+            train_numbers, val_numbers = numbers["train"]["row"], numbers["test"]["row"]
+        self.train_dataset = self._prepare(raw_train, tokenizer, "train", self.path, train_numbers)
         if raw_val is not None:
-            self.val_dataset = self.prepare_rows(raw_val, tokenizer, "validation")
+            self.val_dataset = self._prepare(raw_val, tokenizer, "validation", val_source, val_numbers)
         if self.test_path is not None:
-            self.test_dataset = self.prepare_rows(load_rows(self.test_path), tokenizer, "test")
+            self.test_dataset = self._prepare(load_rows(self.test_path), tokenizer, "test", self.test_path, None)
         else:
             self.test_dataset = self.val_dataset
         self._prepared = True
+
+    def _prepare(self, raw: Dataset, tokenizer: Any, label: str, source: Any, numbers: list[int] | None) -> Dataset:
+        """``prepare_rows`` with ``self.row_numbers`` set for the split; its errors name the data they are about."""
+        self.row_numbers = numbers
+        try:
+            return self.prepare_rows(raw, tokenizer, label)
+        except DataFormatError as err:
+            raise DataFormatError(f"{label} data '{describe(source)}': {err}") from err
+        finally:
+            self.row_numbers = None
 
     # ------------------------------------------------------------------------------------- loaders
     def collate_fn(self) -> Callable:

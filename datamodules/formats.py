@@ -1,4 +1,4 @@
-"""Dataset formats (TRL's): loading, detecting, validating rows, applying chat templates.
+"""Dataset formats (TRL's): detecting, validating rows, applying chat templates (loading: ``sources.py``).
 
 Formats, by the columns a row has:
 
@@ -12,9 +12,9 @@ Formats, by the columns a row has:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-from datasets import Dataset, DatasetDict, Features, Value
+from datasets import Dataset
 
 LANGUAGE_MODELING = "language_modeling"
 PROMPT_COMPLETION = "prompt_completion"
@@ -23,7 +23,6 @@ PREFERENCE = "preference"
 PROMPT_ONLY = "prompt_only"
 
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 FORMAT_HELP = (
     "language modeling ['text'], prompt-completion ['prompt', 'completion'], conversational ['messages'], "
@@ -32,63 +31,12 @@ FORMAT_HELP = (
 
 
 class DataFormatError(ValueError):
-    """A dataset, a split or a row that cannot be used; the message says which and why."""
+    """A dataset, a split or a row that cannot be used; the message says which and why.
 
-
-# --------------------------------------------------------------------------------------------- loading
-def load_rows(source: str | Dataset, split: str = "train", name: str | None = None) -> Dataset:
-    """Load one split from a ``Dataset``, a local json/jsonl/parquet/csv/arrow file or folder, or a hub name."""
-    if isinstance(source, Dataset):
-        dataset = source
-    elif isinstance(source, DatasetDict):
-        if split not in source:
-            raise DataFormatError(f"The DatasetDict has no split '{split}'; it has {sorted(source)}.")
-        dataset = source[split]
-    else:
-        dataset = _load_path_or_hub(str(source), split, name)
-    if len(dataset) == 0:
-        raise DataFormatError(f"Dataset '{_describe(source)}' (split '{split}') is empty: it has no rows.")
-    return dataset
-
-
-def _describe(source: Any) -> str:
-    return source if isinstance(source, str) else type(source).__name__
-
-
-def _load_path_or_hub(source: str, split: str, name: str | None) -> Dataset:
-    from datasets import load_dataset
-
-    path = Path(source).expanduser()
-    suffix = path.suffix.lower()
-    if suffix in _FILE_BUILDERS or source.startswith((".", "/", "~")):
-        if not path.exists():
-            raise DataFormatError(f"Data file '{source}' does not exist (looked at '{path.resolve()}').")
-        if path.is_file():
-            if suffix not in _FILE_BUILDERS:
-                raise DataFormatError(
-                    f"Data file '{source}' has an unsupported extension '{suffix}'; use one of {sorted(_FILE_BUILDERS)}."
-                )
-            if path.stat().st_size == 0:
-                raise DataFormatError(f"Data file '{source}' is empty (0 bytes).")
-            dataset = load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
-            if suffix == ".csv":  # CSV cells are text; pandas would turn "19" into 19
-                dataset = dataset.cast(Features({c: Value("string") for c in dataset.column_names}))
-            return dataset
-        return load_dataset(str(path), name=name, split=split)
-    if path.is_dir():
-        return load_dataset(str(path), name=name, split=split)
-    try:
-        return load_dataset(source, name=name, split=split)
-    except ValueError as err:
-        if "split" in str(err).lower():
-            raise DataFormatError(f"Dataset '{source}' has no split '{split}': {err}") from err
-        raise
-    except Exception as err:  # connection errors, DatasetNotFoundError, ...
-        raise DataFormatError(
-            f"Could not load dataset '{source}': it is not a local file or folder, and the Hugging Face hub "
-            f"could not provide it ({type(err).__name__}: {err}). Pass a local json/jsonl/parquet/csv file, e.g. "
-            "--data.path data/train.jsonl."
-        ) from err
+    Rows are numbered from 0 in the order of the user's data (``row 30`` is ``dataset[30]``, the 31st object of a
+    JSON-lines file), whatever part of it (training or the carved-out validation rows) they end up in; errors
+    found while reading a file name its line, counted from 1.
+    """
 
 
 # --------------------------------------------------------------------------------------------- detection
@@ -166,13 +114,17 @@ def validate_field(value: Any, row: int, column: str, require_assistant: bool = 
         validate_text(value, row, column)
 
 
-def iter_rows(dataset: Dataset, columns: list[str], batch_size: int = 1024):
-    """Yield ``(row_index, row_dict)`` for the given columns, reading in batches."""
+def iter_rows(dataset: Dataset, columns: list[str], numbers: Sequence[int] | None = None, batch_size: int = 1024):
+    """Yield ``(row_number, row_dict)`` for the given columns, reading in batches.
+
+    ``numbers``: each row's number in the user's data when ``dataset`` is a part of it (the validation carve-out);
+    by default a row's number is its position.
+    """
     index = 0
     for batch in dataset.select_columns(columns).iter(batch_size=batch_size):
         n = len(batch[columns[0]])
         for j in range(n):
-            yield index, {c: batch[c][j] for c in columns}
+            yield index if numbers is None else numbers[index], {c: batch[c][j] for c in columns}
             index += 1
 
 

@@ -9,6 +9,7 @@ import torch
 from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.shared_prefix import SharedPromptCollator, check_pack_length
 from lightalign.datamodules.formats import (
     DataFormatError,
@@ -161,13 +162,15 @@ def parse_margin(value: Any, row: int) -> float:
 
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, implicit: bool,
                     max_length: int | None, max_prompt_length: int | None, max_completion_length: int | None,
-                    truncation_mode: str, split: str, version: int = TOKENIZATION_VERSION) -> dict[str, list]:
+                    truncation_mode: str, split: str, row_numbers: list[int] | None = None,
+                    version: int = TOKENIZATION_VERSION) -> dict[str, list]:
     out: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": [], "split": [],
                             "index": []}
     for j, row_index in enumerate(indices):
         row = {k: v[j] for k, v in batch.items()}
+        number = row_index if row_numbers is None else row_numbers[row_index]  # the row in the user's data
         if implicit:
-            row["prompt"], row["chosen"], row["rejected"] = extract_prompt(row["chosen"], row["rejected"], row_index)
+            row["prompt"], row["chosen"], row["rejected"] = extract_prompt(row["chosen"], row["rejected"], number)
         ids = tokenize_preference_row(row, tokenizer)
         prompt, chosen, rejected = truncate_pair(
             ids["prompt_input_ids"], ids["chosen_input_ids"], ids["rejected_input_ids"],
@@ -175,7 +178,7 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
         )
         if not chosen or not rejected:
             raise DataFormatError(
-                f"row {row_index}: the prompt has {len(ids['prompt_input_ids'])} tokens and nothing is left of the "
+                f"row {number}: the prompt has {len(ids['prompt_input_ids'])} tokens and nothing is left of the "
                 f"{'chosen' if not chosen else 'rejected'} completion within max_length={max_length} "
                 f"(max_prompt_length={max_prompt_length}, truncation_mode='{truncation_mode}'). Set "
                 "max_prompt_length below max_length (the prompt then keeps its end), use truncation_mode='keep_end', "
@@ -263,7 +266,7 @@ class PreferenceDataModule(TokenizedDataModule):
 
     def __init__(
         self,
-        path: str | Dataset | None = None,
+        path: DataSource = None,
         tokenizer: Any = None,
         *,
         max_length: int | None = 1024,
@@ -351,6 +354,7 @@ class PreferenceDataModule(TokenizedDataModule):
                 max_completion_length=self.max_completion_length,
                 truncation_mode=self.truncation_mode,
                 split=label,
+                row_numbers=self.row_numbers,
                 version=TOKENIZATION_VERSION,
             ),
         )
@@ -358,18 +362,18 @@ class PreferenceDataModule(TokenizedDataModule):
     def validate(self, raw: Dataset, tokenizer: Any, label: str, implicit: bool) -> None:
         """Every row: strings or conversations throughout, nothing empty; count identical pairs."""
         columns = list(COMPLETIONS) if implicit else ["prompt", *COMPLETIONS]
-        first = raw[0]
+        first, first_number = raw[0], self.row_numbers[0] if self.row_numbers else 0
         conversational = isinstance(first[columns[0]], list)
         if conversational:
             check_chat_template(tokenizer, f"{label} preference data")
         identical = 0
-        for i, row in iter_rows(raw, columns):
+        for i, row in iter_rows(raw, columns, self.row_numbers):
             for col in columns:
                 validate_field(row[col], i, col)
                 if isinstance(row[col], list) != conversational:
                     raise DataFormatError(
                         f"row {i}, column '{col}': mixes {'strings' if conversational else 'conversations'} with the "
-                        f"{'conversations' if conversational else 'strings'} of row 0; every row and column must be "
+                        f"{'conversations' if conversational else 'strings'} of row {first_number}; every row and column must be "
                         "of one kind."
                     )
             if row["chosen"] == row["rejected"]:

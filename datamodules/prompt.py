@@ -9,6 +9,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.samplers import RepeatBatchSampler
 from lightalign.datamodules.step_loader import SeededLoader
 from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
@@ -70,7 +71,7 @@ class PromptDataModule(TokenizedDataModule):
         **kwargs: the shared arguments of ``TokenizedDataModule`` (``val_path``, ``val_split_size``, ``seed`` …).
     """
 
-    def __init__(self, path: str | Dataset | None = None, tokenizer: Any = None, *,
+    def __init__(self, path: DataSource = None, tokenizer: Any = None, *,
                  max_prompt_length: int | None = 512, **kwargs: Any) -> None:
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or null, got {max_prompt_length}.")
@@ -93,12 +94,13 @@ class PromptDataModule(TokenizedDataModule):
                 "Rename the column holding the prompts to 'prompt' (strings or message lists)."
             )
         conversational = isinstance(raw[0]["prompt"], list)
+        first = self.row_numbers[0] if self.row_numbers else 0
         if conversational:
             check_chat_template(tokenizer, f"{label} prompts")
-        for i, row in iter_rows(raw, ["prompt"]):
+        for i, row in iter_rows(raw, ["prompt"], self.row_numbers):
             validate_field(row["prompt"], i, "prompt")
             if isinstance(row["prompt"], list) != conversational:
-                raise DataFormatError(f"row {i}, column 'prompt': mixes strings and conversations (row 0 is "
+                raise DataFormatError(f"row {i}, column 'prompt': mixes strings and conversations (row {first} is "
                                       f"{'a conversation' if conversational else 'a string'}).")
         return raw.map(_tokenize_prompts, batched=True, num_proc=self.dataset_num_proc, desc=f"Tokenizing {label}",
                        fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length))

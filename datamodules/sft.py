@@ -9,6 +9,7 @@ from typing import Any, Callable, Literal
 from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.samplers import EpochSampler, LengthGroupedSampler
 from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator, pack_best_fit
 from lightalign.datamodules.formats import (
@@ -116,7 +117,7 @@ class SFTDataModule(TokenizedDataModule):
 
     def __init__(
         self,
-        path: str | Dataset | None = None,
+        path: DataSource = None,
         tokenizer: Any = None,
         *,
         dataset_text_field: str = "text",
@@ -192,7 +193,7 @@ class SFTDataModule(TokenizedDataModule):
 
     def validate(self, raw: Dataset, fmt: str, tokenizer: Any, label: str) -> None:
         """Check every row before any tokenization; errors name the row and the column."""
-        first = raw[0]
+        first, first_number = raw[0], self.row_numbers[0] if self.row_numbers else 0
         conversational = fmt == CONVERSATIONAL or (fmt == PROMPT_COMPLETION and is_conversation(first["prompt"]))
         if conversational:
             check_chat_template(tokenizer, f"{label} data, columns {raw.column_names}")
@@ -203,19 +204,19 @@ class SFTDataModule(TokenizedDataModule):
                     "data.chat_template with the markers or set assistant_only_loss=False."
                 )
         if fmt == LANGUAGE_MODELING:
-            for i, row in iter_rows(raw, [self.text_field]):
+            for i, row in iter_rows(raw, [self.text_field], self.row_numbers):
                 validate_text(row[self.text_field], i, self.text_field)
         elif fmt == CONVERSATIONAL:
-            for i, row in iter_rows(raw, ["messages"]):
+            for i, row in iter_rows(raw, ["messages"], self.row_numbers):
                 validate_messages(row["messages"], i, "messages", require_assistant=self.assistant_only_loss)
         else:
-            for i, row in iter_rows(raw, ["prompt", "completion"]):
+            for i, row in iter_rows(raw, ["prompt", "completion"], self.row_numbers):
                 validate_field(row["prompt"], i, "prompt")
                 validate_field(row["completion"], i, "completion")
                 if is_conversation(row["prompt"]) != conversational or isinstance(row["completion"], list) != conversational:
                     raise DataFormatError(
                         f"row {i}: 'prompt' and 'completion' must both be strings or both be message lists, like "
-                        f"row 0 ({'message lists' if conversational else 'strings'})."
+                        f"row {first_number} ({'message lists' if conversational else 'strings'})."
                     )
 
     def _pack(self, tokenized: Dataset) -> Dataset:

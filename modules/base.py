@@ -13,7 +13,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
-from lightalign.hub import load_causal_lm
+from lightalign.hub import load_causal_lm, normalize_init_kwargs
 from lightalign.modules.export import export_hf
 from lightalign.modules.lora import apply_peft, enable_activation_checkpointing, is_peft_model  # noqa: F401
 from lightalign.modules.adaptations import AdaptationReport, adapt_model
@@ -151,6 +151,12 @@ class PolicyModule(L.LightningModule):
                 raise ValueError("Pass either optim (a named preset) or optimizer (a factory), not both.")
         if neftune_noise_alpha is not None and neftune_noise_alpha <= 0:
             raise ValueError(f"neftune_noise_alpha must be > 0 (TRL suggests 5), got {neftune_noise_alpha}.")
+        if learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0 (the peak of the schedule), got {learning_rate}.")
+        if model is None and not from_config:
+            from lightalign.hub import check_weights
+
+            check_weights(model_name_or_path, normalize_init_kwargs(model_init_kwargs))  # before any data is tokenized
         self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics"])
         self.model_name_or_path = model_name_or_path
         self.model = model
@@ -388,4 +394,5 @@ class PolicyModule(L.LightningModule):
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """Write the policy as a Hugging Face model folder, atomically (``modules/export.py``: ``export_hf``)."""
-        return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict)
+        return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict,
+                         random_base=bool(self.hparams.get("from_config")))

@@ -15,13 +15,15 @@ from lightalign.modules.lora import is_peft_model
 
 
 def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
-              state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+              state_dict: dict[str, torch.Tensor] | None = None, random_base: bool = False) -> Path:
     """Write a Hugging Face model folder (``save_pretrained`` of model and tokenizer), atomically.
 
     The folder is written under a temporary name beside ``output_dir`` and renamed into place, so a crash
     mid-write leaves the previous export intact. With LoRA, the adapters are saved; ``merge_lora`` saves a
     merged full model instead (merged on a copy, so training can go on). ``state_dict``: the full weights of
     a sharded model (``lightalign.strategies.full_state_dict``), written instead of the local shards.
+    ``random_base``: the model was built with random weights (``from_config``), saved nowhere; with LoRA an adapter
+    alone could not be used, so the merged model is written instead (with a warning).
     """
     from lightalign.callbacks.nonfinite import first_nonfinite
 
@@ -31,6 +33,16 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: 
         raise FloatingPointError(f"Refusing to export to '{output_dir}': parameter '{bad}' holds NaN/inf. Export "
                                  "from a checkpoint taken before the weights went non-finite.")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
+    if is_peft_model(model) and random_base and not merge_lora:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        if state_dict is None:
+            merge_lora = True
+            rank_zero_warn(f"LoRA on a from_config model (random base weights, saved nowhere): an adapter alone could "
+                           f"not be loaded, so {output_dir} gets the merged model (base + LoRA) instead.")
+        else:
+            rank_zero_warn(f"LoRA on a from_config model: {output_dir} gets the adapter only, and its base model "
+                           "(random weights) is saved nowhere. Set --export.merge_lora true to export it merged.")
     if is_peft_model(model) and merge_lora:
         model = copy.deepcopy(model).merge_and_unload()
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))

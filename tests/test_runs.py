@@ -134,6 +134,30 @@ def test_resume_at_max_steps_writes_the_missing_export(repo, finished_run, tmp_p
     assert (run / "metrics.csv").read_text() == before
 
 
+def test_truncated_checkpoint_is_named_with_the_others_of_its_folder(repo, finished_run, tmp_path):
+    """--ckpt_path last on a truncated last.ckpt: one message naming the file, saying it is truncated or corrupt,
+    and listing the other checkpoints of the run folder to resume from instead."""
+    run = copy_run(finished_run, tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    shutil.copy(last, run / "checkpoints" / "step=2.ckpt")
+    last.write_bytes(last.read_bytes()[:4096])
+    out = finish(lightalign(repo, *quickstart(tmp_path, "--ckpt_path", "last", steps=6)), 1)
+    assert f"lightalign: error: Checkpoint '{last}' (4096 bytes) cannot be read" in out, out[-3000:]
+    assert "truncated, corrupt" in out and f"Other checkpoints in {last.parent}: step=2.ckpt" in out
+    assert "Traceback" not in out
+
+
+def test_truncated_checkpoint_alone_says_start_anew(tmp_path):
+    from lightalign.runs import read_checkpoint
+    from lightalign.strategies.checkpoint_io import CheckpointError
+
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(b"PK\x03\x04 not a whole zip")
+    with pytest.raises(CheckpointError, match=r"truncated, corrupt or not a Lightning checkpoint. .* holds no other "
+                                              r"checkpoint: start a new run without --ckpt_path"):
+        read_checkpoint(path)
+
+
 def test_resume_on_another_data_file_warns_and_continues(repo, finished_run, tmp_path):
     run = copy_run(finished_run, tmp_path)
     data = tmp_path / "more.jsonl"
@@ -153,8 +177,9 @@ def test_unwritable_export_folder_fails_before_training(repo, tmp_path):
 
 @pytest.mark.parametrize("logger", ["wandb", "mlflow"])
 def test_tracker_runs_get_one_folder_each(repo, tmp_path, logger):
-    """With W&B (offline) or MLflow (file store) as the only logger, two runs of a config write into two
-    lightalign run folders (version_0, version_1), and nothing lands in the logger's save_dir itself."""
+    """With W&B (offline) or MLflow (the README's sqlite store, with the [dev] install) as the only logger, two runs
+    of a config write into two lightalign run folders (version_0, version_1), and nothing lands in the logger's
+    save_dir itself."""
     pytest.importorskip(logger)
     if logger == "wandb":
         spec = ["--trainer.logger", "lightning.pytorch.loggers.WandbLogger", "--trainer.logger.init_args.save_dir",
@@ -162,12 +187,13 @@ def test_tracker_runs_get_one_folder_each(repo, tmp_path, logger):
         root = tmp_path / "proj"
     else:
         spec = ["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger", "--trainer.logger.init_args.experiment_name",
-                "exp", "--trainer.logger.init_args.tracking_uri", (tmp_path / "mlruns").as_uri(),
+                "exp", "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                "--trainer.logger.init_args.artifact_location", str(tmp_path / "mlartifacts"),
                 "--trainer.default_root_dir", str(tmp_path)]
         root = tmp_path / "runs" / "exp"
     extra_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path),
                  "WANDB_CONFIG_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path), "WANDB_DATA_DIR": str(tmp_path),
-                 "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
+                 "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}
     args = ["fit", "--config", "configs/quickstart.yaml", *spec, "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "0", "--plot.enabled", "false"]
     finish(lightalign(repo, *args, extra_env=extra_env))

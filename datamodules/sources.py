@@ -1,0 +1,284 @@
+"""Where rows come from: a ``Dataset``, a local json/jsonl/parquet/csv/arrow file or folder, or a hub dataset name.
+
+Local text files are checked before ``datasets`` reads them, so a bad file fails naming the file and the line
+(``datasets`` would say "An error occurred while generating the dataset", or keep the last of two equal keys, or
+rename a second CSV column ``a`` to ``a.1``):
+
+* every byte is UTF-8 (the error gives the byte offset and the line of the first bad byte);
+* json/jsonl: every line (or the whole document) parses, and no object repeats a key, at any depth;
+* csv: no two header columns share a name.
+
+A path that looks local (it exists, starts with ``.``, ``/`` or ``~``, or ends in a file extension) is never sent
+to the hub; a folder must hold one kind of supported file (mixed folders are refused, naming the files).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset, DatasetDict, Features, Value
+
+from lightalign.datamodules.formats import DataFormatError
+
+# What ``path``/``val_path``/``test_path`` take: a local path, a hub name or a ``Dataset``. Typed ``Any`` for the CLI:
+# jsonargparse reads a file named for an argument whose type includes a class (``Dataset``) as the argument's value,
+# so an empty data file became None ("needs `path`") and a CSV file's path its text.
+DataSource = Any
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+# Extensions that mark a path as a local file even when it does not exist (a hub name has none of these).
+_OTHER_FILE_EXTENSIONS = {
+    ".txt", ".text", ".tsv", ".ndjson", ".jsonlines", ".xlsx", ".xls", ".yaml", ".yml", ".md", ".xml", ".html",
+    ".pkl", ".pickle", ".npy", ".npz", ".feather", ".pq", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".jinja",
+}
+
+
+def load_rows(source: str | Dataset, split: str = "train", name: str | None = None) -> Dataset:
+    """Load one split from a ``Dataset``, a local json/jsonl/parquet/csv/arrow file or folder, or a hub name."""
+    if isinstance(source, Dataset):
+        dataset = source
+    elif isinstance(source, DatasetDict):
+        if split not in source:
+            raise DataFormatError(f"The DatasetDict has no split '{split}'; it has {sorted(source)}.")
+        dataset = source[split]
+    else:
+        dataset = _load_path_or_hub(str(source), split, name)
+    if len(dataset) == 0:
+        raise DataFormatError(f"Dataset '{describe(source)}' (split '{split}') is empty: it has no rows.")
+    return dataset
+
+
+def describe(source: Any) -> str:
+    return str(source) if isinstance(source, (str, Path)) else type(source).__name__
+
+
+def looks_local(source: str) -> bool:
+    """A path on this machine rather than a hub dataset name (``org/name``)."""
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    return (source.startswith((".", "/", "~")) or path.exists() or suffix in FILE_BUILDERS
+            or suffix in _OTHER_FILE_EXTENSIONS)
+
+
+def _load_path_or_hub(source: str, split: str, name: str | None) -> Dataset:
+    from datasets import load_dataset
+
+    path = Path(source).expanduser()
+    if not looks_local(source):
+        return _load_hub(source, split, name)
+    if not path.exists():
+        raise DataFormatError(f"Data file '{source}' does not exist (looked at '{path.resolve()}').")
+    if path.is_dir():
+        check_folder(path, source)
+        with _quiet_json_builder():
+            return load_dataset(str(path), name=name, split=split)
+    suffix = path.suffix.lower()
+    if suffix not in FILE_BUILDERS:
+        raise DataFormatError(
+            f"Data file '{source}' has an unsupported extension '{suffix}'; use one of {sorted(FILE_BUILDERS)} "
+            "(e.g. one JSON object per line in a .jsonl file)."
+        )
+    if path.stat().st_size == 0:
+        raise DataFormatError(f"Data file '{source}' is empty (0 bytes).")
+    check_file(path, source)
+    with _quiet_json_builder():
+        try:
+            dataset = load_dataset(FILE_BUILDERS[suffix], data_files=str(path), split="train")
+        except Exception as err:  # the checks above passed, so this is something they do not cover
+            if type(err).__name__ != "DatasetGenerationError":
+                raise
+            cause = err.__cause__ or err.__context__
+            raise DataFormatError(f"Data file '{source}' could not be read: {type(cause).__name__}: {cause}") from err
+    if suffix == ".csv":  # CSV cells are text; pandas would turn "19" into 19
+        dataset = dataset.cast(Features({c: Value("string") for c in dataset.column_names}))
+    return dataset
+
+
+def _load_hub(source: str, split: str, name: str | None) -> Dataset:
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(source, name=name, split=split)
+    except ValueError as err:
+        if "split" in str(err).lower():
+            raise DataFormatError(f"Dataset '{source}' has no split '{split}': {err}") from err
+        raise
+    except Exception as err:  # connection errors, DatasetNotFoundError, ...
+        raise DataFormatError(
+            f"Could not load dataset '{source}': it is not a local file or folder, and the Hugging Face hub "
+            f"could not provide it ({type(err).__name__}: {err}). Pass a local json/jsonl/parquet/csv file, e.g. "
+            "--data.path data/train.jsonl."
+        ) from err
+
+
+@contextmanager
+def _quiet_json_builder():
+    """datasets' json builder logs its own error before raising; ours replaces it."""
+    logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# --------------------------------------------------------------------------------------------- folders
+def check_folder(path: Path, source: str) -> None:
+    """A folder loads as one dataset: it must hold data files of one kind (json/jsonl count as one)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    data = [p for p in files if p.suffix.lower() in FILE_BUILDERS]
+    if not data:
+        found = sorted({p.suffix.lower() or p.name for p in files})
+        raise DataFormatError(
+            f"Data folder '{source}' holds no {'/'.join(sorted(FILE_BUILDERS))} file (found: {found or 'nothing'})."
+        )
+    kinds: dict[str, list[str]] = {}
+    for p in data:
+        kinds.setdefault(FILE_BUILDERS[p.suffix.lower()], []).append(str(p.relative_to(path)))
+    if len(kinds) > 1:
+        listing = "; ".join(f"{kind}: {', '.join(names[:3])}{' …' if len(names) > 3 else ''}"
+                            for kind, names in sorted(kinds.items()))
+        raise DataFormatError(
+            f"Data folder '{source}' mixes file formats ({listing}); only one kind would be loaded. Convert them to "
+            "one format, or move the others out of the folder."
+        )
+    for p in data:
+        if p.stat().st_size and FILE_BUILDERS[p.suffix.lower()] in ("json", "csv"):
+            check_file(p, str(p))
+
+
+# --------------------------------------------------------------------------------------------- files
+def check_file(path: Path, source: str) -> None:
+    """UTF-8 throughout; JSON that parses without repeated keys; CSV headers without repeated names."""
+    kind = FILE_BUILDERS.get(path.suffix.lower())
+    if kind == "json":
+        _check_json(path, source)
+    elif kind == "csv":
+        _check_csv(path, source)
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _decode(raw: bytes, source: str, offset: int, line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        bad, line = raw[err.start : err.start + 1], line + raw.count(b"\n", 0, err.start)
+        raise DataFormatError(
+            f"Data file '{source}' is not UTF-8: byte {bad!r} at byte offset {offset + err.start} (line {line}) "
+            f"cannot be decoded ({err.reason}). Save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
+        ) from None
+
+
+def _check_json(path: Path, source: str) -> None:
+    """A .json file is one document (an array of rows, or an object) or JSON lines; a .jsonl file is JSON lines."""
+    if path.suffix.lower() == ".json" and not _check_json_document(_decode(path.read_bytes(), source, 0, 1), source):
+        return
+    _check_json_lines(path, source)
+
+
+def _check_json_document(text: str, source: str) -> bool:
+    """Check a whole JSON document; True when it turns out to be JSON lines (more than one value)."""
+    decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
+
+    def skip(i: int) -> int:
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    def line_of(i: int) -> int:
+        return text.count("\n", 0, i) + 1
+
+    def decode(i: int) -> int:
+        try:
+            return decoder.raw_decode(text, i)[1]
+        except _DuplicateKey as err:
+            raise DataFormatError(
+                f"Data file '{source}', line {line_of(i)}: the object starting there repeats the key '{err.key}'; "
+                "JSON keeps only the last value. Remove or rename the duplicate."
+            ) from None
+        except json.JSONDecodeError as err:
+            raise DataFormatError(
+                f"Data file '{source}', line {err.lineno}, column {err.colno}: invalid JSON ({err.msg})."
+            ) from None
+
+    i = skip(0)
+    if not text.startswith("[", i):  # one object, or JSON lines
+        return skip(decode(i)) < len(text)
+    i = skip(i + 1)
+    while not text.startswith("]", i):
+        i = skip(decode(i))  # one row of the array
+        if text.startswith(",", i):
+            i = skip(i + 1)
+            if text.startswith("]", i):
+                raise DataFormatError(f"Data file '{source}', line {line_of(i)}: invalid JSON (a comma before ']').")
+        elif not text.startswith("]", i):
+            raise DataFormatError(f"Data file '{source}', line {line_of(i)}: invalid JSON (expected ',' or ']').")
+    if skip(i + 1) < len(text):
+        raise DataFormatError(f"Data file '{source}', line {line_of(skip(i + 1))}: invalid JSON (text after the array).")
+    return False
+
+
+def _check_json_lines(path: Path, source: str) -> None:
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decode(raw, source, offset, number)
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line, object_pairs_hook=_no_duplicate_keys)
+            except _DuplicateKey as err:
+                raise DataFormatError(
+                    f"Data file '{source}', line {number}: the key '{err.key}' appears twice in one object; JSON keeps "
+                    "only the last value. Remove or rename the duplicate."
+                ) from None
+            except json.JSONDecodeError as err:
+                raise DataFormatError(
+                    f"Data file '{source}', line {number}, column {err.colno}: invalid JSON ({err.msg}). Each line of a "
+                    "JSON-lines file must be one complete JSON object."
+                ) from None
+            if not isinstance(value, dict):
+                raise DataFormatError(
+                    f"Data file '{source}', line {number}: expected a JSON object (a row with named columns), got "
+                    f"{type(value).__name__} {line.strip()[:60]!r}."
+                )
+
+
+def _check_csv(path: Path, source: str) -> None:
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            _decode(raw, source, offset, number)
+            offset += len(raw)
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(io.StringIO(f.readline())), [])
+    seen: set[str] = set()
+    for column in header:
+        if column in seen:
+            raise DataFormatError(
+                f"Data file '{source}': the CSV header names the column '{column}' twice; one of them would be "
+                "renamed or lost. Give every column its own name."
+            )
+        seen.add(column)
