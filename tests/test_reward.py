@@ -245,3 +245,22 @@ def test_trained_reward_model_scores_in_reward_model_and_drives_grpo(tiny_dir, d
     trainer.fit(grpo, prompt_data(batch_size=2))
     assert torch.isfinite(trainer.callback_metrics["train/reward/reward_model"]), sorted(trainer.callback_metrics)
     assert trainer.global_step == 1
+
+
+def test_reward_model_learns_a_learnable_preference(tiny_dir, data_dir):
+    """Pairs whose chosen completion is a correct-looking answer and whose rejected one ends in a '?': after a few
+    steps held-out pairs are ranked right, with a positive margin (a flipped loss would rank them wrong)."""
+    from datasets import Dataset
+
+    rows = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"] + "?"}
+            for r in _rows(data_dir, 96)]
+    L.seed_everything(0)
+    module = RewardModule(str(tiny_dir), from_config=True, learning_rate=3e-3)
+    dm = PreferenceDataModule(Dataset.from_list(rows[:64]), tokenizer=str(tiny_dir), batch_size=8,
+                              val_path=Dataset.from_list(rows[64:]), prompt_sharing=False)
+    trainer = _trainer(max_steps=15)
+    before = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    trainer.fit(module, dm)
+    after = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    assert after["val/accuracy"] == 1.0 and after["val/margin"] > 1.0 > before["val/margin"]
+    assert after["val/loss"] < before["val/loss"] - 0.3
