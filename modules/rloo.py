@@ -150,7 +150,7 @@ class RLOOModule(GRPOModule):
             gather = lambda local: self.all_gather(local).flatten()  # noqa: E731
         advantages = rloo_advantages(rewards, hp.num_generations, hp.normalize_advantages, gather=gather)
         for mb in chunks:
-            mb["advantages"] = advantages[: len(mb["row"])]
+            mb["advantages"] = advantages[mb["row"]]
         return chunks
 
     # ------------------------------------------------------------------------------------- training
