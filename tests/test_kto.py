@@ -243,3 +243,30 @@ def test_bad_labels_fail_through_the_console_script(repo, tmp_path, write_jsonl)
     out = run_cli(repo, "fit", "--config", "configs/kto_tiny.yaml", "--data.path", write_jsonl(rows, "strings.jsonl"),
                   "--data.val_split_size", "0", "--trainer.logger.init_args.save_dir", str(tmp_path), status=1)
     assert "row 0, column 'label': expected a boolean" in out and "Traceback" not in out
+
+
+def test_kl_term_is_clamped_at_zero_and_zero_without_kl(tiny_dir, monkeypatch):
+    import lightalign.modules.kto as kto
+
+    module = KTOModule(str(tiny_dir), from_config=True)
+    module.model = torch.nn.Identity()
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long)}
+    monkeypatch.setattr(kto, "sequence_logps", lambda model, batch, prefix="": torch.tensor([-5.0, -4.0]))
+    assert float(module.kl_term(batch, torch.tensor([-4.0, -4.0]))) == 0.0  # mean log-ratio -0.5 -> clamped
+    assert float(module.kl_term(batch, torch.tensor([-6.0, -4.0]))) == pytest.approx(0.5)
+    apo = KTOModule(str(tiny_dir), from_config=True, loss_type="apo_zero_unpaired")
+    apo.model = torch.nn.Identity()
+    assert float(apo.kl_term(batch, None)) == 0.0
+
+
+def test_sequence_logps_sum_the_completion_tokens_only(tiny_model, tokenizer):
+    dm = make_data(UNPAIRED, tokenizer, shuffle=False, batch_size=2)
+    batch = next(iter(dm.eval_dataloader(dm.train_dataset)))
+    with torch.no_grad():
+        got = sequence_logps(tiny_model, batch, "kl_")
+        for i in range(2):
+            ids = batch["kl_input_ids"][i, : int(batch["kl_attention_mask"][i].sum())]
+            start = int(batch["kl_completion_mask"][i].argmax())  # first completion token
+            logps = torch.log_softmax(tiny_model(input_ids=ids[None]).logits[0].float(), -1)
+            expected = sum(float(logps[t - 1, ids[t]]) for t in range(start, len(ids)))
+            assert float(got[i]) == pytest.approx(expected, abs=1e-4)
