@@ -157,7 +157,8 @@ class KTOModule(PolicyModule):
         if self.ref_model is not None or getattr(self, "_ref_released", False):
             return
         separate = hp.ref_model_name_or_path or hp.ref_model_init_kwargs or hp.num_shared_layers
-        fresh_fit = self._trainer is not None and self.trainer.ckpt_path is None
+        fresh_fit = (self._trainer is not None and self.trainer.ckpt_path is None
+                     and self.trainer.state.fn == "fit")  # not `lightalign test` of a trained checkpoint
         if hp.precompute_ref_log_probs and not separate and fresh_fit and not is_peft_model(self.model):
             self._policy_is_reference = True  # the untrained policy is the reference of the one precompute pass
             return
