@@ -92,8 +92,10 @@ def test_non_boolean_labels_and_one_sided_data_are_refused(tokenizer):
     floats = [dict(r, label=1.0 if r["label"] else 0.0) for r in UNPAIRED]
     with pytest.raises(DataFormatError, match=r"row 0, column 'label'.*got float 1.0"):
         make_data(floats, tokenizer)
-    with pytest.raises(DataFormatError, match="3 desirable .* and 0 undesirable"):
+    with pytest.raises(DataFormatError, match="train data has 3 desirable .* and 0 undesirable"):
         make_data([r for r in UNPAIRED if r["label"]], tokenizer)
+    one_kind = make_data(UNPAIRED, tokenizer, val_path=Dataset.from_list([r for r in UNPAIRED if r["label"]]))
+    assert one_kind.label_counts["validation"] == (3, 0)  # a validation split may hold one kind
     mixed = [dict(r, completion=[{"role": "assistant", "content": r["completion"]}]) for r in UNPAIRED]
     with pytest.raises(DataFormatError, match="row 0, column 'completion': mixes conversations with the strings"):
         make_data(mixed, tokenizer)
