@@ -272,3 +272,15 @@ def test_sequence_logps_sum_the_completion_tokens_only(tiny_model, tokenizer):
             logps = torch.log_softmax(tiny_model(input_ids=ids[None]).logits[0].float(), -1)
             expected = sum(float(logps[t - 1, ids[t]]) for t in range(start, len(ids)))
             assert float(got[i]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_conversational_rows_go_through_the_chat_template(tokenizer):
+    chat = [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
+             "completion": [{"role": "assistant", "content": str(i + 1 if i % 2 else i)}], "label": bool(i % 2)}
+            for i in range(4)]
+    dm = make_data(chat, tokenizer, shuffle=False)
+    row = dm.train_dataset[0]
+    whole = tokenizer.apply_chat_template(chat[0]["prompt"] + chat[0]["completion"], tokenize=False)
+    prompt = tokenizer.apply_chat_template(chat[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    assert row["prompt_input_ids"] + row["completion_input_ids"] == tokenizer(whole, add_special_tokens=False)["input_ids"]
+    assert row["prompt_input_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
