@@ -284,3 +284,16 @@ def test_conversational_rows_go_through_the_chat_template(tokenizer):
     prompt = tokenizer.apply_chat_template(chat[0]["prompt"], tokenize=False, add_generation_prompt=True)
     assert row["prompt_input_ids"] + row["completion_input_ids"] == tokenizer(whole, add_special_tokens=False)["input_ids"]
     assert row["prompt_input_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_a_kind_without_rows_is_not_logged(tiny_dir, tokenizer):
+    module = kto_module(tiny_dir)
+    desirable_only = [r for r in UNPAIRED if r["label"]]
+    dm = make_data(UNPAIRED, tokenizer, shuffle=False, val_path=Dataset.from_list(desirable_only), batch_size=3)
+    with torch.no_grad():
+        module._step(next(iter(dm.eval_dataloader(dm.val_dataset))), module.eval_stats)
+    logged = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)
+    module._log_stats(module.eval_stats, "val")
+    assert {"val/loss", "val/kl", "val/rewards/chosen", "val/logps/chosen"} <= set(logged)
+    assert not {"val/rewards/rejected", "val/logps/rejected", "val/rewards/margins"} & set(logged)  # not NaN rows
