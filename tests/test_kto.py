@@ -4,7 +4,6 @@ console script end to end."""
 
 from __future__ import annotations
 
-import copy
 import csv
 import os
 import subprocess
