@@ -156,8 +156,9 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
     ``"yes"`` or ``1``; CSV cells are text, so use JSONL or parquet), strings or conversations; or paired preference
     rows (``prompt``/``chosen``/``rejected``, or ``chosen``/``rejected`` with the implicit prompt), unpaired on the
     fly as TRL does. Rows are validated before any model loads: a missing or non-boolean label, an empty prompt or
-    completion, strings mixed with conversations, or data without a desirable or without an undesirable row is a
-    ``DataFormatError`` naming the row and the column.
+    completion, strings mixed with conversations, or training data without a desirable or without an undesirable
+    row is a ``DataFormatError`` naming the row and the column (a validation split may hold one kind: the metrics of
+    the other are then not logged).
 
     Every row also carries a *mismatched* completion, from which KTO estimates its KL term: TRL's construction,
     the completions of each block of ``batch_size`` consecutive rows moved one place down the block
@@ -258,7 +259,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
             )
         desirable = sum(1 for v in rows["label"] if v)
         undesirable = len(rows) - desirable
-        if not desirable or not undesirable:
+        if label == "train" and (not desirable or not undesirable):
             raise DataFormatError(
                 f"The {label} data has {desirable} desirable (label true) and {undesirable} undesirable (label false) "
                 "rows; KTO needs both kinds. Add rows of the missing kind."

@@ -157,7 +157,8 @@ class KTOModule(PolicyModule):
         if self.ref_model is not None or getattr(self, "_ref_released", False):
             return
         separate = hp.ref_model_name_or_path or hp.ref_model_init_kwargs or hp.num_shared_layers
-        fresh_fit = self._trainer is not None and self.trainer.ckpt_path is None
+        fresh_fit = (self._trainer is not None and self.trainer.ckpt_path is None
+                     and self.trainer.state.fn == "fit")  # not `lightalign test` of a trained checkpoint
         if hp.precompute_ref_log_probs and not separate and fresh_fit and not is_peft_model(self.model):
             self._policy_is_reference = True  # the untrained policy is the reference of the one precompute pass
             return
@@ -202,9 +203,13 @@ class KTOModule(PolicyModule):
             return torch.zeros((), device=batch["input_ids"].device)
         with torch.no_grad():
             kl = kl_estimate(sequence_logps(self.model, batch, "kl_"), ref_kl_logps)
+        return self.mean_over_ranks(kl).clamp(min=0)
+
+    def mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the ranks (every rank calls it at the same step)."""
         if self._trainer is not None and self.trainer.world_size > 1:
-            kl = self.trainer.strategy.reduce(kl, reduce_op="mean")
-        return kl.clamp(min=0)
+            return self.trainer.strategy.reduce(value, reduce_op="mean")
+        return value
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
         hp = self.hparams

@@ -4,7 +4,6 @@ console script end to end."""
 
 from __future__ import annotations
 
-import copy
 import csv
 import os
 import subprocess
@@ -92,8 +91,10 @@ def test_non_boolean_labels_and_one_sided_data_are_refused(tokenizer):
     floats = [dict(r, label=1.0 if r["label"] else 0.0) for r in UNPAIRED]
     with pytest.raises(DataFormatError, match=r"row 0, column 'label'.*got float 1.0"):
         make_data(floats, tokenizer)
-    with pytest.raises(DataFormatError, match="3 desirable .* and 0 undesirable"):
+    with pytest.raises(DataFormatError, match="train data has 3 desirable .* and 0 undesirable"):
         make_data([r for r in UNPAIRED if r["label"]], tokenizer)
+    one_kind = make_data(UNPAIRED, tokenizer, val_path=Dataset.from_list([r for r in UNPAIRED if r["label"]]))
+    assert one_kind.label_counts["validation"] == (3, 0)  # a validation split may hold one kind
     mixed = [dict(r, completion=[{"role": "assistant", "content": r["completion"]}]) for r in UNPAIRED]
     with pytest.raises(DataFormatError, match="row 0, column 'completion': mixes conversations with the strings"):
         make_data(mixed, tokenizer)
@@ -243,3 +244,55 @@ def test_bad_labels_fail_through_the_console_script(repo, tmp_path, write_jsonl)
     out = run_cli(repo, "fit", "--config", "configs/kto_tiny.yaml", "--data.path", write_jsonl(rows, "strings.jsonl"),
                   "--data.val_split_size", "0", "--trainer.logger.init_args.save_dir", str(tmp_path), status=1)
     assert "row 0, column 'label': expected a boolean" in out and "Traceback" not in out
+
+
+def test_kl_term_is_clamped_at_zero_and_zero_without_kl(tiny_dir, monkeypatch):
+    import lightalign.modules.kto as kto
+
+    module = KTOModule(str(tiny_dir), from_config=True)
+    module.model = torch.nn.Identity()
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long)}
+    monkeypatch.setattr(kto, "sequence_logps", lambda model, batch, prefix="": torch.tensor([-5.0, -4.0]))
+    assert float(module.kl_term(batch, torch.tensor([-4.0, -4.0]))) == 0.0  # mean log-ratio -0.5 -> clamped
+    assert float(module.kl_term(batch, torch.tensor([-6.0, -4.0]))) == pytest.approx(0.5)
+    apo = KTOModule(str(tiny_dir), from_config=True, loss_type="apo_zero_unpaired")
+    apo.model = torch.nn.Identity()
+    assert float(apo.kl_term(batch, None)) == 0.0
+
+
+def test_sequence_logps_sum_the_completion_tokens_only(tiny_model, tokenizer):
+    dm = make_data(UNPAIRED, tokenizer, shuffle=False, batch_size=2)
+    batch = next(iter(dm.eval_dataloader(dm.train_dataset)))
+    with torch.no_grad():
+        got = sequence_logps(tiny_model, batch, "kl_")
+        for i in range(2):
+            ids = batch["kl_input_ids"][i, : int(batch["kl_attention_mask"][i].sum())]
+            start = int(batch["kl_completion_mask"][i].argmax())  # first completion token
+            logps = torch.log_softmax(tiny_model(input_ids=ids[None]).logits[0].float(), -1)
+            expected = sum(float(logps[t - 1, ids[t]]) for t in range(start, len(ids)))
+            assert float(got[i]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_conversational_rows_go_through_the_chat_template(tokenizer):
+    chat = [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
+             "completion": [{"role": "assistant", "content": str(i + 1 if i % 2 else i)}], "label": bool(i % 2)}
+            for i in range(4)]
+    dm = make_data(chat, tokenizer, shuffle=False)
+    row = dm.train_dataset[0]
+    whole = tokenizer.apply_chat_template(chat[0]["prompt"] + chat[0]["completion"], tokenize=False)
+    prompt = tokenizer.apply_chat_template(chat[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    assert row["prompt_input_ids"] + row["completion_input_ids"] == tokenizer(whole, add_special_tokens=False)["input_ids"]
+    assert row["prompt_input_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_a_kind_without_rows_is_not_logged(tiny_dir, tokenizer):
+    module = kto_module(tiny_dir)
+    desirable_only = [r for r in UNPAIRED if r["label"]]
+    dm = make_data(UNPAIRED, tokenizer, shuffle=False, val_path=Dataset.from_list(desirable_only), batch_size=3)
+    with torch.no_grad():
+        module._step(next(iter(dm.eval_dataloader(dm.val_dataset))), module.eval_stats)
+    logged = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)
+    module._log_stats(module.eval_stats, "val")
+    assert {"val/loss", "val/kl", "val/rewards/chosen", "val/logps/chosen"} <= set(logged)
+    assert not {"val/rewards/rejected", "val/logps/rejected", "val/rewards/margins"} & set(logged)  # not NaN rows
