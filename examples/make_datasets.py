@@ -237,6 +237,28 @@ def build(out: Path) -> None:
                      "label": good})
     write_jsonl(out / "arithmetic_unpaired.jsonl", rows)
 
+    # Format preference (for reward models a tiny model can learn): the answer in digits is preferred to the same
+    # answer in words, the preference GRPO's digit_fraction_reward encodes by hand.
+    rng = random.Random(SEED + 7)
+    write_jsonl(out / "digit_preference.jsonl",
+                [{"prompt": prompt_str(a, op, b), "chosen": str(solve(a, op, b)), "rejected": number_words(solve(a, op, b))}
+                 for a, op, b in rng.sample(PROBLEMS, 1000)])
+
+
+_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+         "seventeen eighteen nineteen").split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def number_words(n: int) -> str:
+    """English words of 0 <= n < 1000 (``103`` -> ``one hundred three``)."""
+    if n >= 100:
+        rest = n % 100
+        return f"{_ONES[n // 100]} hundred" + (f" {number_words(rest)}" if rest else "")
+    if n < 20:
+        return _ONES[n]
+    return _TENS[n // 10 - 2] + (f"-{_ONES[n % 10]}" if n % 10 else "")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
