@@ -12,10 +12,11 @@ Python API::
 from pathlib import Path
 
 from lightalign.callbacks import CompletionSamples, DeviceCacheCleanup, HFExport, NonFiniteGuard, TokenThroughput
-from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
+from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule, UnpairedPreferenceDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
 from lightalign.strategies import AtomicCheckpointIO, CheckpointError
-from lightalign.modules import DPOModule, GRPOModule, IterativeSFT, NEFTune, PolicyModule, SFTModule, create_reference_model, dpo_loss, grpo_loss, sft_loss
+from lightalign.modules import (DPOModule, GRPOModule, IterativeSFT, KTOModule, NEFTune, PolicyModule, RewardModule,
+                                SFTModule, create_reference_model, dpo_loss, grpo_loss, kto_loss, reward_loss, sft_loss)
 
 __version__ = "0.1.0"
 
@@ -33,19 +34,24 @@ __all__ = [
     "GRPOModule",
     "HFExport",
     "IterativeSFT",
+    "KTOModule",
     "ModelNotFoundError",
     "NEFTune",
     "NonFiniteGuard",
     "PolicyModule",
     "PreferenceDataModule",
     "PromptDataModule",
+    "RewardModule",
     "SFTDataModule",
     "SFTModule",
     "TokenThroughput",
+    "UnpairedPreferenceDataModule",
     "create_reference_model",
     "dpo_loss",
     "grpo_loss",
+    "kto_loss",
     "load_causal_lm",
     "load_tokenizer",
+    "reward_loss",
     "sft_loss",
 ]

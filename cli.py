@@ -50,8 +50,9 @@ TRAINER_DEFAULTS = {
 KNOB_HELP = """lightalign: SFT, DPO and GRPO on PyTorch Lightning.
 
 The method and data knobs belong to the classes a config names; list them with
-  lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule)
-  lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule)
+  lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RewardModule, KTOModule)
+  lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule,
+                                                       UnpairedPreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config
 Learning curves of finished runs: lightalign plot RUN_DIR [RUN_DIR ...] (see lightalign plot --help)
 Continue the newest run of a config in its folder: lightalign fit --config X --ckpt_path last

@@ -140,9 +140,27 @@ def load_causal_lm(
     trust_remote_code: bool = False,
 ):
     """Build an ``AutoModelForCausalLM``: pretrained weights, or random weights from the config (``from_config``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    return load_model(AutoModelForCausalLM, name_or_path, from_config, init_kwargs, trust_remote_code)
+
+
+def load_model(
+    auto_class: Any,
+    name_or_path: str,
+    from_config: bool = False,
+    init_kwargs: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+    loading_info: dict[str, Any] | None = None,
+):
+    """Build a model of a transformers auto class (``AutoModelForCausalLM``, ``AutoModelForSequenceClassification``)
+    with the errors of ``load_causal_lm``. ``config_overrides`` are set on the config (e.g. ``num_labels``);
+    ``loading_info``, when given, receives transformers' loading report (``missing_keys`` …) of pretrained weights."""
+    from transformers import AutoConfig
 
     kwargs = normalize_init_kwargs(init_kwargs)
+    overrides = dict(config_overrides or {})
     _check_local_folder(name_or_path, "Model")
     if not from_config:
         check_weights(name_or_path, kwargs)
@@ -150,7 +168,7 @@ def load_causal_lm(
         if from_config:
             config_kwargs = {k: kwargs.pop(k) for k in ("revision",) if k in kwargs}
             config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
-                                                **_hub_kwargs(name_or_path), **config_kwargs)
+                                                **_hub_kwargs(name_or_path), **config_kwargs, **overrides)
             attn = kwargs.pop("attn_implementation", None)
             if attn is not None:
                 config._attn_implementation = attn
@@ -160,12 +178,17 @@ def load_causal_lm(
                     f"model_init_kwargs {sorted(kwargs)} have no meaning with from_config=True "
                     "(only dtype, attn_implementation and revision apply)."
                 )
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = auto_class.from_config(config, trust_remote_code=trust_remote_code)
             if isinstance(dtype, torch.dtype):
                 model = model.to(dtype)
             return model
-        return AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
-                                                    **{**_hub_kwargs(name_or_path), **kwargs})
+        kwargs = {**_hub_kwargs(name_or_path), **kwargs}
+        if loading_info is None:
+            return auto_class.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides, **kwargs)
+        model, info = auto_class.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides,
+                                                 output_loading_info=True, **kwargs)
+        loading_info.update(info)
+        return model
     except ValueError as err:
         if "trust_remote_code" in str(err):
             raise _remote_code_error(name_or_path, err) from err

@@ -23,6 +23,7 @@ from lightalign.datamodules.formats import (
 
 TruncationMode = Literal["keep_start", "keep_end"]
 COMPLETIONS = ("chosen", "rejected")
+MARGIN = "margin"  # optional per-row column: the reward margin chosen must beat rejected by (RewardModule)
 # Part of the datasets cache fingerprint of tokenized rows: bump it whenever tokenization changes its output, so
 # caches written by an older lightalign are not reused.
 TOKENIZATION_VERSION = 3
@@ -137,6 +138,28 @@ def truncate_pair(
     return prompt, chosen, rejected
 
 
+def parse_margin(value: Any, row: int) -> float:
+    """A row's ``margin`` as a float: a number, or a numeric string (CSV cells are text); anything else, or a
+    NaN/inf, is an error naming the row."""
+    import math
+
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number):
+        raise DataFormatError(
+            f"row {row}, column '{MARGIN}': {value!r} is not a finite number. The optional '{MARGIN}' column gives "
+            "each pair the reward margin chosen must beat rejected by (e.g. 0.5); give every row a number, or drop "
+            "the column."
+        )
+    return number
+
+
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, implicit: bool,
                     max_length: int | None, max_prompt_length: int | None, max_completion_length: int | None,
                     truncation_mode: str, split: str, row_numbers: list[int] | None = None,
@@ -166,6 +189,8 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
         out["rejected_input_ids"].append(rejected)
         out["split"].append(split)
         out["index"].append(row_index)
+        if MARGIN in row:
+            out.setdefault(MARGIN, []).append(parse_margin(row[MARGIN], row_index))
     return out
 
 
@@ -173,7 +198,8 @@ class PreferenceCollator:
     """Pairs -> one padded batch with the chosen sequences first and the rejected ones after (``2B`` rows).
 
     Returns ``input_ids``, ``attention_mask`` and ``completion_mask`` (1 on completion tokens), and passes
-    precomputed ``ref_chosen_logps`` / ``ref_rejected_logps`` through when the rows carry them.
+    precomputed ``ref_chosen_logps`` / ``ref_rejected_logps`` and the rows' ``margin`` (``[B]``) through when the
+    rows carry them.
     """
 
     def __init__(self, pad_token_id: int) -> None:
@@ -196,7 +222,7 @@ class PreferenceCollator:
             attention_mask[i, : len(seq)] = 1
             completion_mask[i, : len(seq)] = torch.tensor(mask)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
-        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        for key in ("ref_chosen_logps", "ref_rejected_logps", MARGIN):
             if key in rows[0]:
                 batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
         return batch
@@ -206,7 +232,9 @@ class PreferenceDataModule(TokenizedDataModule):
     """Batches of preference pairs from any TRL preference dataset.
 
     Explicit prompt (``prompt``, ``chosen``, ``rejected``) or implicit prompt (``chosen``, ``rejected``: their
-    shared beginning is the prompt); plain strings or conversations (chat template applied).
+    shared beginning is the prompt); plain strings or conversations (chat template applied). An optional numeric
+    ``margin`` column (per pair, as TRL's reward data has) reaches the batches as ``margin``; ``RewardModule``
+    reads it, the other methods ignore it.
 
     Args:
         path: training data: a local json/jsonl/parquet/csv file or folder, a hub dataset name, or a ``Dataset``.
@@ -310,7 +338,8 @@ class PreferenceDataModule(TokenizedDataModule):
         implicit = "prompt" not in cols
         self.validate(raw, tokenizer, label, implicit)
         keep = [c for c in ("prompt", "chosen", "rejected") if c in cols]
-        return raw.select_columns(keep).map(
+        margin = [MARGIN] if MARGIN in cols else []  # checked and made a float per row in _tokenize_batch
+        return raw.select_columns(keep + margin).map(
             _tokenize_batch,
             batched=True,
             with_indices=True,

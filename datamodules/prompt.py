@@ -15,11 +15,17 @@ from lightalign.datamodules.step_loader import SeededLoader
 from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
 
 
-def _tokenize_prompts(batch: dict[str, list], tokenizer: Any, max_prompt_length: int | None) -> dict[str, list]:
+OWNED_CHAT_TEMPLATE_KEYS = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                            "return_dict", "chat_template")
+
+
+def _tokenize_prompts(batch: dict[str, list], tokenizer: Any, max_prompt_length: int | None,
+                      chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, list]:
     ids_out = []
     for prompt in batch["prompt"]:
         if isinstance(prompt, list):
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -68,13 +74,25 @@ class PromptDataModule(TokenizedDataModule):
         path: training prompts: a local json/jsonl/parquet/csv file or folder, a hub dataset name, or a ``Dataset``.
         tokenizer: a tokenizer or its name/path (the CLI links it to the model's ``model_name_or_path``).
         max_prompt_length: prompts keep their last ``max_prompt_length`` tokens (left truncation).
+        chat_template_kwargs: extra variables for the chat template of conversational prompts (e.g.
+            ``{"enable_thinking": false}``), passed to ``apply_chat_template`` (TRL's GRPO knob of that name).
         **kwargs: the shared arguments of ``TokenizedDataModule`` (``val_path``, ``val_split_size``, ``seed`` …).
     """
 
     def __init__(self, path: DataSource = None, tokenizer: Any = None, *,
-                 max_prompt_length: int | None = 512, **kwargs: Any) -> None:
+                 max_prompt_length: int | None = 512, chat_template_kwargs: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or null, got {max_prompt_length}.")
+        if chat_template_kwargs is not None:
+            if not isinstance(chat_template_kwargs, dict):
+                raise ValueError(f"chat_template_kwargs must be a mapping of template variables, got "
+                                 f"{type(chat_template_kwargs).__name__}.")
+            owned = sorted(set(chat_template_kwargs) & set(OWNED_CHAT_TEMPLATE_KEYS))
+            if owned:
+                raise ValueError(f"chat_template_kwargs sets {owned}, which the prompt data sets itself (a prompt "
+                                 "ends with the generation prompt; the template is data.chat_template).")
+        self.chat_template_kwargs = chat_template_kwargs
         super().__init__(path, tokenizer, **kwargs)
         self.max_prompt_length = max_prompt_length
         self.prompts_per_generation = self.batch_size
@@ -103,7 +121,8 @@ class PromptDataModule(TokenizedDataModule):
                 raise DataFormatError(f"row {i}, column 'prompt': mixes strings and conversations (row {first} is "
                                       f"{'a conversation' if conversational else 'a string'}).")
         return raw.map(_tokenize_prompts, batched=True, num_proc=self.dataset_num_proc, desc=f"Tokenizing {label}",
-                       fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length))
+                       fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length,
+                                      chat_template_kwargs=self.chat_template_kwargs))
 
     def train_dataloader(self) -> DataLoader:
         if len(self.train_dataset) < self.prompts_per_generation:

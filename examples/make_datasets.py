@@ -226,6 +226,17 @@ def build(out: Path) -> None:
                 [{"prompt": prompt_str(*p), "answer": str(solve(*p))}
                  for p in rng.sample(PROBLEMS, 1000)])
 
+    # Unpaired preference (for KTO): one completion per prompt, judged desirable (the right answer) or not; about
+    # 60% desirable, so the classes are unequal as in real feedback data.
+    rng = random.Random(SEED + 6)
+    rows = []
+    for a, op, b in rng.sample(PROBLEMS, 1000):
+        c = solve(a, op, b)
+        good = rng.random() < 0.6
+        rows.append({"prompt": prompt_str(a, op, b), "completion": str(c if good else wrong_answer(rng, c)),
+                     "label": good})
+    write_jsonl(out / "arithmetic_unpaired.jsonl", rows)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -4,10 +4,13 @@ from lightalign.modules.base import PolicyModule
 from lightalign.modules.dpo import LOSS_TYPES, DPOModule, dpo_loss
 from lightalign.modules.grpo import GRPOModule, grpo_loss
 from lightalign.modules.iterative_sft import IterativeSFT
+from lightalign.modules.kto import KTOModule, kto_loss
 from lightalign.modules.neftune import NEFTune
 from lightalign.modules.reference import create_reference_model
+from lightalign.modules.reward import RewardModule, reward_loss
 from lightalign.modules.sft import SFTModule, sft_loss
 
 __all__ = [
-    "LOSS_TYPES", "DPOModule", "GRPOModule", "IterativeSFT", "NEFTune", "grpo_loss", "PolicyModule", "SFTModule", "create_reference_model", "dpo_loss", "sft_loss",
+    "LOSS_TYPES", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "PolicyModule", "RewardModule",
+    "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss", "kto_loss", "reward_loss", "sft_loss",
 ]

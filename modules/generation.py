@@ -143,3 +143,43 @@ def split_rollout(tensors: dict[str, torch.Tensor], lengths: torch.Tensor, steps
     tensors["lengths"] = lengths[order]
     micro = rows // steps
     return [{k: v[i * micro:(i + 1) * micro] for k, v in tensors.items()} for i in range(steps)]
+
+
+# generate() arguments GRPOModule sets itself: a generation_kwargs entry for one of them is refused, naming the knob.
+OWNED_GENERATION_KEYS = {
+    "max_new_tokens": "max_completion_length", "max_length": "max_completion_length",
+    "num_return_sequences": "num_generations", "temperature": "temperature (the loss divides the logits by it too)",
+    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+    "cache_implementation": "cache_implementation", "do_sample": "nothing: GRPO always samples",
+    "num_beams": "nothing: GRPO trains on samples of the policy, beam search is not one",
+    "eos_token_id": "the model's generation config or the tokenizer", "pad_token_id": "the tokenizer",
+    "use_cache": "nothing (always on)", "past_key_values": "share_prefill",
+    "return_dict_in_generate": "nothing: the rollout reads the generated ids",
+}
+
+
+def check_generation_knobs(generation_kwargs: dict[str, Any] | None, cache_implementation: str | None,
+                           share_prefill: bool) -> None:
+    """``generation_kwargs`` and ``cache_implementation`` of GRPOModule, checked at construction."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
+
+    if generation_kwargs is not None:
+        if not isinstance(generation_kwargs, dict):
+            raise ValueError(f"generation_kwargs must be a mapping of generate() arguments, got "
+                             f"{type(generation_kwargs).__name__}.")
+        defaults = GenerationConfig()
+        for key in generation_kwargs:
+            if key in OWNED_GENERATION_KEYS:
+                raise ValueError(f"generation_kwargs sets {key!r}, which GRPOModule sets itself; use "
+                                 f"{OWNED_GENERATION_KEYS[key]} instead.")
+            if not hasattr(defaults, key):
+                raise ValueError(f"generation_kwargs key {key!r} is not a transformers GenerationConfig field "
+                                 "(e.g. suppress_tokens, no_repeat_ngram_size, bad_words_ids, min_new_tokens).")
+    if cache_implementation is not None:
+        if cache_implementation not in ALL_CACHE_IMPLEMENTATIONS:
+            raise ValueError(f"cache_implementation={cache_implementation!r} is unknown; transformers knows "
+                             f"{list(ALL_CACHE_IMPLEMENTATIONS)}.")
+        if share_prefill:
+            raise ValueError(f"cache_implementation={cache_implementation!r} needs share_prefill: false (share_prefill "
+                             "hands generate a DynamicCache holding the shared prompt prefill).")

@@ -1,6 +1,8 @@
 """Group relative policy optimisation: ``GRPOModule`` (rollouts, rewards, advantages, the clipped loss).
 
-The loss itself is the pure function ``grpo_loss`` (``modules/grpo_loss.py``), re-exported here.
+The loss itself is the pure function ``grpo_loss`` (``modules/grpo_loss.py``), re-exported here; sampling,
+scoring and buffering a rollout are ``GRPORollout`` (``modules/grpo_rollout.py``), the entropy coefficient and
+token mask ``modules/entropy_control.py``.
 
 Rollout reuse under automatic optimisation: ``PromptDataModule`` hands each generation batch of prompts to
 ``steps_per_generation x num_iterations`` consecutive ``training_step`` calls; the first generates
@@ -19,37 +21,36 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
-from lightalign.modules.generation import (check_generation_arithmetic, check_rollout_config, sample_completions,
-                                           split_rollout)
-from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
-from lightalign.modules.layouts import grpo_forward, prompt_group_batch
-from lightalign.modules.logprobs import mean_entropy
+from lightalign.modules.entropy_control import (SENTINEL, EntropyController, check_entropy_control,
+                                               high_entropy_mask)
+from lightalign.modules.generation import check_generation_arithmetic, check_generation_knobs, check_rollout_config
+from lightalign.modules.grpo_loss import (GLOBAL_TOKEN_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_loss,
+                                          validate_grpo_loss_config)
+from lightalign.modules.grpo_rollout import GRPORollout, _key
 from lightalign.modules.rng_state import gather_per_rank, to_cpu
 from lightalign.modules.reference import build_reference, move_reference
-from lightalign.rewards import (
-    RunningRewardNormalizer,
-    check_reward_weights,
-    clip_rewards,
-    compute_rewards,
-    resolve_reward_funcs,
-    nanstd,
-    reward_func_names,
-    scale_advantages,
-)
+from lightalign.rewards import RunningRewardNormalizer, check_reward_weights, reward_func_names, resolve_reward_funcs
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPOModule", "grpo_loss"]
 
 SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
-class GRPOModule(PolicyModule):
+class GRPOModule(GRPORollout, PolicyModule):
     """GRPO on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults).
 
     Args:
         reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables,
             import paths (``lightalign.rewards.accuracy_reward``, ``mypkg.rewards:fn``) or reward-model folders.
         reward_weights: one weight per reward function (default 1 each); the reward is their weighted sum.
+        multi_objective_aggregation: ``sum_then_normalize`` (default): weighted sum of the rewards, then
+            ``scale_rewards``; ``normalize_then_sum`` (GDPO): each function's rewards are normalised within each
+            group (``(r - mean) / (std + 1e-4)``), weighted and summed, and the sum is normalised over the whole
+            generation batch (every rank's); ``scale_rewards`` is then not used, and ``normalize_rewards`` /
+            ``reward_clip`` (lightalign's, on the summed reward) are refused with it.
         num_generations: completions per prompt (the group).
+        num_generations_eval: completions per validation prompt (default ``num_generations``).
         generation_batch_size: completions per rollout per device (default ``num_generations x
             steps_per_generation``); must be divisible by ``num_generations`` and by ``steps_per_generation``.
         steps_per_generation: training micro-batches one rollout is split into (default: the trainer's
@@ -57,15 +58,40 @@ class GRPOModule(PolicyModule):
         num_iterations: how many times each rollout is trained on (PPO-style reuse, TRL's μ).
         max_completion_length: generated tokens at most.
         temperature, top_p, top_k, min_p, repetition_penalty: sampling knobs of ``generate``.
-        loss_type: ``dapo`` (default) | ``grpo`` | ``bnpo`` | ``dr_grpo``. ``dapo`` divides by the completion
+        generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``,
+            ``no_repeat_ngram_size``); the ones this module sets (``max_new_tokens``, ``num_return_sequences``,
+            ``temperature``, ``top_p`` ...) are refused with the knob to use. (TRL lets them override its knobs.)
+        cache_implementation: ``generate``'s KV-cache implementation (e.g. ``static``); needs ``share_prefill:
+            false``.
+        loss_type: ``dapo`` (default) | ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``cispo`` | ``sapo`` | ``luspo`` |
+            ``vespo`` (formulas: ``grpo_loss``). ``cispo`` needs ``epsilon_high`` (the ratio cap, e.g. 5.0);
+            ``luspo`` needs ``importance_sampling_level: sequence`` and ``beta: 0``. ``dapo`` divides by the completion
             tokens of each optimizer step's own micro-batches; when ``steps_per_generation`` exceeds
             ``accumulate_grad_batches`` TRL 1.16 divides by the rollout's tokens times ``accumulate / steps``
             (an average over the rollout) instead. Deliberately: each step's gradient is then the token mean of
             exactly the tokens it trains on, whatever the lengths in the rollout's other steps.
         epsilon, epsilon_high: clipping range ``[1 - epsilon, 1 + epsilon_high]`` of the importance ratio.
+        delta: two-sided clipping (INTELLECT-2): the unclipped branch uses ``min(ratio, delta)``; > 1, e.g. 4.0.
+        importance_sampling_level: ``token`` (default) or ``sequence`` (GSPO: each completion's mean log-ratio,
+            one ratio per completion).
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for positive / other advantages.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma weight ``w^k exp(-lambda w)``
+            for non-negative / negative advantages.
+        off_policy_mask_threshold: drop completions with a negative advantage whose mean ``log pi_old - log pi``
+            exceeds it (DeepSeek-V3.2). Only acts when the rollout is reused (``num_iterations > 1`` or
+            ``steps_per_generation > accumulate_grad_batches``); otherwise the policy is the sampler.
+        top_entropy_quantile: keep in the policy term only the tokens whose entropy is in the top quantile of the
+            micro-batch's tokens (every rank's); 1.0 keeps all, the paper uses 0.2. The KL term keeps every token.
+        entropy_coef: entropy bonus ``loss -= entropy_coef * mean token entropy`` (of the kept tokens).
+        use_adaptive_entropy, entropy_coef_min, entropy_coef_max, entropy_coef_delta, entropy_target: adaptive
+            entropy control (Skywork-OR1): after each optimizer step ``entropy_coef`` moves by ``entropy_coef_delta``
+            (up while the step's mean entropy is <= ``entropy_target``, else down, within [min, max]) and applies
+            only while the last step's entropy is <= ``entropy_target``. Its state is in the checkpoint.
         beta: KL coefficient (k3 estimator) against a reference model, which is built only when ``beta > 0``.
+        use_bias_correction_kl: multiply the k3 term by the importance ratio (DeepSeek-V3.2's unbiased estimate).
         scale_rewards: advantage scaling: ``group`` std, ``batch`` std, or ``none``.
-        normalize_rewards: normalise rewards by their running mean/std before the advantages.
+        normalize_rewards: normalise rewards by their running mean/std before the advantages (statistics of
+            the whole generation batch, every rank's, so all ranks keep the same ones).
         reward_clip: clip (normalised) rewards to ``[-reward_clip, reward_clip]``.
         mask_truncated_completions: completions that hit ``max_completion_length`` without EOS get no loss.
         ref_model_name_or_path, ref_model_init_kwargs: a separately loaded reference (when ``beta > 0``).
@@ -89,7 +115,9 @@ class GRPOModule(PolicyModule):
         *,
         reward_funcs: list[str | Callable] | str | Callable | None = None,
         reward_weights: list[float] | None = None,
+        multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
         num_generations: int = 8,
+        num_generations_eval: int | None = None,
         generation_batch_size: int | None = None,
         steps_per_generation: int | None = None,
         num_iterations: int = 1,
@@ -99,10 +127,29 @@ class GRPOModule(PolicyModule):
         top_k: int | None = None,
         min_p: float | None = None,
         repetition_penalty: float = 1.0,
-        loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = "dapo",
+        generation_kwargs: dict[str, Any] | None = None,
+        cache_implementation: str | None = None,
+        loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"] = "dapo",
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
+        delta: float | None = None,
+        importance_sampling_level: Literal["token", "sequence"] = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        off_policy_mask_threshold: float | None = None,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        entropy_coef_delta: float = 0.005,
+        entropy_target: float = 0.2,
         beta: float = 0.0,
+        use_bias_correction_kl: bool = False,
         scale_rewards: Literal["group", "batch", "none"] = "group",
         normalize_rewards: bool = False,
         reward_clip: float | None = None,
@@ -115,7 +162,28 @@ class GRPOModule(PolicyModule):
         pack_length: int = 1024,
         **kwargs: Any,
     ) -> None:
-        validate_grpo_loss_config(loss_type, epsilon, epsilon_high, beta, max_completion_length)
+        validate_grpo_loss_config(
+            loss_type, epsilon, epsilon_high, beta, max_completion_length,
+            importance_sampling_level=importance_sampling_level, delta=delta,
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
+            use_bias_correction_kl=use_bias_correction_kl, top_entropy_quantile=top_entropy_quantile,
+            entropy_coef=entropy_coef)
+        check_entropy_control(entropy_coef, use_adaptive_entropy, entropy_coef_min, entropy_coef_max,
+                              entropy_coef_delta, entropy_target)
+        check_generation_knobs(generation_kwargs, cache_implementation, share_prefill)
+        if num_generations_eval is not None and num_generations_eval < 1:
+            raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got {num_generations_eval}.")
+        if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} is unknown; use one of "
+                             f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}.")
+        if multi_objective_aggregation == "normalize_then_sum" and (
+                normalize_rewards or reward_clip is not None or scale_rewards == "none"):
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' normalises each reward function per "
+                             "group and the weighted sum over the batch itself: unset normalize_rewards and "
+                             "reward_clip, and leave scale_rewards at 'group' (it is not used; 'none' would be "
+                             "silently ignored).")
         if reward_funcs is None:
             raise ValueError("GRPOModule needs reward_funcs: callables or import paths of fn(prompts, completions, **columns).")
         specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -131,6 +199,8 @@ class GRPOModule(PolicyModule):
         self.reward_funcs = funcs
         self.reward_names = reward_func_names(funcs)
         self.reward_normalizer = RunningRewardNormalizer() if normalize_rewards else None
+        self.entropy_control = EntropyController(entropy_coef, use_adaptive_entropy, entropy_target, entropy_coef_delta,
+                                                 entropy_coef_min, entropy_coef_max)
         self.ref_model: torch.nn.Module | None = None
         self.tokenizer: Any = None
         self.generation_count = 0
@@ -138,14 +208,15 @@ class GRPOModule(PolicyModule):
         self._buffer_pos = 0
         self.last_samples: list[dict[str, Any]] = []
         stat_names = ["loss", "clip_ratio", "clip_ratio/low", "clip_ratio/high", "kl", "entropy", "reward/mean",
-                      "reward/std", "completions/mean_length", "completions/clipped_ratio"]
+                      "reward/std", "completions/mean_length", "completions/clipped_ratio", "policy_loss", "entropy_coef",
+                      "vespo/phi_seq_mean"]
         stat_names += [f"reward/{n}" for n in self.reward_names]
         self.stat_names = stat_names
         self.train_stats = torch.nn.ModuleDict({_key(k): MeanMetric(nan_strategy="ignore") for k in stat_names})
         self.eval_stats = torch.nn.ModuleDict({_key(k): MeanMetric(nan_strategy="ignore") for k in stat_names})
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("ref_model", "reward_funcs"):  # not submodules: never optimised or checkpointed
+        if name in ("ref_model", "reward_funcs", "entropy_control"):  # not submodules: never optimised or checkpointed
             self.__dict__[name] = value
             return
         super().__setattr__(name, value)
@@ -168,12 +239,15 @@ class GRPOModule(PolicyModule):
         gen, steps, _ = self.rollout_shape
         check_generation_arithmetic(gen, self.hparams.num_generations, steps)
         accumulate = self.trainer.accumulate_grad_batches
-        if self.hparams.loss_type == "dapo" and steps % accumulate:
+        if self.hparams.loss_type in GLOBAL_TOKEN_LOSS_TYPES and steps % accumulate:
             raise ValueError(
-                f"loss_type='dapo' normalises by the completion tokens of each optimizer step, so an optimizer step "
+                f"loss_type='{self.hparams.loss_type}' normalises by the completion tokens of each optimizer step, so an optimizer step "
                 f"must not straddle two rollouts: steps_per_generation ({steps}) must be a multiple of "
                 f"accumulate_grad_batches ({accumulate})."
             )
+        if self.hparams.off_policy_mask_threshold is not None and not self._reuses_rollout(steps):
+            rank_zero_warn("off_policy_mask_threshold has no effect here: every rollout is trained on once, by the "
+                           "policy that sampled it (num_iterations=1, steps_per_generation <= accumulate_grad_batches).")
         if not hasattr(datamodule, "configure_rollout"):
             raise TypeError(f"GRPOModule trains on PromptDataModule batches; got {type(datamodule).__name__}.")
         datamodule.configure_rollout(gen // self.hparams.num_generations, steps * self.hparams.num_iterations)
@@ -199,89 +273,6 @@ class GRPOModule(PolicyModule):
         longest = None if prompt is None else prompt + self.hparams.max_completion_length
         return ("grpo_shared" if self.hparams.prompt_sharing else "grpo_padded"), longest
 
-    # ------------------------------------------------------------------------------------- rollout
-    @torch.no_grad()
-    def generate(self, batch: dict[str, Any], num_generations: int) -> dict[str, Any]:
-        """Sample ``num_generations`` completions per prompt (``generation.sample_completions``)."""
-        hp = self.hparams
-        return sample_completions(
-            self.model, self.tokenizer, batch, num_generations, share_prefill=hp.share_prefill,
-            temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0, min_p=hp.min_p,
-            repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
-        )
-
-    def score(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> torch.Tensor:
-        """Rewards -> (normalised, clipped) -> group-relative advantages; logs the reward statistics."""
-        hp = self.hparams
-        per_func, total = compute_rewards(self.reward_funcs, rollout["prompts"], rollout["completions"],
-                                          rollout["columns"], hp.reward_weights)
-        total = total.to(self.device).float()
-        if (~torch.isnan(total)).any():  # a completion no function could score has a NaN total (as in TRL)
-            stats[_key("reward/mean")].update(torch.nanmean(total))
-            stats[_key("reward/std")].update(nanstd(total))
-        for j, name in enumerate(self.reward_names):
-            column = per_func[:, j]
-            if (~torch.isnan(column)).any():
-                stats[_key(f"reward/{name}")].update(torch.nanmean(column.float()))
-        lengths = rollout["completion_mask"].sum(-1).float()
-        stats[_key("completions/mean_length")].update(lengths.mean())
-        stats[_key("completions/clipped_ratio")].update(rollout["truncated"].float().mean())
-        self.last_samples = [
-            {"step": self.global_step, "prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
-             "reward": float(r), **{n: float(per_func[i, j]) for j, n in enumerate(self.reward_names)}}
-            for i, (p, t, r) in enumerate(zip(rollout["prompts"], rollout["texts"], total.tolist()))
-        ]
-        if not self.training and (self.eval_metric_objects or self.eval_metric_fns):
-            scored = total[~torch.isnan(total)]  # eval_metrics see each scored completion's total reward, and ones
-            self.update_eval_metrics(scored, torch.ones_like(scored, dtype=torch.long))
-        rewards = total
-        if self.reward_normalizer is not None and self.training:
-            rewards = self.reward_normalizer.normalize(rewards)
-        rewards = clip_rewards(rewards, hp.reward_clip)
-        batch_rewards = None  # "batch" divides by the std of every rank's rewards (TRL gathers them too)
-        if hp.scale_rewards == "batch" and self._trainer is not None and self.trainer.world_size > 1:
-            batch_rewards = self.all_gather(rewards).flatten()
-        return scale_advantages(rewards, hp.num_generations, hp.scale_rewards, batch_rewards=batch_rewards)
-
-    def token_logps(self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False):
-        """Per-token log-probs of the completion tokens ``[B, T]`` (and the mean entropy, detached)."""
-        logps, logits, scored = grpo_forward(model, mb, self.hparams.temperature)
-        return logps, (mean_entropy(logits, scored) if with_entropy else None)
-
-    @torch.no_grad()
-    def _make_rollout(self, batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
-        hp = self.hparams
-        gen, steps, _ = self.rollout_shape
-        prompts_expected = gen // hp.num_generations
-        if len(batch["prompts"]) != prompts_expected:
-            raise ValueError(f"Expected {prompts_expected} prompts per rollout (generation_batch_size {gen} / "
-                             f"num_generations {hp.num_generations}), got {len(batch['prompts'])}.")
-        rollout = self.generate(batch, hp.num_generations)
-        self.generation_count += 1
-        advantages = self.score(rollout, self.train_stats)
-        lengths = rollout["completion_mask"].sum(-1)  # generated tokens through EOS, before any masking
-        if hp.mask_truncated_completions:
-            rollout["completion_mask"] = rollout["completion_mask"] * (~rollout["truncated"]).long().unsqueeze(-1)
-        tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        tensors["advantages"] = advantages
-        chunks = split_rollout(tensors, lengths, steps, hp.num_generations, whole_groups=hp.prompt_sharing)
-        pad = self.tokenizer.pad_token_id
-        for mb in chunks:
-            lengths = mb.pop("lengths")
-            if hp.prompt_sharing:
-                mb["shared"] = prompt_group_batch(mb, pad if pad is not None else 0, hp.pack_length, lengths)
-        needs_old = hp.num_iterations > 1 or steps > self.trainer.accumulate_grad_batches
-        for mb in chunks:
-            if needs_old:
-                mb["old_logps"], _ = self.token_logps(self.model, mb)
-            if hp.beta > 0:
-                if self.ref_model is not None:
-                    mb["ref_logps"], _ = self.token_logps(self.ref_model, mb)
-                else:
-                    with self.model.disable_adapter():
-                        mb["ref_logps"], _ = self.token_logps(self.model, mb)
-        return chunks
-
     # ------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         hp = self.hparams
@@ -296,10 +287,14 @@ class GRPOModule(PolicyModule):
         mb = self._buffer[slot]
         self.last_batch_tokens = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
         self.last_batch_samples = int(mb["completion_ids"].shape[0])
-        logps, entropy = self.token_logps(self.model, mb, with_entropy=hp.log_entropy)
+        control = self.entropy_control
+        logps, entropies = self.token_logps(self.model, mb, entropy_grad=control.enabled,
+                                            with_entropy=hp.log_entropy or control.enabled or hp.top_entropy_quantile < 1)
+        mask = mb["completion_mask"].bool()
+        entropy_mask = None if hp.top_entropy_quantile >= 1 else self._high_entropy_mask(entropies.detach(), mask)
         accumulate = self.trainer.accumulate_grad_batches
         num_items, scale = None, 1.0
-        if hp.loss_type == "dapo":
+        if hp.loss_type in GLOBAL_TOKEN_LOSS_TYPES:
             start = (slot // accumulate) * accumulate
             step_tokens = sum(self._buffer[i]["completion_mask"].sum() for i in range(start, start + accumulate))
             world = self.trainer.world_size
@@ -310,20 +305,46 @@ class GRPOModule(PolicyModule):
             logps, mb.get("old_logps"), mb["advantages"], mb["completion_mask"], loss_type=hp.loss_type,
             epsilon=hp.epsilon, epsilon_high=hp.epsilon_high, beta=hp.beta, ref_per_token_logps=mb.get("ref_logps"),
             max_completion_length=hp.max_completion_length, num_items_in_batch=num_items,
+            importance_sampling_level=hp.importance_sampling_level, delta=hp.delta,
+            sapo_temperature_pos=hp.sapo_temperature_pos, sapo_temperature_neg=hp.sapo_temperature_neg,
+            vespo_k_pos=hp.vespo_k_pos, vespo_lambda_pos=hp.vespo_lambda_pos, vespo_k_neg=hp.vespo_k_neg,
+            vespo_lambda_neg=hp.vespo_lambda_neg, off_policy_mask_threshold=hp.off_policy_mask_threshold,
+            use_bias_correction_kl=hp.use_bias_correction_kl, entropy_mask=entropy_mask,
+            entropies=entropies if control.enabled else None, entropy_coef=control.applied_coef(),
         )
+        if control.enabled:
+            selected = mask if entropy_mask is None else entropy_mask
+            control.observe((entropies.detach() * selected).sum(), selected.sum())
         s = self.train_stats
         s[_key("loss")].update(loss.detach())
-        s[_key("clip_ratio")].update(stats["clip_ratio/region_mean"])
-        s[_key("clip_ratio/low")].update(stats["clip_ratio/low_mean"])
-        s[_key("clip_ratio/high")].update(stats["clip_ratio/high_mean"])
-        if "kl" in stats:
-            s[_key("kl")].update(stats["kl"])
-        if entropy is not None:
-            s[_key("entropy")].update(entropy)
+        for name, key in (("clip_ratio", "clip_ratio/region_mean"), ("clip_ratio/low", "clip_ratio/low_mean"),
+                          ("clip_ratio/high", "clip_ratio/high_mean"), ("kl", "kl"), ("policy_loss", "policy_loss"),
+                          ("vespo/phi_seq_mean", "vespo/phi_seq_mean")):
+            if key in stats:
+                s[_key(name)].update(stats[key])
+        if entropies is not None and mask.any():
+            s[_key("entropy")].update(entropies.detach()[mask].mean())
         return loss * scale
+
+    def _high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``top_entropy_quantile``'s token mask; the quantile is over every rank's real tokens of this step."""
+        pool = None
+        if self.trainer.world_size > 1:
+            local = entropies[mask].float()
+            longest = int(self.all_gather(torch.tensor(local.numel(), device=local.device)).max())
+            padded = torch.full((longest,), SENTINEL, device=local.device)
+            padded[: local.numel()] = local
+            pool = self.all_gather(padded).flatten()
+        return high_entropy_mask(entropies, mask, self.hparams.top_entropy_quantile, pool=pool)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
+        control = self.entropy_control
+        if control.enabled:  # the adaptive update takes effect from the next optimizer step on (as TRL)
+            world = self.trainer.world_size
+            control.step((lambda x: self.trainer.strategy.reduce(x.to(self.device), reduce_op="sum").cpu())
+                         if world > 1 else None)
+            self.train_stats[_key("entropy_coef")].update(torch.tensor(control.coef, device=self.device))
         self._log_stats(self.train_stats, "train")
 
     def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
@@ -341,9 +362,10 @@ class GRPOModule(PolicyModule):
         resumed from a checkpoint samples exactly what the uninterrupted run sampled)."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.global_step * 100_003 + batch_idx)
-            rollout = self.generate(batch, self.hparams.num_generations)
+            group = self.hparams.num_generations_eval or self.hparams.num_generations
+            rollout = self.generate(batch, group)
         last_samples = self.last_samples
-        self.score(rollout, self.eval_stats)
+        self.score(rollout, self.eval_stats, group)
         self.last_samples = last_samples  # the sample table shows training rollouts
 
     def on_validation_epoch_end(self) -> None:
@@ -356,12 +378,15 @@ class GRPOModule(PolicyModule):
         prompts, so each resumes its own (every rank gathers; rank 0 writes)."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["lightalign_grpo"] = {"generation_count": self.generation_count,
+                                         "entropy_control": self.entropy_control.state_dict(),
                                          "ranks": gather_per_rank(self._rank_state())}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("lightalign_grpo", {})
         self.generation_count = state.get("generation_count", 0)
+        if "entropy_control" in state:  # the same on every rank (its window is reduced over ranks)
+            self.entropy_control.load_state_dict(state["entropy_control"])
         ranks = state.get("ranks", [state])  # (checkpoints before per-rank state held rank 0's at the top level)
         world = self.trainer.world_size if self._trainer is not None else 1
         if len(ranks) != world:
@@ -382,6 +407,3 @@ class GRPOModule(PolicyModule):
             state["reward_normalizer"] = self.reward_normalizer.state_dict()
         return state
 
-
-def _key(name: str) -> str:
-    return name.replace("/", "__").replace(".", "_")

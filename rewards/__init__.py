@@ -5,6 +5,7 @@ from lightalign.rewards.advantages import (
     RunningRewardNormalizer,
     clip_rewards,
     nanstd,
+    normalize_then_sum,
     scale_advantages,
     zero_std_fraction,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "resolve_reward_funcs",
     "reward_func_name",
     "reward_func_names",
+    "normalize_then_sum",
     "scale_advantages",
     "think_format_reward",
     "zero_std_fraction",

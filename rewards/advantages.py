@@ -8,10 +8,12 @@ the baselines and its advantage is 0, as in TRL.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
-__all__ = ["RunningRewardNormalizer", "clip_rewards", "nanstd", "scale_advantages", "zero_std_fraction"]
+__all__ = ["RunningRewardNormalizer", "clip_rewards", "nanstd", "normalize_then_sum", "scale_advantages",
+           "zero_std_fraction"]
 
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -81,6 +83,31 @@ def scale_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return torch.nan_to_num(advantages, nan=0.0)
 
 
+def normalize_then_sum(per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                       gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """GDPO's advantages (TRL's ``multi_objective_aggregation="normalize_then_sum"``) from ``per_func [N, F]``
+    (NaN where a function returned None): each function's rewards become ``(r - group mean) / (group std + 1e-4)``,
+    the weighted nansum over functions is the reward (NaN if every function returned None), and the advantage is
+    ``(reward - batch mean) / (batch std + 1e-4)`` (unbiased stds; 0 for NaN rewards).
+
+    ``gather``: under data parallelism, maps this rank's rewards to every rank's (e.g. an all-gather), so the batch
+    statistics are the whole generation batch's, as TRL's; groups never straddle ranks."""
+    if per_func.dim() != 2 or weights.shape != per_func.shape[1:]:
+        raise ValueError(f"per_func must be [N, F] with one weight per function; got {tuple(per_func.shape)} and "
+                         f"{tuple(weights.shape)} weights.")
+    per_func = per_func.float()
+    _grouped(per_func[:, 0], num_generations)  # whole groups, or a clear error
+    grouped = per_func.view(-1, num_generations, per_func.shape[1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + 1e-4)).view_as(per_func)
+    rewards = (normalized * weights.float().unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(dim=1)] = math.nan
+    batch = rewards if gather is None else gather(rewards)
+    std_batch = nanstd(batch) if batch.numel() > 1 else torch.zeros((), device=rewards.device)
+    return torch.nan_to_num((rewards - torch.nanmean(batch)) / (std_batch + 1e-4), nan=0.0)
+
+
 def zero_std_fraction(rewards: torch.Tensor, num_generations: int) -> float:
     """The fraction of groups whose rewards are all equal (no learning signal); TRL logs it as frac_reward_zero_std."""
     std = _reward_std(rewards.float(), num_generations, "group").view(-1, num_generations)[:, 0]
@@ -101,7 +128,7 @@ class RunningRewardNormalizer:
 
     ``normalize(rewards)`` first adds the batch to the statistics, then returns ``(rewards - mean) / sqrt(var + eps)``
     with the population variance (``numpy.var``). NaN rewards are skipped in the statistics and stay NaN. Under data
-    parallelism, gather the rewards of all ranks first so that every rank keeps the same statistics.
+    parallelism, pass every rank's rewards as ``pool`` so that every rank keeps the same statistics.
     """
 
     def __init__(self, eps: float = 1e-8):
@@ -131,8 +158,10 @@ class RunningRewardNormalizer:
         self.m2 += batch_m2 + delta * delta * self.count * n / total
         self.count = total
 
-    def normalize(self, rewards: torch.Tensor) -> torch.Tensor:
-        self.update(rewards)
+    def normalize(self, rewards: torch.Tensor, pool: torch.Tensor | None = None) -> torch.Tensor:
+        """Add ``pool`` (default ``rewards``; under data parallelism every rank's rewards, so that all ranks keep
+        the same statistics) to the statistics, then normalise ``rewards``."""
+        self.update(rewards if pool is None else pool)
         dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
         return ((rewards.double() - self.mean) / math.sqrt(self.var + self.eps)).to(dtype)
 

@@ -83,14 +83,24 @@ class RewardModel:
 
         try:
             with loading_whole():  # ZeRO-3: whole on every rank (DeepSpeed never wraps it)
-                model = AutoModelForSequenceClassification.from_pretrained(
-                    self.name_or_path, num_labels=1, trust_remote_code=self.trust_remote_code, **kwargs
+                model, info = AutoModelForSequenceClassification.from_pretrained(
+                    self.name_or_path, num_labels=1, trust_remote_code=self.trust_remote_code,
+                    output_loading_info=True, **kwargs
                 )
         except OSError as err:
             raise ModelNotFoundError(
                 f"Could not load reward model '{self.name_or_path}' (a folder with config.json and weights, or a "
                 f"hub name reachable from here): {err}"
             ) from err
+        new_head = [k for k in info.get("missing_keys", []) if k.split(".")[0] in ("score", "classifier")]
+        if new_head:
+            raise ValueError(
+                f"Reward model '{self.name_or_path}' has no score head (its weights lack {sorted(new_head)}; "
+                f"architectures {getattr(model.config, 'architectures', None)}): transformers would put a random "
+                "head on it and its rewards would be noise. reward_funcs needs a sequence-classification folder: "
+                "train one with lightalign.RewardModule (e.g. lightalign fit --config configs/reward_tiny.yaml) "
+                "and name its hf_model export."
+            )
         # The classifier reads the score at the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = tokenizer.pad_token_id
         if self.device is None:

@@ -109,10 +109,12 @@ def build(method: str, model: str, devices: int):
                 PreferenceDataModule(rows("arithmetic_preference.jsonl", 44), tokenizer=TINY, batch_size=4), 2)
     if method == "grpo":
         # a rollout (2 prompts x 4 completions) serves 4 steps (2 micro-batches x 2 iterations); 4 prompts per
-        # rank: 2 rollouts, 8 steps per epoch
+        # rank: 2 rollouts, 8 steps per epoch. The adaptive entropy coefficient rises every step (entropy < target):
+        # its controller state must resume too
         module = GRPOModule(model, reward_funcs=[varied_reward], num_generations=4, generation_batch_size=8,
                             steps_per_generation=2, num_iterations=2, max_completion_length=6,
-                            normalize_rewards=True, scale_rewards="none", **common)
+                            normalize_rewards=True, scale_rewards="none", use_adaptive_entropy=True,
+                            entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
         return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 4 * devices), tokenizer=TINY), 1
     raise SystemExit(f"unknown method {method}")
 

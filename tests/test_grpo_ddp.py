@@ -25,6 +25,10 @@ def test_grpo_quickstart_under_ddp_runs_to_the_end(repo, tiny_dir, data_dir, tmp
          "--model.model_name_or_path", str(tiny_dir), "--data.path", str(data_dir / "arithmetic_prompts.jsonl"),
          "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.max_steps", "10",
          "--trainer.val_check_interval", "10", "--completions.every_n_steps", "5",
+         # collectives of the GRPO knobs: the reward normaliser's and the entropy quantile's all-gathers (token
+         # counts differ per rank), the adaptive entropy controller's reduce at each optimizer step
+         "--model.normalize_rewards", "true", "--model.top_entropy_quantile", "0.5",
+         "--model.use_adaptive_entropy", "true", "--model.entropy_coef", "0.01",
          "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -39,3 +43,5 @@ def test_grpo_quickstart_under_ddp_runs_to_the_end(repo, tiny_dir, data_dir, tmp
         assert {row["step"] for row in csv.DictReader(f)} == {"5", "10"}  # written by rank 0 at steps 5 and 10
     assert (run / "hf_model" / "model.safetensors").is_file() and (run / "curves.png").is_file()
     assert "lightalign run summary" in stdout
+    with open(run / "metrics.csv", newline="") as f:
+        assert "train/entropy_coef" in next(csv.reader(f))

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from lightalign.modules.grpo_loss import GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
+from lightalign.modules.grpo_loss import grpo_loss, validate_grpo_loss_config
+
+CLASSIC_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the new types: tests/test_grpo_loss_types.py
 
 EPS, EPS_HIGH = 0.2, 0.28
 # Three completions of lengths 4, 2, 3 (T = 4). OLD are the generation-time log-probs; DELTA = LOGP - OLD on real
@@ -73,7 +75,7 @@ def run(loss_type, beta=0.0, **kw):
     return logp, loss, stats
 
 
-@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLASSIC_LOSS_TYPES)
 def test_each_loss_type_matches_hand_computation(loss_type):
     logp, loss, _ = run(loss_type)
     assert loss.item() == pytest.approx(hand_loss(loss_type), abs=1e-12)
@@ -96,7 +98,7 @@ def test_dapo_uses_num_items_in_batch_and_bnpo_ignores_it():
     assert loss.item() == pytest.approx(hand_loss("bnpo"), abs=1e-12)
 
 
-@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLASSIC_LOSS_TYPES)
 def test_kl_term_k3(loss_type):
     beta = 0.1
     _, loss, stats = run(loss_type, beta=beta)
@@ -148,7 +150,7 @@ def test_on_policy_gradient_sign_and_mask():
                         requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     adv = torch.tensor([0.5, 1.5], dtype=torch.float64)
-    for loss_type in GRPO_LOSS_TYPES:
+    for loss_type in CLASSIC_LOSS_TYPES:
         logp.grad = None
         loss, stats = grpo_loss(logp, None, adv, mask, loss_type=loss_type, max_completion_length=4)
         loss.backward()
@@ -263,4 +265,4 @@ def test_grpo_loss_input_errors():
     with pytest.raises(ValueError, match="completion_mask"):
         grpo_loss(logp, old, adv, mask[:, :3])
     with pytest.raises(ValueError, match="Unknown GRPO loss_type"):
-        grpo_loss(logp, old, adv, mask, loss_type="cispo")
+        grpo_loss(logp, old, adv, mask, loss_type="gspo")

@@ -1,0 +1,76 @@
+"""GRPO's per-token policy terms, one pure function per idea: importance weights (token or sequence level), the
+clipped surrogate (with ``delta``), CISPO, SAPO, VESPO's Gamma weights, and the off-policy sequence mask.
+
+All take ``[B, T]`` tensors whose padding is already zeroed (``grpo_loss`` does that) and the advantages as
+``[B, 1]``; formulas follow TRL's ``GRPOTrainer._compute_loss`` (TRL 1.x), written here from the papers' equations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def log_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """``log(pi / pi_old)`` per token (``token``), or each row's mean over its real tokens broadcast to every token
+    (``sequence``, GSPO). ``log_ratio`` is 0 under the mask; the result is ``[B, T]`` in both cases."""
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        m = mask.to(log_ratio.dtype)
+        mean = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+        return mean.expand_as(log_ratio)
+    raise ValueError(f"importance_sampling_level={level!r} is unknown; use one of {list(IMPORTANCE_SAMPLING_LEVELS)}.")
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, epsilon: float, epsilon_high: float,
+                      delta: float | None = None) -> torch.Tensor:
+    """PPO's ``-min(r A, clamp(r, 1 - epsilon, 1 + epsilon_high) A)``; with ``delta`` the unclipped branch uses
+    ``min(r, delta)`` (two-sided clipping, INTELLECT-2): a negative advantage can no longer push an already
+    unlikely-under-pi_old token's ratio up without bound."""
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    return -torch.minimum(unclipped * adv, clipped * adv)
+
+
+def cispo_surrogate(ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, epsilon_high: float) -> torch.Tensor:
+    """CISPO (MiniMax-M1): ``-sg(min(r, epsilon_high)) A log pi``; the importance weight is capped (at
+    ``epsilon_high`` itself, not ``1 + epsilon_high``) and detached, so every token keeps a gradient."""
+    return -torch.clamp(ratio, max=epsilon_high).detach() * adv * logp
+
+
+def sapo_surrogate(ratio: torch.Tensor, adv: torch.Tensor, temperature_pos: float,
+                   temperature_neg: float) -> torch.Tensor:
+    """SAPO: ``-(4 / tau) sigmoid(tau (r - 1)) A`` with ``tau = temperature_pos`` where ``A > 0``, else
+    ``temperature_neg``. Its gradient is ``-4 s (1 - s) r A grad log pi`` (``s`` the sigmoid), the plain policy
+    gradient at ``r = 1`` and a smooth decay away from it instead of a hard cut."""
+    tau = torch.where(adv > 0, torch.full_like(adv, temperature_pos), torch.full_like(adv, temperature_neg))
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, k_pos: float, lambda_pos: float,
+                  k_neg: float, lambda_neg: float) -> torch.Tensor:
+    """VESPO's Gamma weight per row ``[B, 1]`` (detached): ``phi(w) = exp(lambda) w^k exp(-lambda w)`` (so
+    ``phi(1) = 1``), ``w`` the sequence ratio ``exp(sum_t log r_t)`` (each ``log r_t`` clamped to [-20, 20], the
+    sum to [log 1e-8, 20]); ``k, lambda`` are the ``_pos`` pair where ``A >= 0``, else ``_neg``."""
+    seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask.to(log_ratio.dtype)).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq, math.log(1e-8), 20.0)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
+    lam = torch.where(nonneg, torch.full_like(adv, lambda_pos), torch.full_like(adv, lambda_neg)).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@torch.no_grad()
+def off_policy_mask(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask ``[B, 1]``: 0 for a row with ``A < 0`` whose mean per-token
+    ``log pi_old - log pi`` exceeds ``threshold``, 1 otherwise."""
+    m = mask.to(logp.dtype)
+    kl = ((old_logp - logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (kl <= threshold)).to(logp.dtype)

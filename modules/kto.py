@@ -1,0 +1,338 @@
+"""``KTOModule``: Kahneman-Tversky optimisation on the unpaired batches of ``UnpairedPreferenceDataModule``, wired
+to a policy and its reference (the loss itself is the pure function ``kto_loss`` in ``kto_loss.py``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics.aggregation import MeanMetric
+
+from lightalign.modules.base import PolicyModule, is_peft_model
+from lightalign.modules.kto_loss import LOSS_TYPES, kl_estimate, kto_loss, validate_kto_config  # noqa: F401
+from lightalign.modules.logprobs import completion_logps
+from lightalign.modules.reference import (
+    build_reference,
+    cache_path,
+    load_cached,
+    model_fingerprint,
+    move_reference,
+    save_cached,
+    tokenized_fingerprint,
+)
+
+# The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
+TOKENIZED_COLUMNS = ("prompt_input_ids", "completion_input_ids", "kl_completion_input_ids", "index")
+# name -> which rows it averages over ("all", "desirable", "undesirable")
+STATS = {"loss": "all", "kl": "all", "rewards/chosen": "desirable", "rewards/rejected": "undesirable",
+         "logps/chosen": "desirable", "logps/rejected": "undesirable"}
+
+
+def balance_warning(desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float) -> str | None:
+    """TRL's check of the class balance (from Eq. 8 of the KTO paper): with unequal counts, EITHER
+    ``desirable_weight`` should lie in ``[u*w_u/d, 1.33*u*w_u/d]`` OR ``undesirable_weight`` in
+    ``[d*w_d/u/1.33, d*w_d/u]`` (bounds rounded to 2 decimals). The warning, or None."""
+    if desirable == undesirable:
+        return None
+    d_low, d_high = round(undesirable * undesirable_weight / desirable, 2), round(
+        undesirable * undesirable_weight / desirable * 1.33, 2)
+    u_low, u_high = round(desirable * desirable_weight / undesirable / 1.33, 2), round(
+        desirable * desirable_weight / undesirable, 2)
+    if d_low <= desirable_weight <= d_high or u_low <= undesirable_weight <= u_high:
+        return None
+    return (f"The training data has {desirable} desirable and {undesirable} undesirable rows, and desirable_weight="
+            f"{desirable_weight}, undesirable_weight={undesirable_weight} are outside the range the KTO paper "
+            f"recommends (Eq. 8). Set EITHER desirable_weight in [{d_low}, {d_high}] OR undesirable_weight in "
+            f"[{u_low}, {u_high}] (not both).")
+
+
+def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
+    """Summed completion log-probs ``[N]`` of the padded sequences ``{prefix}input_ids`` (one forward)."""
+    ids = batch[f"{prefix}input_ids"]
+    logits = model(input_ids=ids, attention_mask=batch[f"{prefix}attention_mask"], use_cache=False).logits
+    token_logps, _ = completion_logps(logits, ids, batch[f"{prefix}completion_mask"])
+    return token_logps.sum(-1)
+
+
+class KTOModule(PolicyModule):
+    """KTO (Ethayarajh et al. 2024) on completions judged one at a time (``UnpairedPreferenceDataModule``).
+
+    Each micro-batch runs the policy on its rows (with gradients) and on its mismatched sequences (each prompt with
+    another row's completion, no gradients), and the reference on both. The KL estimate ``z`` is the mean
+    policy/reference log-ratio of the mismatched sequences, averaged over the ranks, clamped at 0 and detached (TRL
+    1.16). The loss is the mean over the micro-batch's rows of ``w_d * (1 - sigmoid(beta * (r - z)))`` (desirable)
+    and ``w_u * (1 - sigmoid(beta * (z - r)))`` (undesirable), ``r`` the row's log-ratio.
+
+    Logged per optimizer step (``train/``) and per validation epoch (``val/``), as TRL names them: ``loss``,
+    ``kl``, ``rewards/chosen`` and ``logps/chosen`` (desirable rows), ``rewards/rejected`` and ``logps/rejected``
+    (undesirable rows), ``rewards/margins`` (chosen minus rejected); torchmetrics, each averaged over the rows it
+    describes across accumulation and ranks (``kl`` over micro-batches, weighted by rows).
+
+    Args:
+        beta: strength of the implicit KL penalty (TRL's default 0.1); > 0.
+        loss_type: ``kto`` (default) or ``apo_zero_unpaired`` (APO-zero on unpaired rows: no KL term, so no
+            mismatched forwards).
+        desirable_weight: weight of the desirable rows' losses (> 0, default 1.0).
+        undesirable_weight: weight of the undesirable rows' losses (> 0, default 1.0). With unequal counts, TRL's
+            recommended range (KTO paper, Eq. 8) is checked at fit start and a warning says which values fit.
+        ref_model_name_or_path: the reference checkpoint (default: a frozen copy of the initial policy).
+        ref_model_init_kwargs: ``from_pretrained`` kwargs of the reference, e.g.
+            ``{quantization_config: {load_in_8bit: true}}`` (bitsandbytes) or ``{dtype: bfloat16}``.
+        num_shared_layers: share the first k decoder layers (and the embeddings) between policy and reference;
+            they are frozen in both, the rest of the reference is a frozen copy.
+        precompute_ref_log_probs: compute the reference log-probs of every row and of its mismatched sequence once
+            before training, cache them on disk (keyed by the reference weights and the tokenized rows) and free the
+            reference model.
+        ref_log_probs_cache_dir: cache folder (default ``$LIGHTALIGN_CACHE/ref_logps`` or
+            ``~/.cache/lightalign/ref_logps``).
+        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule, ``eval_metrics`` — which receive
+            ``sigmoid(reward)`` of each row and its label as the target).
+
+    With LoRA (``peft_config``) and no ``ref_model_name_or_path``, the reference is the base model with the
+    adapters disabled: no second copy in memory.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        *,
+        beta: float = 0.1,
+        loss_type: str = "kto",
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        ref_model_name_or_path: str | None = None,
+        ref_model_init_kwargs: dict[str, Any] | None = None,
+        num_shared_layers: int | None = None,
+        precompute_ref_log_probs: bool = False,
+        ref_log_probs_cache_dir: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        validate_kto_config(loss_type, beta, desirable_weight, undesirable_weight)
+        if num_shared_layers is not None and (ref_model_name_or_path or ref_model_init_kwargs):
+            raise ValueError("num_shared_layers shares the policy's own layers; it cannot be combined with a "
+                             "separately loaded reference (ref_model_name_or_path / ref_model_init_kwargs).")
+        super().__init__(model_name_or_path, **kwargs)
+        self.ref_model: torch.nn.Module | None = None  # not a registered submodule: never optimised or checkpointed
+        self.reference_forward_calls = 0
+        self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})
+        self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "ref_model":  # keep the reference out of the module tree (optimizer, state_dict, DDP)
+            self.__dict__[name] = value
+            return
+        super().__setattr__(name, value)
+
+    @property
+    def uses_kl(self) -> bool:
+        return self.hparams.loss_type == "kto"
+
+    # ------------------------------------------------------------------------------------- data checks
+    def setup(self, stage: str) -> None:
+        """Before any model is built: the datamodule must be an unpaired one, with micro-batches of 2+ rows for
+        the KL estimate; warn when the class balance and the weights are outside TRL's recommended range."""
+        super().setup(stage)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None:
+            return
+        if not hasattr(datamodule, "label_counts"):
+            raise ValueError(f"KTOModule trains on UnpairedPreferenceDataModule batches, not {type(datamodule).__name__}: "
+                             "set data.class_path: lightalign.UnpairedPreferenceDataModule (it also takes paired rows).")
+        if self.uses_kl and datamodule.batch_size < 2:
+            raise ValueError(f"data.batch_size={datamodule.batch_size}: the kto loss estimates its KL term from the other "
+                             "rows of a micro-batch, so it needs at least 2 rows per micro-batch. Raise data.batch_size "
+                             "(use trainer.accumulate_grad_batches for memory), or use loss_type: apo_zero_unpaired.")
+        if stage == "fit" and "train" in datamodule.label_counts:
+            message = balance_warning(*datamodule.label_counts["train"], self.hparams.desirable_weight,
+                                      self.hparams.undesirable_weight)
+            if message:
+                rank_zero_warn(message)
+
+    # ------------------------------------------------------------------------------------- reference
+    def configure_model(self) -> None:
+        super().configure_model()
+        hp = self.hparams
+        if self.ref_model is not None or getattr(self, "_ref_released", False):
+            return
+        separate = hp.ref_model_name_or_path or hp.ref_model_init_kwargs or hp.num_shared_layers
+        fresh_fit = self._trainer is not None and self.trainer.ckpt_path is None
+        if hp.precompute_ref_log_probs and not separate and fresh_fit and not is_peft_model(self.model):
+            self._policy_is_reference = True  # the untrained policy is the reference of the one precompute pass
+            return
+        with torch.inference_mode(False):
+            self.ref_model = build_reference(
+                self.model, hp.ref_model_name_or_path or self.model_name_or_path,
+                separate=bool(hp.ref_model_name_or_path or hp.ref_model_init_kwargs),
+                init_kwargs=hp.ref_model_init_kwargs, num_shared_layers=hp.num_shared_layers,
+                trust_remote_code=hp.trust_remote_code,
+            )
+
+    def _reference_model(self) -> tuple[torch.nn.Module, bool]:
+        """(model to run as the reference, whether LoRA adapters must be disabled for it)."""
+        if self.ref_model is not None:
+            return self.ref_model, False
+        if getattr(self, "_policy_is_reference", False):
+            return self.model, False
+        if is_peft_model(self.model):
+            return self.model, True
+        raise RuntimeError("The reference model was released (precomputed log-probs) but this batch has none.")
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reference log-probs of the rows and of their mismatched sequences (None without a KL term)."""
+        if "ref_logps" in batch:
+            return batch["ref_logps"], batch.get("ref_kl_logps") if self.uses_kl else None
+        self.reference_forward_calls += 1
+        model, disable = self._reference_model()
+        if disable:
+            with model.disable_adapter():
+                return self._logps_pair(model, batch)
+        return self._logps_pair(model, batch)
+
+    def _logps_pair(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        kl = sequence_logps(model, batch, "kl_") if self.uses_kl else None
+        return sequence_logps(model, batch), kl
+
+    # ------------------------------------------------------------------------------------- step
+    def kl_term(self, batch: dict[str, torch.Tensor], ref_kl_logps: torch.Tensor | None) -> torch.Tensor:
+        """The detached KL estimate of this micro-batch, averaged over the ranks and clamped at 0 (0 without)."""
+        if not self.uses_kl:
+            return torch.zeros((), device=batch["input_ids"].device)
+        with torch.no_grad():
+            kl = kl_estimate(sequence_logps(self.model, batch, "kl_"), ref_kl_logps)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            kl = self.trainer.strategy.reduce(kl, reduce_op="mean")
+        return kl.clamp(min=0)
+
+    def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
+        hp = self.hparams
+        ref_logps, ref_kl_logps = self.reference_logps(batch)
+        kl = self.kl_term(batch, ref_kl_logps)
+        policy_logps = sequence_logps(self.model, batch)
+        labels = batch["labels"]
+        loss, out = kto_loss(policy_logps, ref_logps, labels, kl, beta=hp.beta, desirable_weight=hp.desirable_weight,
+                             undesirable_weight=hp.undesirable_weight, loss_type=hp.loss_type)
+        logps = policy_logps.detach().float()
+        groups = {"all": torch.ones_like(labels), "desirable": labels, "undesirable": ~labels}
+        values = {"loss": out["losses"], "kl": kl.expand(labels.shape[0]), "rewards/chosen": out["rewards"],
+                  "rewards/rejected": out["rewards"], "logps/chosen": logps, "logps/rejected": logps}
+        for key, group in STATS.items():
+            rows = groups[group]
+            count = rows.sum()
+            mean = values[key][rows].sum() / count.clamp(min=1)
+            stats[key.replace("/", "_")].update(mean, weight=count.float())  # weight 0 when no such rows
+        if stats is self.eval_stats and (self.eval_metric_objects or self.eval_metric_fns):
+            self.update_eval_metrics(torch.sigmoid(out["rewards"]), labels.long())
+        return loss
+
+    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
+        computed = {}
+        for key in STATS:
+            metric = stats[key.replace("/", "_")]
+            computed[key] = float(metric.compute())  # 0/0 = nan when no row of that kind was seen
+            metric.reset()
+        computed["rewards/margins"] = computed["rewards/chosen"] - computed["rewards/rejected"]
+        for key, value in computed.items():
+            if not math.isnan(value):
+                self.log(f"{stage}/{key}", value, prog_bar=key in ("loss", "kl"))
+
+    # ------------------------------------------------------------------------------------- hooks
+    def on_fit_start(self) -> None:
+        self.check_model_layout()  # before the reference pass: a refused layout costs no compute
+        move_reference(self.ref_model, self.device)
+        if self.hparams.precompute_ref_log_probs:
+            self.precompute_reference(self.trainer.datamodule)
+        self.attach_neftune()  # after the reference pass, which must see clean embeddings
+
+    def on_validation_start(self) -> None:
+        move_reference(self.ref_model, self.device)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens = batch["attention_mask"].sum() + (batch["kl_attention_mask"].sum() if self.uses_kl else 0)
+        self.last_batch_tokens, self.last_batch_samples = int(tokens), int(batch["labels"].shape[0])
+        return self._step(batch, self.train_stats)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self._log_stats(self.train_stats, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, self.eval_stats)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_stats(self.eval_stats, "val")
+        self.log_eval_metrics("val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, self.eval_stats)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_stats(self.eval_stats, "test")
+        self.log_eval_metrics("test")
+
+    # ------------------------------------------------------------------------------------- precompute
+    def reference_fingerprint(self) -> str:
+        model, disable = self._reference_model()
+        if disable:
+            with model.disable_adapter():
+                return model_fingerprint(model.get_base_model(), {"kl": self.uses_kl})
+        return model_fingerprint(model, {"kl": self.uses_kl})
+
+    @torch.no_grad()
+    def precompute_reference(self, datamodule: Any) -> None:
+        """Give the datamodule the reference log-probs of every row and its mismatched sequence, per split
+        (``set_reference_logps``): from the disk cache when the same reference met the same tokenized rows
+        before, else computed (each rank its contiguous share, then gathered; rank 0 writes the cache). The
+        reference model is released afterwards."""
+        fingerprint = None
+        was_training = self.training
+        self.eval()
+        for label, dataset in datamodule.splits().items():
+            if label in datamodule.reference_logps:
+                continue
+            fingerprint = fingerprint or self.reference_fingerprint()
+            path = cache_path(self.hparams.ref_log_probs_cache_dir, fingerprint,
+                              tokenized_fingerprint(dataset, TOKENIZED_COLUMNS))
+            cached = load_cached(path)
+            if not self.trainer.strategy.reduce_boolean_decision(cached is not None, all=True):
+                logps, kl_logps = self._sharded_reference_pass(datamodule, dataset)
+                cached = {"logps": logps, "kl_logps": kl_logps}
+                if self.trainer.is_global_zero:
+                    save_cached(path, cached)
+            datamodule.set_reference_logps(label, cached["logps"], cached["kl_logps"])
+        self.train(was_training)
+        if self.ref_model is not None or getattr(self, "_policy_is_reference", False):
+            self.ref_model = None
+            self._policy_is_reference = False
+            self._ref_released = True
+
+    def _sharded_reference_pass(self, datamodule: Any, dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference log-probs of every row of ``dataset`` in row order: rank ``r`` of ``W`` computes rows
+        ``[n*r//W, n*(r+1)//W)``, every rank runs the same number of forwards (a short share repeats its last
+        batch and drops it), then the shares are all-gathered."""
+        world, rank, n = self.trainer.world_size, self.trainer.global_rank, len(dataset)
+        bounds = [n * r // world for r in range(world + 1)]
+        size = datamodule.val_batch_size
+        steps = max(-(-(bounds[r + 1] - bounds[r]) // size) for r in range(world))
+        start, stop = bounds[rank], bounds[rank + 1]
+        share = dataset.select(range(start, stop)) if stop > start else dataset.select([0])
+        batches = iter(datamodule.eval_dataloader(share, "reference"))
+        logps, kl_logps, batch = [], [], None
+        for _ in range(steps):
+            real = next(batches, None)
+            batch = real if real is not None else batch
+            ref, ref_kl = self.reference_logps({k: v.to(self.device) for k, v in batch.items()})
+            if real is not None and stop > start:
+                logps.append(ref.float())
+                kl_logps.append(ref_kl.float() if ref_kl is not None else torch.zeros_like(ref, dtype=torch.float32))
+        mine = torch.stack([torch.cat(logps), torch.cat(kl_logps)]) if logps else torch.zeros(2, 0, device=self.device)
+        if world == 1:
+            return mine[0].cpu(), mine[1].cpu()
+        widest = max(bounds[r + 1] - bounds[r] for r in range(world))
+        padded = torch.zeros(2, widest, device=self.device)
+        padded[:, : mine.shape[1]] = mine
+        everyone = self.all_gather(padded)  # [W, 2, widest]
+        full = torch.cat([everyone[r, :, : bounds[r + 1] - bounds[r]] for r in range(world)], dim=1).cpu()
+        return full[0], full[1]

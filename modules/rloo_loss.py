@@ -1,0 +1,77 @@
+"""REINFORCE Leave-One-Out (RLOO, Ahmadian et al. 2024): the advantage and the loss, as pure functions of tensors.
+
+Rewards are laid out as GRPO lays them out: rows ``i*G .. i*G+G-1`` are the ``G = num_generations`` completions of
+prompt ``i``; a NaN reward marks a completion no reward function could score. The formulas are TRL 1.16's
+``RLOOTrainer`` (checked against its source):
+
+* the KL penalty goes into the reward, per sequence: ``r - beta * sum_t (logp_old_t - logp_ref_t)`` (the first-order
+  log-ratio, which may be negative per token, summed over the completion's tokens);
+* the baseline of a completion is the mean reward of the *other* scorable completions of its prompt, and the
+  advantage is ``r - baseline``; ``normalize_advantages`` then standardises the advantages over the batch
+  (``(a - mean) / (std + 1e-4)``); unscorable completions (and a group with one scorable completion) get 0;
+* the loss is PPO's clipped surrogate on the *sequence* log-probability ratio ``exp(sum_t logp_t - sum_t
+  logp_old_t)``, averaged over the sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightalign.rewards.advantages import nanstd
+
+__all__ = ["kl_penalized_rewards", "rloo_advantages", "rloo_loss"]
+
+
+def kl_penalized_rewards(rewards: torch.Tensor, old_per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor,
+                         completion_mask: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rewards - beta * kl, kl)`` with ``kl = sum_t (old_t - ref_t)`` over each completion's tokens ``[N]``."""
+    kl = ((old_per_token_logps - ref_per_token_logps) * completion_mask).sum(-1)
+    return rewards - beta * kl, kl
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False,
+                    batch_advantages: torch.Tensor | None = None) -> torch.Tensor:
+    """Leave-one-out advantages ``[N]`` of rewards ``[N]`` (NaN = unscorable).
+
+    ``batch_advantages``: under DDP, every rank's (un-normalised) advantages gathered, so that
+    ``normalize`` standardises over the whole generation batch as TRL does; None uses ``rewards``' own.
+    """
+    if rewards.dim() != 1 or num_generations < 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rloo_advantages needs 1-D rewards holding whole groups of num_generations="
+                         f"{num_generations}; got shape {tuple(rewards.shape)}.")
+    if num_generations == 1:
+        advantages = torch.zeros_like(rewards)
+    else:
+        grouped = rewards.view(-1, num_generations)
+        scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+        others = torch.nansum(grouped, dim=1, keepdim=True) - grouped  # NaN stays NaN for unscorable rows
+        baselines = others / (scorable - 1)  # 0/0 -> NaN for a group with a single scorable completion
+        advantages = (grouped - baselines).view(-1)
+    if normalize:
+        pool = advantages if batch_advantages is None else batch_advantages
+        advantages = (advantages - torch.nanmean(pool)) / (nanstd(pool) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def rloo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None, advantages: torch.Tensor,
+              completion_mask: torch.Tensor, epsilon: float = 0.2, epsilon_high: float | None = None,
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate on sequence ratios, averaged over the ``N`` sequences.
+
+    ``per_token_logps``/``old_per_token_logps``/``completion_mask``: ``[N, T]``; ``old`` None means on-policy
+    (the ratio is 1 in value, with the policy's gradient). ``advantages``: ``[N]``. Returns the loss and the
+    clip statistics (``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``).
+    """
+    high = epsilon if epsilon_high is None else epsilon_high
+    mask = completion_mask.to(per_token_logps.dtype)
+    logps = (per_token_logps * mask).sum(-1)
+    old = logps.detach() if old_per_token_logps is None else (old_per_token_logps * mask).sum(-1)
+    ratio = torch.exp(logps - old)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
+    loss = -torch.min(ratio * advantages, clipped * advantages).mean()
+    with torch.no_grad():
+        low_clipped = ((ratio < 1 - epsilon) & (advantages < 0)).float()
+        high_clipped = ((ratio > 1 + high) & (advantages > 0)).float()
+        stats = {"clip_ratio/low_mean": low_clipped.mean(), "clip_ratio/high_mean": high_clipped.mean(),
+                 "clip_ratio/region_mean": (low_clipped + high_clipped).clamp(max=1).mean()}
+    return loss, stats
