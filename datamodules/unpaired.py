@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.formats import (
     DataFormatError,
     check_chat_template,
@@ -32,8 +33,10 @@ TOKENIZATION_VERSION = 1
 UNPAIR_BLOCK = 1000
 
 
-def unpair_rows(raw: Dataset, implicit: bool) -> Dataset:
-    """Paired rows -> unpaired rows (``prompt``, ``completion``, ``label``, ``pair``: the source row index)."""
+def unpair_rows(raw: Dataset, implicit: bool, numbers: list[int] | None = None) -> Dataset:
+    """Paired rows -> unpaired rows (``prompt``, ``completion``, ``label``, ``pair``: the source row index).
+
+    ``numbers``: the rows' numbers in the user's data, for errors (``formats.iter_rows``)."""
     prompts, completions, labels, pairs = [], [], [], []
     rows = list(iter_rows(raw, ["chosen", "rejected"] if implicit else ["prompt", "chosen", "rejected"]))
     for start in range(0, len(rows), UNPAIR_BLOCK):
@@ -41,7 +44,8 @@ def unpair_rows(raw: Dataset, implicit: bool) -> Dataset:
         split = []
         for i, row in block:
             if implicit:
-                split.append((i, *extract_prompt(row["chosen"], row["rejected"], i)))
+                number = i if numbers is None else numbers[i]
+                split.append((i, *extract_prompt(row["chosen"], row["rejected"], number)))
             else:
                 split.append((i, row["prompt"], row["chosen"], row["rejected"]))
         for label, position in ((True, 2), (False, 3)):
@@ -182,7 +186,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
 
     def __init__(
         self,
-        path: str | Dataset | None = None,
+        path: DataSource = None,
         tokenizer: Any = None,
         *,
         max_length: int | None = 1024,
@@ -239,7 +243,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
         if {"chosen", "rejected"} <= cols:
             implicit = "prompt" not in cols
             self.validate(raw, tokenizer, label, ["chosen", "rejected"] if implicit else ["prompt", "chosen", "rejected"])
-            rows = unpair_rows(raw, implicit)
+            rows = unpair_rows(raw, implicit, self.row_numbers)
         elif {"prompt", "completion"} <= cols:
             if "label" not in cols:
                 raise DataFormatError(
@@ -283,15 +287,16 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
     def validate(self, raw: Dataset, tokenizer: Any, label: str, columns: list[str], labelled: bool = False) -> None:
         """Every row: strings or conversations throughout, nothing empty, a boolean label."""
         conversational = isinstance(raw[0][columns[0]], list)
+        first = self.row_numbers[0] if self.row_numbers else 0
         if conversational:
             check_chat_template(tokenizer, f"{label} unpaired preference data")
-        for i, row in iter_rows(raw, columns + (["label"] if labelled else [])):
+        for i, row in iter_rows(raw, columns + (["label"] if labelled else []), self.row_numbers):
             for col in columns:
                 validate_field(row[col], i, col)
                 if isinstance(row[col], list) != conversational:
                     raise DataFormatError(
                         f"row {i}, column '{col}': mixes {'strings' if conversational else 'conversations'} with the "
-                        f"{'conversations' if conversational else 'strings'} of row 0; every row and column must be "
+                        f"{'conversations' if conversational else 'strings'} of row {first}; every row and column must be "
                         "of one kind."
                     )
             if labelled and not isinstance(row["label"], bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -151,8 +152,10 @@ class PolicyModule(L.LightningModule):
                 raise ValueError("Pass either optim (a named preset) or optimizer (a factory), not both.")
         if neftune_noise_alpha is not None and neftune_noise_alpha <= 0:
             raise ValueError(f"neftune_noise_alpha must be > 0 (TRL suggests 5), got {neftune_noise_alpha}.")
-        if learning_rate <= 0:
+        if learning_rate < 0:
             raise ValueError(f"learning_rate must be > 0 (the peak of the schedule), got {learning_rate}.")
+        if learning_rate == 0 and optimizer is None:  # allowed: losses measured on frozen weights
+            warnings.warn("learning_rate is 0: the optimizer will not change the weights.", stacklevel=2)
         if model is None and not from_config:
             from lightalign.hub import check_weights
 

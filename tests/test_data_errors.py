@@ -99,6 +99,20 @@ def test_preference_tokenization_errors_name_the_row(tiny_dir, write_jsonl):
         PreferenceDataModule(write_jsonl(rows), tokenizer=str(tiny_dir), val_split_size=0.25).setup("fit")
 
 
+def test_unpaired_rows_name_the_row(tiny_dir, write_jsonl):
+    from lightalign.datamodules.unpaired import UnpairedPreferenceDataModule
+
+    rows = [{"prompt": f"Is {i} even?", "completion": " yes", "label": True} for i in range(40)]
+    rows[30]["label"] = "yes"
+    with pytest.raises(DataFormatError, match=r"row 30, column 'label': expected a boolean"):
+        UnpairedPreferenceDataModule(write_jsonl(rows), tokenizer=str(tiny_dir), val_split_size=0.25).setup("fit")
+    paired = [{"chosen": f"Is {i} even? yes", "rejected": f"Is {i} even? no"} for i in range(40)]
+    paired[30] = {"chosen": "abc", "rejected": "xyz"}  # implicit prompt: found while unpairing
+    with pytest.raises(DataFormatError, match=r"row 30: 'chosen' and 'rejected' share no prefix"):
+        UnpairedPreferenceDataModule(write_jsonl(paired, "paired.jsonl"), tokenizer=str(tiny_dir),
+                                     val_split_size=0.25).setup("fit")
+
+
 def test_prompt_rows_name_the_row(tiny_dir, write_jsonl):
     rows = [{"prompt": f"{i}+1="} for i in range(40)]
     rows[30]["prompt"] = ""
@@ -107,7 +121,8 @@ def test_prompt_rows_name_the_row(tiny_dir, write_jsonl):
         PromptDataModule(write_jsonl(rows), tokenizer=str(tiny_dir), val_split_size=0.25).setup("fit")
 
 
-@pytest.mark.parametrize("cls", ["SFTDataModule", "PreferenceDataModule", "PromptDataModule"])
+@pytest.mark.parametrize("cls", ["SFTDataModule", "PreferenceDataModule", "PromptDataModule",
+                                 "UnpairedPreferenceDataModule"])
 def test_the_cli_parser_keeps_a_data_path_as_a_path(tmp_path, cls):
     """jsonargparse reads a file given for a class-typed argument as the value: an empty file became None (then
     "needs `path`") and a CSV path its text. The datamodules type ``path`` so that a path stays a path."""
@@ -324,10 +339,11 @@ def test_unreachable_hub_is_detected_at_once_and_only_the_cache_is_asked(monkeyp
 
 
 # --------------------------------------------------------------------------------------------- knobs
-@pytest.mark.parametrize("lr", [0.0, -1e-3])
-def test_learning_rate_must_be_positive(lr):
-    with pytest.raises(ValueError, match=rf"learning_rate must be > 0 \(the peak of the schedule\), got {lr}"):
-        SFTModule("m", from_config=True, learning_rate=lr)
+def test_learning_rate_must_be_positive():
+    with pytest.raises(ValueError, match=r"learning_rate must be > 0 \(the peak of the schedule\), got -0.001"):
+        SFTModule("m", from_config=True, learning_rate=-1e-3)
+    with pytest.warns(UserWarning, match="learning_rate is 0: the optimizer will not change the weights"):
+        SFTModule("m", from_config=True, learning_rate=0.0)  # allowed: losses measured on frozen weights
 
 
 # --------------------------------------------------------------------------------------------- console
