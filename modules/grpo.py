@@ -87,7 +87,8 @@ class GRPOModule(GRPORollout, PolicyModule):
             (up while the step's mean entropy is <= ``entropy_target``, else down, within [min, max]) and applies
             only while the last step's entropy is <= ``entropy_target``. Its state is in the checkpoint.
         beta: KL coefficient (k3 estimator) against a reference model, which is built only when ``beta > 0``.
-        use_bias_correction_kl: multiply the k3 term by the importance ratio (DeepSeek-V3.2's unbiased estimate).
+        use_bias_correction_kl: multiply the k3 term by the importance ratio (DeepSeek-V3.2's unbiased estimate;
+            on by default, as in TRL 1.16; no effect when ``beta`` is 0).
         scale_rewards: advantage scaling: ``group`` std, ``batch`` std, or ``none``.
         normalize_rewards: normalise rewards by their running mean/std before the advantages (statistics of
             the whole generation batch, every rank's, so all ranks keep the same ones).
@@ -148,7 +149,7 @@ class GRPOModule(GRPORollout, PolicyModule):
         entropy_coef_delta: float = 0.005,
         entropy_target: float = 0.2,
         beta: float = 0.0,
-        use_bias_correction_kl: bool = False,
+        use_bias_correction_kl: bool = True,
         scale_rewards: Literal["group", "batch", "none"] = "group",
         normalize_rewards: bool = False,
         reward_clip: float | None = None,

@@ -75,9 +75,6 @@ def validate_grpo_loss_config(
     if off_policy_mask_threshold is not None and not off_policy_mask_threshold > 0:
         raise ValueError(f"off_policy_mask_threshold must be > 0 (DeepSeek-V3.2 uses e.g. 0.5) or null, got "
                          f"{off_policy_mask_threshold}.")
-    if use_bias_correction_kl and not beta > 0:
-        raise ValueError("use_bias_correction_kl corrects the KL term, which beta=0.0 turns off; set beta > 0 or "
-                         "use_bias_correction_kl=False.")
     if not 0.0 <= top_entropy_quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile must be in [0, 1] (1.0 keeps every token, the paper uses 0.2), got "
                          f"{top_entropy_quantile}.")

@@ -200,7 +200,6 @@ def test_entropy_bonus(loss_type):
     (dict(vespo_lambda_pos=-1.0), "vespo_lambda_pos must be > 0"),
     (dict(vespo_k_neg=-1.0), "vespo_k_neg"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold must be > 0"),
-    (dict(use_bias_correction_kl=True), "use_bias_correction_kl corrects the KL term"),
     (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be in \\[0, 1\\]"),
     (dict(entropy_coef=-0.1), "entropy_coef must be >= 0"),
 ])
