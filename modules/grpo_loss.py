@@ -108,6 +108,7 @@ def grpo_loss(
     entropy_mask: torch.Tensor | None = None,
     entropies: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    loss_scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's loss with TRL's loss types (``GRPOTrainer._compute_loss``).
 
@@ -132,9 +133,11 @@ def grpo_loss(
     ``num_items_in_batch`` is read by the ``dapo``-like types only (TRL's bnpo uses the local count).
 
     Entropy bonus (``entropy_coef`` with ``entropies``, the ``[B, T]`` per-token entropies carrying their graph):
-    ``loss -= entropy_coef * H`` with ``H`` the mean entropy over the real tokens (of ``entropy_mask`` when given);
-    for the ``dapo``-like types ``H = sum(entropy) / num_items_in_batch``, so that it accumulates to the optimizer
-    step's token mean like their policy term. The same ``H`` for every loss type (TRL's definition).
+    ``loss -= entropy_coef * H / loss_scale`` with ``H`` this micro-batch's mean entropy over the real tokens (of
+    ``entropy_mask`` when given), for every loss type, as TRL 1.16 defines it. ``loss_scale`` is the factor the
+    caller multiplies the returned loss by (``GRPOModule``: ``accumulate_grad_batches`` for the ``dapo``-like types,
+    whose ``num_items_in_batch`` spans the step), so that after Lightning's division by the accumulation the
+    bonus is ``H / accumulate_grad_batches`` for every type, as in TRL.
 
     Gradient accumulation: Lightning divides the returned loss by ``accumulate_grad_batches`` (K).
       - ``dapo``-like: pass ``num_items_in_batch`` = completion tokens of the whole optimizer step (all K micro-batches)
@@ -231,9 +234,9 @@ def grpo_loss(
         stats["policy_loss"] = loss.detach()
         selected = m if entropy_mask is None else m * entropy_mask.to(dtype).detach()
         summed = torch.where(mask, entropies.to(dtype), zero).mul(selected).sum()
-        bonus = summed / (count if count is not None else selected.sum().clamp(min=1.0))
+        bonus = summed / selected.sum().clamp(min=1.0)
         stats["entropy_bonus"] = bonus.detach()
-        loss = loss - entropy_coef * bonus
+        loss = loss - entropy_coef * bonus / loss_scale
 
     with torch.no_grad():
         n = m.sum().clamp(min=1.0)

@@ -175,6 +175,7 @@ def test_loss_knobs_reach_grpo_loss(grpo_module, tokenizer, monkeypatch, knobs):
     for name, value in knobs.items():
         assert seen[name] == value, name
     assert ("entropies" in seen and seen["entropies"] is not None) == ("entropy_coef" in knobs)
+    assert "loss_scale" in seen  # the module's rescale of dapo-like losses, taken out of the entropy bonus
 
 
 # ---------------------------------------------------------------- high-entropy token mask

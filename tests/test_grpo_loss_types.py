@@ -176,7 +176,7 @@ def test_entropy_bonus(loss_type):
                             entropy_coef=coef)
     masked_base, _ = grpo_loss(logp, old, adv, mask, loss_type=loss_type, entropy_mask=keep)
     selected = [(0, 0), (0, 2), (1, 0), (1, 1)]
-    denom = N if loss_type == "dapo" else len(selected)  # dapo: the step's token count; else the selected mean
+    denom = len(selected)  # every loss type: the micro-batch's mean over the selected tokens (TRL 1.16)
     h = sum(values[i][t] for i, t in selected) / denom
     assert stats["entropy_bonus"].item() == pytest.approx(h)
     assert loss.item() == pytest.approx(masked_base.item() - coef * h, abs=1e-12)
@@ -186,6 +186,10 @@ def test_entropy_bonus(loss_type):
         want[i, t] = -coef / denom
     torch.testing.assert_close(ent.grad, want)
     assert base.item() != masked_base.item()
+    # the caller's rescale of dapo-like losses (x accumulate_grad_batches) is taken out of the bonus
+    scaled, _ = grpo_loss(logp, old, adv, mask, loss_type=loss_type, entropies=ent.detach(), entropy_mask=keep,
+                          entropy_coef=coef, loss_scale=4.0)
+    assert scaled.item() == pytest.approx(masked_base.item() - coef * h / 4.0, abs=1e-12)
 
 
 @pytest.mark.parametrize("kwargs, message", [
