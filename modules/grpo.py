@@ -83,6 +83,8 @@ class GRPOModule(PolicyModule):
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
+    uses_reference_model = True
+
     def __init__(
         self,
         model_name_or_path: str | None = None,
@@ -296,7 +298,8 @@ class GRPOModule(PolicyModule):
         mb = self._buffer[slot]
         self.last_batch_tokens = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
         self.last_batch_samples = int(mb["completion_ids"].shape[0])
-        logps, entropy = self.token_logps(self.model, mb, with_entropy=hp.log_entropy)
+        with self.training_forward_context():
+            logps, entropy = self.token_logps(self.model, mb, with_entropy=hp.log_entropy)
         accumulate = self.trainer.accumulate_grad_batches
         num_items, scale = None, 1.0
         if hp.loss_type == "dapo":
@@ -320,7 +323,7 @@ class GRPOModule(PolicyModule):
             s[_key("kl")].update(stats["kl"])
         if entropy is not None:
             s[_key("entropy")].update(entropy)
-        return loss * scale
+        return self.add_router_aux_loss(loss * scale)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
