@@ -133,3 +133,111 @@ def test_pair_weights_scale_every_term_and_sft_is_weighted_batch_nll():
     assert grad_w.grad is None
     with pytest.raises(ValueError, match="use_weighting=True.*aot"):
         dpo_loss(t(PC), t(PR), t(RC), t(RR), loss_type="aot", pair_weights=w)
+
+
+# ----------------------------------------------------------------------------------------------- DPOModule
+ROWS = [  # hand-made token ids: (prompt, chosen, rejected) of different lengths
+    {"prompt_input_ids": [5, 6, 7], "chosen_input_ids": [8, 9], "rejected_input_ids": [10, 11, 12]},
+    {"prompt_input_ids": [13], "chosen_input_ids": [14, 15, 16, 17], "rejected_input_ids": [18]},
+]
+
+
+def _batches():
+    from lightalign.datamodules.preference import PreferenceCollator
+    from lightalign.datamodules.shared_prefix import SharedPromptCollator
+
+    return {"classic": PreferenceCollator(pad_token_id=0)(ROWS),
+            "shared": SharedPromptCollator(pad_token_id=0, pack_length=64)(ROWS)}
+
+
+def _brute_force_weights(model, batch):
+    """WPO weights from the classic batch's full logits: softmax, square, sum - nothing shared with the code."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
+    probs = logits.softmax(-1)
+    picked = probs.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1).log()
+    aligned = picked - (probs ** 2).sum(-1).log()
+    mask = batch["completion_mask"][:, 1:].double()
+    weights = ((aligned * mask).sum(-1) / mask.sum(-1)).exp()
+    return weights[:2] * weights[2:]
+
+
+@pytest.mark.parametrize("layout", ["classic", "shared"])
+def test_module_wpo_weights_scale_the_pair_losses(tiny_model, layout):
+    from lightalign import DPOModule
+    from lightalign.modules.adaptations.attention import use_varlen_sdpa
+
+    use_varlen_sdpa(tiny_model)
+    batches = _batches()
+    expected_w = _brute_force_weights(tiny_model, batches["classic"])
+    plain = DPOModule(model=tiny_model, reference_free=True)
+    weighted = DPOModule(model=tiny_model, reference_free=True, use_weighting=True)
+    with torch.no_grad():
+        pc, pr, _, none = plain._pair_logps_and_chosen_sums(tiny_model, batches[layout])
+        _, _, _, w = weighted._pair_logps_and_chosen_sums(tiny_model, batches[layout], weighting=True)
+    assert none is None
+    torch.testing.assert_close(w.double(), expected_w, atol=1e-5, rtol=1e-5)
+    per_pair = dpo_loss(pc, pr, None, None, reference_free=True)[0]
+    loss = weighted._step(batches[layout], weighted.train_stats)
+    assert loss.item() == pytest.approx((per_pair * w).mean().item(), abs=1e-6)
+    assert not torch.allclose(w, torch.ones_like(w))  # the weights do change the loss
+
+
+def test_module_f_divergence_changes_the_loss_as_the_formula_says(monkeypatch, tiny_model):
+    import lightalign.modules.dpo as dpo_module
+    from lightalign import DPOModule
+
+    token_logps = torch.tensor([[-1.0, -1.0], [-3.0, 0.0], [-3.0, 0.0], [-0.5, -0.5]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 1]])
+    monkeypatch.setattr(dpo_module, "completion_token_logps", lambda model, batch: (token_logps, mask))
+    batch = {"input_ids": torch.zeros(4, 4, dtype=torch.long), "attention_mask": torch.ones(4, 4, dtype=torch.long),
+             "completion_mask": torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0]])}
+    module = DPOModule(model=tiny_model, beta=0.5, reference_free=True, f_divergence_type="forward_kl")
+    f = lambda x: 1 - math.exp(-x)  # noqa: E731  forward KL's f'(u), u = exp(log-ratio); reference 0
+    expected = (-logsig(0.5 * (f(-2.0) - f(-3.0))) - logsig(0.5 * (f(-3.0) - f(-1.0)))) / 2
+    assert module._step(batch, module.train_stats).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_module_knobs_are_validated_at_construction(tiny_model):
+    from lightalign import DPOModule
+
+    cases = [
+        (dict(f_divergence_type="forward_kl", loss_type="bco_pair"), "f_divergence_type='forward_kl' does not apply"),
+        (dict(f_divergence_type="chi2"), "Unknown f_divergence_type 'chi2'"),
+        (dict(use_weighting=True, loss_type="aot"), "use_weighting=True"),
+        (dict(loss_type="discopop", discopop_tau=0.0), "discopop_tau must be > 0"),
+        (dict(precompute_ref_batch_size=0, precompute_ref_log_probs=True), "precompute_ref_batch_size must be >= 1"),
+        (dict(precompute_ref_batch_size=8), "set precompute_ref_log_probs=True"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            DPOModule(model=tiny_model, **kwargs)
+
+
+def test_precompute_ref_batch_size_sets_the_pass_batches(tiny_dir, data_dir, tmp_path, tiny_model):
+    import lightning as L
+
+    from lightalign import DPOModule, PreferenceDataModule
+    from lightalign.modules.dpo import pair_count
+
+    import json
+
+    from datasets import Dataset
+
+    tiny_model.save_pretrained(tmp_path / "m")
+    lines = (data_dir / "arithmetic_preference.jsonl").read_text().splitlines()[:13]
+    path = Dataset.from_list([json.loads(line) for line in lines])
+    results, sizes = {}, {}
+    for batch_size in (None, 5):
+        module = DPOModule(str(tmp_path / "m"), precompute_ref_log_probs=True, precompute_ref_batch_size=batch_size,
+                           ref_log_probs_cache_dir=str(tmp_path / f"cache{batch_size}"))
+        seen = []
+        original = module.reference_logps
+        module.reference_logps = lambda batch, original=original, seen=seen: (seen.append(pair_count(batch))
+                                                                             or original(batch))
+        data = PreferenceDataModule(path, tokenizer=str(tiny_dir), batch_size=2, val_batch_size=3)
+        L.Trainer(accelerator="cpu", max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module, data)
+        results[batch_size], sizes[batch_size] = data.reference_logps["train"], seen
+    assert max(sizes[None]) == 3 and max(sizes[5]) == 5  # val_batch_size by default, else the knob
+    for a, b in zip(results[None], results[5]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
