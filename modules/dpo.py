@@ -288,7 +288,9 @@ class DPOModule(PolicyModule):
     def batch_layout(self) -> tuple[str, int | None]:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         shared = getattr(datamodule, "prompt_sharing", False)
-        return ("dpo_shared" if shared else "dpo_classic"), getattr(datamodule, "max_length", None)
+        layout = ("dpo_shared" if shared else "dpo_padding_free" if getattr(datamodule, "padding_free", False)
+                  else "dpo_classic")
+        return layout, getattr(datamodule, "max_length", None)
 
     def on_fit_start(self) -> None:
         self.check_model_layout()  # before the reference pass: a refused layout costs no compute
@@ -392,7 +394,7 @@ class DPOModule(PolicyModule):
         for _ in range(steps):
             real = next(batches, None)
             batch = real if real is not None else batch  # a short share repeats its last batch
-            c, r = self.reference_logps({k: v.to(self.device) for k, v in batch.items()})
+            c, r = self.reference_logps({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()})
             if real is not None and stop > start:
                 chosen.append(c.float())
                 rejected.append(r.float())

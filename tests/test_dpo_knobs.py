@@ -241,3 +241,78 @@ def test_precompute_ref_batch_size_sets_the_pass_batches(tiny_dir, data_dir, tmp
     assert max(sizes[None]) == 3 and max(sizes[5]) == 5  # val_batch_size by default, else the knob
     for a, b in zip(results[None], results[5]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------- padding_free
+def _pf_batches():
+    from lightalign.datamodules.preference import PaddingFreePreferenceCollator, PreferenceCollator
+
+    rows = ROWS + [{"prompt_input_ids": [19, 20, 21, 22, 23], "chosen_input_ids": [24],
+                    "rejected_input_ids": [25, 26]}]
+    return PreferenceCollator(pad_token_id=0)(rows), PaddingFreePreferenceCollator()(rows)
+
+
+def _loss_and_grads(module, batch):
+    module.model.zero_grad()
+    loss = module._step(batch, module.train_stats)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(loss_type=["ipo", "sft"], ld_alpha=0.5), dict(use_weighting=True)])
+def test_padding_free_equals_the_padded_layout(tiny_model, knobs):
+    from lightalign import DPOModule
+    from lightalign.modules.dpo import completion_lengths, pair_count, real_token_count
+
+    padded, packed = _pf_batches()
+    assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
+    assert pair_count(packed) == 3 and real_token_count(packed) == int(padded["attention_mask"].sum())
+    for a, b in zip(completion_lengths(padded), completion_lengths(packed)):
+        assert a.tolist() == b.tolist()
+    module = DPOModule(model=tiny_model, **knobs)
+    module.configure_model()  # a frozen copy of the policy as reference
+    with torch.no_grad():
+        for p in module.model.parameters():  # the policy moves away from its reference
+            p.add_(0.01 * torch.randn_like(p))
+    module.model.train()
+    loss_a, grads_a = _loss_and_grads(module, padded)
+    loss_b, grads_b = _loss_and_grads(module, packed)
+    assert loss_b.item() == pytest.approx(loss_a.item(), abs=1e-5)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-5, rtol=1e-4)
+
+
+def test_padding_free_is_refused_where_packing_is_and_needs_the_classic_layout(tiny_dir, data_dir):
+    from lightalign import DPOModule, PreferenceDataModule
+    from lightalign.modules.adaptations import LayoutRefused, check_layout
+    from conformance_models import build
+
+    with pytest.raises(ValueError, match="padding_free=True packs the classic .* set prompt_sharing: false"):
+        PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir), padding_free=True)
+    data = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir),
+                                padding_free=True, prompt_sharing=False)
+    data.tokenizer = type("T", (), {"pad_token_id": 0})()
+    assert type(data.default_collator()).__name__ == "PaddingFreePreferenceCollator"
+    with pytest.raises(LayoutRefused, match="data.padding_free"):
+        check_layout(build("falcon-alibi"), "dpo_padding_free")
+    check_layout(DPOModule(model=build("llama")).model, "dpo_padding_free")
+
+
+def test_padding_free_fit_and_precompute(tiny_dir, data_dir, tmp_path):
+    import json
+
+    import lightning as L
+    from datasets import Dataset
+
+    from lightalign import DPOModule, PreferenceDataModule
+
+    lines = (data_dir / "arithmetic_preference.jsonl").read_text().splitlines()[:8]
+    data = PreferenceDataModule(Dataset.from_list([json.loads(x) for x in lines]), tokenizer=str(tiny_dir),
+                                batch_size=2, padding_free=True, prompt_sharing=False)
+    module = DPOModule(str(tiny_dir), from_config=True, precompute_ref_log_probs=True,
+                       ref_log_probs_cache_dir=str(tmp_path / "cache"))
+    L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module, data)
+    assert module.adaptations.layout == "dpo_padding_free"
+    assert len(data.reference_logps["train"][0]) == 8
