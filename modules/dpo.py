@@ -288,7 +288,8 @@ class DPOModule(PolicyModule):
     def batch_layout(self) -> tuple[str, int | None]:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         shared = getattr(datamodule, "prompt_sharing", False)
-        layout = ("dpo_shared" if shared else "dpo_padding_free" if getattr(datamodule, "padding_free", False)
+        # padding-free pairs are SFT's padding-free row (same forward, sft_logits): its conformance cell holds
+        layout = ("dpo_shared" if shared else "padding_free" if getattr(datamodule, "padding_free", False)
                   else "dpo_classic")
         return layout, getattr(datamodule, "max_length", None)
 

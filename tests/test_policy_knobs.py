@@ -90,8 +90,8 @@ def test_router_aux_loss_is_added_with_its_coefficient():
     assert total.item() == pytest.approx(dpo_only.item() + 0.5 * aux.item(), abs=1e-6)
     torch.testing.assert_close(grad_total, grad_dpo + 0.5 * grad_aux, atol=1e-6, rtol=1e-5)
     module.router_aux.take()  # (the hand forward above was collected too)
-    with torch.no_grad():  # reference / generation / evaluation forwards are not collected
-        model(input_ids=batch["input_ids"])
+    with torch.no_grad():  # reference / generation / evaluation forwards are not collected, even asked for it
+        model(input_ids=batch["input_ids"], output_router_logits=True)
     assert module.router_aux.take() is None
 
 

@@ -101,7 +101,7 @@ def check_run(model: torch.nn.Module, ref_model: torch.nn.Module | None, layout:
 
     from lightalign.modules.adaptations.support import packed_gpu_attention
 
-    if layout in ("padding_free", "packed", "dpo_padding_free") and (choice := packed_gpu_attention(model, device)) is not None:
+    if layout in ("padding_free", "packed") and (choice := packed_gpu_attention(model, device)) is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.set_attn_implementation(choice)
         report.attention = choice

@@ -33,10 +33,10 @@ import torch
 from lightalign.modules.adaptations.attention import VARLEN_SDPA
 from lightalign.modules.logprobs import forward_accepts
 
-LAYOUTS = ("padded", "padding_free", "packed", "dpo_shared", "dpo_classic", "dpo_padding_free", "grpo_padded",
-           "grpo_shared", "shared_prefill")
+LAYOUTS = ("padded", "padding_free", "packed", "dpo_shared", "dpo_classic", "grpo_padded", "grpo_shared",
+           "shared_prefill")
 SHARED_LAYOUTS = ("dpo_shared", "grpo_shared")
-PACKED_LAYOUTS = ("padding_free", "packed", "dpo_padding_free")
+PACKED_LAYOUTS = ("padding_free", "packed")
 
 # Families whose masks come from transformers' masking_utils given position_ids (packed sequences detected).
 PACKED_MASK_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
@@ -48,10 +48,10 @@ MATRIX_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "q
 WINDOW_KWARG_FAMILIES = frozenset({"mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
                                    "phi3"})
 _KNOBS = {  # the knob as YAML / the command line names it, and the setting that avoids the layout
-    "padding_free": ("data.padding_free / data.packing (SFTDataModule)", "data.padding_free: false and data.packing: false"),
+    "padding_free": ("data.padding_free / data.packing (SFTDataModule; data.padding_free of PreferenceDataModule)",
+                     "data.padding_free: false and data.packing: false"),
     "packed": ("data.packing (SFTDataModule)", "data.packing: false"),
     "dpo_shared": ("data.prompt_sharing (PreferenceDataModule, on by default)", "data.prompt_sharing: false"),
-    "dpo_padding_free": ("data.padding_free (PreferenceDataModule)", "data.padding_free: false"),
     "grpo_shared": ("model.prompt_sharing (GRPOModule)", "model.prompt_sharing: false"),
 }
 
