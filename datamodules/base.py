@@ -210,11 +210,13 @@ class TokenizedDataModule(L.LightningDataModule):
             sampler.resume(state["epoch"], state["batches_done"])
         self._resume_state = None
 
-    def eval_dataloader(self, dataset: Dataset | None, what: str = "evaluation") -> DataLoader:
-        """An ordered loader over ``dataset`` (validation, test, or a reference log-prob pass)."""
+    def eval_dataloader(self, dataset: Dataset | None, what: str = "evaluation",
+                        batch_size: int | None = None) -> DataLoader:
+        """An ordered loader over ``dataset`` (validation, test, or a reference log-prob pass), in batches of
+        ``batch_size`` (default ``val_batch_size``)."""
         if dataset is None:
             raise DataFormatError(f"No {what} data: set val_path, val_split or val_split_size (or test_path).")
-        return SeededLoader(dataset, batch_size=self.val_batch_size, collate_fn=self.collate_fn(),
+        return SeededLoader(dataset, batch_size=batch_size or self.val_batch_size, collate_fn=self.collate_fn(),
                             num_workers=self.num_workers, seed=self.seed)
 
     def val_dataloader(self) -> DataLoader | list:

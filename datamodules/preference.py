@@ -228,6 +228,36 @@ class PreferenceCollator:
         return batch
 
 
+class PaddingFreePreferenceCollator:
+    """Pairs -> one row ``[1, total]``: the chosen sequences, then the rejected ones, back to back (no padding).
+
+    Returns ``input_ids``, ``position_ids`` (restarting at 0 with each sequence), ``completion_mask`` (0 on the
+    first token of every sequence, which nothing in its own sequence predicts) and ``sequence_sizes`` (host
+    integers), and passes precomputed reference log-probs through, like ``PreferenceCollator``.
+    """
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        ids: list[int] = []
+        positions: list[int] = []
+        completion: list[int] = []
+        sizes: list[int] = []
+        for key in COMPLETIONS:
+            for row in rows:
+                prompt, answer = list(row["prompt_input_ids"]), list(row[f"{key}_input_ids"])
+                ids.extend(prompt + answer)
+                positions.extend(range(len(prompt) + len(answer)))
+                completion.extend(([0] * len(prompt) + [1] * len(answer)))
+                completion[len(ids) - len(prompt) - len(answer)] = 0
+                sizes.append(len(prompt) + len(answer))
+        as_row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731
+        batch: dict[str, Any] = {"input_ids": as_row(ids), "position_ids": as_row(positions),
+                                 "completion_mask": as_row(completion), "sequence_sizes": sizes}
+        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+            if key in rows[0]:
+                batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
+        return batch
+
+
 class PreferenceDataModule(TokenizedDataModule):
     """Batches of preference pairs from any TRL preference dataset.
 
@@ -260,6 +290,11 @@ class PreferenceDataModule(TokenizedDataModule):
             ``eager`` attention a row costs the square of its length (use about 512 there). On
             ``bench/dpo.py --shape longtail`` one row per micro-batch ran 11% faster than rows of 512 tokens
             (first-fit then) with 7% less peak memory.
+        padding_free: with ``prompt_sharing: false``, put the micro-batch's chosen and rejected sequences one after
+            another in a single row (``PaddingFreePreferenceCollator``): no pad token is computed, positions
+            restart with each sequence and attention stays inside it (``sdpa_varlen``, or the model's own
+            position-id masks); the same log-probs as the padded rows. Refused at fit start for models that
+            cannot pack (``adaptations.check_layout``). (TRL 1.16 has the knob but turns it off.)
         **kwargs: the shared arguments of ``TokenizedDataModule`` (``val_path``, ``batch_size`` = pairs per
             micro-batch, ``collator``, ``shuffle``, ``seed``, …).
     """
@@ -275,8 +310,12 @@ class PreferenceDataModule(TokenizedDataModule):
         truncation_mode: TruncationMode = "keep_start",
         prompt_sharing: bool = True,
         pack_length: int | None = 2048,
+        padding_free: bool = False,
         **kwargs: Any,
     ) -> None:
+        if padding_free and prompt_sharing:
+            raise ValueError("padding_free=True packs the classic chosen/rejected rows; set prompt_sharing: false with "
+                             "it (the shared-prompt layout already has no padding between pairs).")
         if truncation_mode not in ("keep_start", "keep_end"):
             raise ValueError(f"truncation_mode='{truncation_mode}' is unknown; use keep_start or keep_end.")
         for key, value in (("max_length", max_length), ("max_prompt_length", max_prompt_length),
@@ -285,7 +324,7 @@ class PreferenceDataModule(TokenizedDataModule):
                 raise ValueError(f"{key} must be >= 1 or null, got {value}.")
         check_pack_length(pack_length)
         super().__init__(path, tokenizer, **kwargs)
-        self.prompt_sharing, self.pack_length = prompt_sharing, pack_length
+        self.prompt_sharing, self.pack_length, self.padding_free = prompt_sharing, pack_length, padding_free
         self.max_length, self.max_prompt_length = max_length, max_prompt_length
         self.max_completion_length, self.truncation_mode = max_completion_length, truncation_mode
         self.reference_logps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -293,6 +332,8 @@ class PreferenceDataModule(TokenizedDataModule):
     def default_collator(self) -> Callable:
         if self.prompt_sharing:
             return SharedPromptCollator(self.tokenizer.pad_token_id, self.pack_length)
+        if self.padding_free:
+            return PaddingFreePreferenceCollator()
         return PreferenceCollator(self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------- reference log-probs

@@ -96,7 +96,21 @@ class PolicyModule(L.LightningModule):
             non-finite weights are never checkpointed or exported (``callbacks/nonfinite.py``).
         max_consecutive_nonfinite_steps: with ``nonfinite: skip``, stop with an error after this many skipped
             steps in a row; null: never.
+        disable_dropout: set every dropout probability of the policy to 0 (``modules/dropout.py``; TRL's default:
+            on for DPO, off for GRPO and SFT).
+        router_aux_loss_coef: Mixture-of-Experts policies: weight of the router load-balancing loss added to the
+            training loss (``modules/router_aux_loss.py``); null takes the model config's value, 0 turns it off; an
+            error on a dense model. Padded layouts only (off, and said so at fit start, in the others).
+        activation_offloading: keep activations saved for backward in pinned CPU memory (CUDA; on CPU it has no
+            effect, which the fit-start line says).
+        sync_ref_model: methods with a reference model (DPO, GRPO): every ``ref_model_sync_steps`` optimizer steps
+            the reference becomes ``ref_model_mixup_alpha * policy + (1 - alpha) * reference`` (TR-DPO); kept in
+            checkpoints. Not with precomputed reference log-probs, LoRA, a quantized reference or FSDP/ZeRO-3.
+        ref_model_mixup_alpha: the mix's alpha (default 0.6).
+        ref_model_sync_steps: optimizer steps between mixes (default 512).
     """
+
+    uses_reference_model = False  # methods that keep a reference model (DPO, GRPO) set this
 
     def __init__(
         self,
@@ -130,6 +144,12 @@ class PolicyModule(L.LightningModule):
         use_liger_kernel: bool = False,
         recompute_mlp_activation: bool = True,
         retain_cpu_memory: bool = True,
+        disable_dropout: bool = False,
+        router_aux_loss_coef: float | None = None,
+        activation_offloading: bool = False,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
     ) -> None:
         super().__init__()
         if model is None and model_name_or_path is None:
@@ -160,7 +180,12 @@ class PolicyModule(L.LightningModule):
             from lightalign.hub import check_weights
 
             check_weights(model_name_or_path, normalize_init_kwargs(model_init_kwargs))  # before any data is tokenized
+        if router_aux_loss_coef is not None and not router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 (null: the model config's value), got {router_aux_loss_coef}.")
         self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics"])
+        from lightalign.modules.reference_sync import check_reference_sync
+
+        check_reference_sync(self.hparams, self.uses_reference_model, type(self).__name__)
         self.model_name_or_path = model_name_or_path
         self.model = model
         self.optimizer_factory = optimizer
@@ -177,6 +202,7 @@ class PolicyModule(L.LightningModule):
         self.cpu_memory_retained = False
         self.lean_mlps = 0  # MLPs switched by recompute_mlp_activation
         self.adaptations = AdaptationReport()
+        self.router_aux = None  # the MoE load-balancing loss collector, attached at fit start when in force
         if model is not None:
             self._prepare_model()
 
@@ -198,6 +224,10 @@ class PolicyModule(L.LightningModule):
     def _prepare_model(self) -> None:
         hp = self.hparams
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes as they are
+        if hp.get("disable_dropout"):
+            from lightalign.modules.dropout import disable_dropout_in_model
+
+            disable_dropout_in_model(self.model)
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         # model adaptations (modules/adaptations/): Liger or MLP recompute, sdpa -> sdpa_varlen; each is exact where
@@ -231,11 +261,32 @@ class PolicyModule(L.LightningModule):
         compute exactly, and say in one line what was adapted (``adaptations.check_run``)."""
         from lightalign.modules.adaptations import check_run
 
+        from lightalign.modules.activation_offload import activation_offload_note
+        from lightalign.modules.router_aux_loss import attach_router_aux_loss
+
+        hp = self.hparams
         layout, longest = self.batch_layout()
-        neftune = self.hparams.get("neftune_noise_alpha")
+        neftune = hp.get("neftune_noise_alpha")
+        if self.router_aux is not None:
+            self.router_aux.remove()
+        self.router_aux, aux_note = attach_router_aux_loss(self.model, hp.get("router_aux_loss_coef"), layout)
+        notes = [f"NEFTune alpha {neftune}"] if neftune else []
+        notes += [n for n in (aux_note, activation_offload_note(hp.get("activation_offloading", False), self.device)) if n]
+        if hp.get("sync_ref_model"):
+            notes.append(f"reference synced every {hp.ref_model_sync_steps} steps (alpha {hp.ref_model_mixup_alpha})")
         check_run(self.model, getattr(self, "ref_model", None), layout, longest, self.adaptations, self.device,
-                  self.logger if self._trainer is not None else None,
-                  notes=[f"NEFTune alpha {neftune}"] if neftune else [])
+                  self.logger if self._trainer is not None else None, notes=notes)
+
+    def training_forward_context(self):
+        """The context of a training forward of the policy (``activation_offloading``)."""
+        from lightalign.modules.activation_offload import activation_offload_context
+
+        return activation_offload_context(bool(self.hparams.get("activation_offloading")), self.device)
+
+    def add_router_aux_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss + router_aux_loss_coef * aux_loss`` of the forwards since the last call (MoE; else ``loss``)."""
+        aux = self.router_aux.take() if self.router_aux is not None else None
+        return loss if aux is None else loss + self.router_aux.coef * aux.to(loss.dtype)
 
     def attach_neftune(self) -> None:
         if self.hparams.get("neftune_noise_alpha"):  # noise while fitting only; on_fit_end restores the embeddings
@@ -288,7 +339,12 @@ class PolicyModule(L.LightningModule):
 
         hp = self.hparams
         self.nonfinite_guard = NonFiniteGuard(hp.get("nonfinite", "skip"), hp.get("max_consecutive_nonfinite_steps", 10))
-        return [self.nonfinite_guard]
+        callbacks: list[L.Callback] = [self.nonfinite_guard]
+        if hp.get("sync_ref_model"):
+            from lightalign.callbacks.reference_sync import ReferenceSync
+
+            callbacks.append(ReferenceSync(hp.ref_model_mixup_alpha, hp.ref_model_sync_steps))
+        return callbacks
 
     @property
     def nonfinite_steps(self) -> int:

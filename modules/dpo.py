@@ -15,18 +15,23 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
+from lightalign.modules.dpo_batches import (  # noqa: F401  (re-exported: they were defined here)
+    completion_lengths,
+    completion_token_logps,
+    completion_token_logps_and_alignment,
+    pair_count,
+    real_token_count,
+    shared_prompt_layout,
+)
 from lightalign.modules.dpo_loss import (  # noqa: F401  (re-exported: the public names of the DPO loss)
+    F_DIVERGENCE_TYPES,
     LOSS_TYPES,
     SMOOTHED_LOSS_TYPES,
     dpo_loss,
+    f_divergence_scores,
     length_desensitized_logps,
     validate_loss_config,
-)
-from lightalign.modules.logprobs import (
-    completion_logps,
-    scatter_to_sequences,
-    selective_log_softmax,
-    shared_prefix_logits,
+    wpo_weights,
 )
 from lightalign.modules.reference import (
     build_reference,
@@ -65,6 +70,13 @@ class DPOModule(PolicyModule):
             nothing).
         reference_free: compare against a uniform reference (log-prob 0): no reference model.
         ld_alpha: LD-DPO length desensitisation (tokens past the shorter completion weigh ``ld_alpha``).
+        f_divergence_type: f-DPO regulariser: ``reverse_kl`` (default, standard DPO), ``forward_kl``,
+            ``js_divergence`` or ``alpha_divergence``; each log-ratio ``log u`` becomes ``f'(u)``. Only for the loss
+            types of the chosen-minus-rejected score (sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop,
+            sft).
+        f_alpha_divergence_coef: the ``a`` of ``alpha_divergence`` (score ``(u^(a-1) - 1) / (a - 1)``).
+        use_weighting: WPO: weigh each pair's loss by ``w_chosen * w_rejected``, ``w = exp(mean over completion
+            tokens of log p_t - log sum_v p_v^2)`` under the policy (detached). Not with aot/aot_pair.
         discopop_tau: temperature of the ``discopop`` loss.
         ref_model_name_or_path: the reference checkpoint (default: a frozen copy of the initial policy).
         ref_model_init_kwargs: ``from_pretrained`` kwargs of the reference, e.g.
@@ -75,12 +87,18 @@ class DPOModule(PolicyModule):
             cache them on disk (keyed by reference weights and tokenized data) and free the reference model.
         ref_log_probs_cache_dir: cache folder (default ``$LIGHTALIGN_CACHE/ref_logps`` or
             ``~/.cache/lightalign/ref_logps``).
+        precompute_ref_batch_size: pairs per forward of the reference precompute pass (default: the
+            datamodule's ``val_batch_size`` for every split; TRL defaults to the train batch size for train).
+        disable_dropout: set every dropout probability of the policy to 0 (TRL's default ``True`` for DPO; the
+            reference always runs in eval mode).
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule, ``eval_metrics`` — which receive
             the implicit preference probability ``sigmoid(reward margin)`` and a target of ones).
 
     With LoRA (``peft_config``) and no ``ref_model_name_or_path``, the reference is the base model with the
     adapters disabled: no second copy in memory.
     """
+
+    uses_reference_model = True
 
     def __init__(
         self,
@@ -92,15 +110,29 @@ class DPOModule(PolicyModule):
         label_smoothing: float = 0.0,
         reference_free: bool = False,
         ld_alpha: float | None = None,
+        f_divergence_type: str = "reverse_kl",
+        f_alpha_divergence_coef: float = 0.5,
+        use_weighting: bool = False,
         discopop_tau: float = 0.05,
         ref_model_name_or_path: str | None = None,
         ref_model_init_kwargs: dict[str, Any] | None = None,
         num_shared_layers: int | None = None,
         precompute_ref_log_probs: bool = False,
         ref_log_probs_cache_dir: str | None = None,
+        precompute_ref_batch_size: int | None = None,
+        disable_dropout: bool = True,
         **kwargs: Any,
     ) -> None:
-        loss_types = validate_loss_config(loss_type, loss_weights, beta, label_smoothing)
+        loss_types = validate_loss_config(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
+                                          f_alpha_divergence_coef, use_weighting)
+        if "discopop" in loss_types and not discopop_tau > 0:
+            raise ValueError(f"discopop_tau must be > 0 (the DiscoPOP paper's 0.05 is the default), got {discopop_tau}.")
+        if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
+            raise ValueError(f"precompute_ref_batch_size must be >= 1 (or null for val_batch_size), got "
+                             f"{precompute_ref_batch_size}.")
+        if precompute_ref_batch_size is not None and not precompute_ref_log_probs:
+            raise ValueError("precompute_ref_batch_size is the batch size of the precompute pass; set "
+                             "precompute_ref_log_probs=True to use it, or drop it.")
         if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
             raise ValueError(f"ld_alpha must lie in [0, 1], got {ld_alpha}.")
         if reference_free and (precompute_ref_log_probs or num_shared_layers or ref_model_name_or_path):
@@ -109,7 +141,7 @@ class DPOModule(PolicyModule):
         if num_shared_layers is not None and (ref_model_name_or_path or ref_model_init_kwargs):
             raise ValueError("num_shared_layers shares the policy's own layers; it cannot be combined with a "
                              "separately loaded reference (ref_model_name_or_path / ref_model_init_kwargs).")
-        super().__init__(model_name_or_path, **kwargs)
+        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
         self.loss_types = loss_types
         self.ref_model: torch.nn.Module | None = None  # not a registered submodule: never optimised or checkpointed
         self.reference_forward_calls = 0
@@ -177,25 +209,34 @@ class DPOModule(PolicyModule):
     # ------------------------------------------------------------------------------------- forward
     def _pair_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
         """One forward over every pair of the batch -> (chosen_logps [B], rejected_logps [B])."""
-        chosen, rejected, _ = self._pair_logps_and_chosen_sums(model, batch)
+        chosen, rejected, _, _ = self._pair_logps_and_chosen_sums(model, batch)
         return chosen, rejected
 
-    def _pair_logps_and_chosen_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-        """(chosen, rejected) as the loss compares them (``ld_alpha``-weighted when set) and the plain sums of
-        the chosen token log-probs (what the ``sft`` term's NLL reads), from one forward."""
-        token_logps, mask = completion_token_logps(model, batch)
+    def _pair_logps_and_chosen_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                                    weighting: bool = False):
+        """(chosen, rejected) as the loss compares them (``ld_alpha``-weighted when set), the plain sums of the
+        chosen token log-probs (what the ``sft`` term's NLL reads) and, with ``weighting``, the WPO pair weights
+        (else None), from one forward."""
+        pair_weights = None
+        if weighting:
+            token_logps, mask, squares = completion_token_logps_and_alignment(model, batch, alignment=True)
+            chosen_w, rejected_w = wpo_weights(token_logps, squares, mask)
+            pair_weights = chosen_w * rejected_w
+        else:
+            token_logps, mask = completion_token_logps(model, batch)
         half = token_logps.shape[0] // 2
         sums = token_logps.sum(-1)
         if self.hparams.ld_alpha is not None:
             chosen, rejected = length_desensitized_logps(token_logps[:half], mask[:half], token_logps[half:],
                                                          mask[half:], self.hparams.ld_alpha)
-            return chosen, rejected, sums[:half]
-        return sums[:half], sums[half:], sums[:half]
+            return chosen, rejected, sums[:half], pair_weights
+        return sums[:half], sums[half:], sums[:half], pair_weights
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
         hp = self.hparams
         ref_chosen, ref_rejected = self.reference_logps(batch)
-        policy_chosen, policy_rejected, chosen_sums = self._pair_logps_and_chosen_sums(self.model, batch)
+        policy_chosen, policy_rejected, chosen_sums, pair_weights = self._pair_logps_and_chosen_sums(
+            self.model, batch, weighting=bool(hp.get("use_weighting")))
         chosen_lengths, rejected_lengths = completion_lengths(batch)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected,
@@ -204,6 +245,8 @@ class DPOModule(PolicyModule):
             chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
             bco_delta=self._bco_delta(policy_chosen, policy_rejected, ref_chosen, ref_rejected),
             discopop_tau=hp.discopop_tau, chosen_token_logp_sums=chosen_sums,
+            f_divergence_type=hp.get("f_divergence_type", "reverse_kl"),
+            f_alpha_divergence_coef=hp.get("f_alpha_divergence_coef", 0.5), pair_weights=pair_weights,
         )
         loss = losses.mean()
         n = float(chosen_lengths.shape[0])
@@ -245,7 +288,10 @@ class DPOModule(PolicyModule):
     def batch_layout(self) -> tuple[str, int | None]:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         shared = getattr(datamodule, "prompt_sharing", False)
-        return ("dpo_shared" if shared else "dpo_classic"), getattr(datamodule, "max_length", None)
+        # padding-free pairs are SFT's padding-free row (same forward, sft_logits): its conformance cell holds
+        layout = ("dpo_shared" if shared else "padding_free" if getattr(datamodule, "padding_free", False)
+                  else "dpo_classic")
+        return layout, getattr(datamodule, "max_length", None)
 
     def on_fit_start(self) -> None:
         self.check_model_layout()  # before the reference pass: a refused layout costs no compute
@@ -268,7 +314,9 @@ class DPOModule(PolicyModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.last_batch_tokens, self.last_batch_samples = real_token_count(batch), pair_count(batch)
-        return self._step(batch, self.train_stats)
+        with self.training_forward_context():
+            loss = self._step(batch, self.train_stats)
+        return self.add_router_aux_loss(loss)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
@@ -337,17 +385,17 @@ class DPOModule(PolicyModule):
         acting as its own reference (FSDP, ZeRO-3) meets its collectives in step."""
         world, rank, n = self.trainer.world_size, self.trainer.global_rank, len(dataset)
         bounds = [n * r // world for r in range(world + 1)]
-        batch_size = datamodule.val_batch_size
+        batch_size = self.hparams.get("precompute_ref_batch_size") or datamodule.val_batch_size
         steps = max(-(-(bounds[r + 1] - bounds[r]) // batch_size) for r in range(world))
         start, stop = bounds[rank], bounds[rank + 1]
         # an empty share (fewer rows than ranks) computes row 0 and drops it
         share = dataset.select(range(start, stop)) if stop > start else dataset.select([0])
-        batches = iter(datamodule.eval_dataloader(share, "reference"))
+        batches = iter(datamodule.eval_dataloader(share, "reference", batch_size=batch_size))
         chosen, rejected, batch = [], [], None
         for _ in range(steps):
             real = next(batches, None)
             batch = real if real is not None else batch  # a short share repeats its last batch
-            c, r = self.reference_logps({k: v.to(self.device) for k, v in batch.items()})
+            c, r = self.reference_logps({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()})
             if real is not None and stop > start:
                 chosen.append(c.float())
                 rejected.append(r.float())
@@ -361,43 +409,3 @@ class DPOModule(PolicyModule):
         everyone = self.all_gather(padded)  # [W, 2, widest]
         full = torch.cat([everyone[r, :, : bounds[r + 1] - bounds[r]] for r in range(world)], dim=1).cpu()
         return full[0], full[1]
-
-
-# ============================================================================================== batch layouts
-def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> bool:
-    return "target_logit_index" in batch
-
-
-def pair_count(batch: dict[str, torch.Tensor]) -> int:
-    if shared_prompt_layout(batch):
-        return int(batch["chosen_lengths"].shape[0])
-    return int(batch["input_ids"].shape[0]) // 2
-
-
-def real_token_count(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens the model computes that are not padding (the prompt counts once in the shared layout)."""
-    if shared_prompt_layout(batch):
-        return int((batch["branch"] >= 0).sum())
-    return int(batch["attention_mask"].sum())
-
-
-def completion_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completion tokens of each chosen and each rejected sequence: ``([B], [B])``."""
-    if shared_prompt_layout(batch):
-        return batch["chosen_lengths"], batch["rejected_lengths"]
-    lengths = batch["completion_mask"][:, 1:].sum(-1)
-    half = lengths.shape[0] // 2
-    return lengths[:half], lengths[half:]
-
-
-def completion_token_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token completion log-probs of the 2B sequences (chosen first): ``(logps [2B, L], mask [2B, L])``.
-
-    Shared-prefix layout: one forward, logits only where a completion token is predicted. Classic layout: one
-    forward over the padded chosen and rejected rows. Masked entries hold 0.
-    """
-    if not shared_prompt_layout(batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        return completion_logps(logits, batch["input_ids"], batch["completion_mask"])
-    token_logps = selective_log_softmax(shared_prefix_logits(model, batch), batch["targets"])
-    return scatter_to_sequences(token_logps, batch, 2 * pair_count(batch))

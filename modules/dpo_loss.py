@@ -1,5 +1,6 @@
 """The DPO loss as pure tensor functions: ``dpo_loss`` (the loss types and knobs of TRL's DPOTrainer),
-``length_desensitized_logps`` (TRL's ``ld_alpha``, LD-DPO) and ``validate_loss_config``."""
+``length_desensitized_logps`` (TRL's ``ld_alpha``, LD-DPO), ``f_divergence_scores`` (TRL's ``f_divergence_type``,
+f-DPO), ``wpo_weights`` (TRL's ``use_weighting``, WPO) and ``validate_loss_config``."""
 
 from __future__ import annotations
 
@@ -13,10 +14,17 @@ import torch.nn.functional as F
 
 LOSS_TYPES: tuple[str, ...] = (
     "sigmoid", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "sppo_hard", "nca_pair",
-    "aot", "aot_pair", "apo_zero", "apo_down", "discopop", "sft",
+    "aot", "aot_pair", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
 )
 # Loss types whose formula uses label_smoothing; the others ignore it (TRL warns, so do we).
-SMOOTHED_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
+SMOOTHED_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair", "aot_unpaired")
+F_DIVERGENCE_TYPES: tuple[str, ...] = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# Loss types built on the chosen-minus-rejected score difference: only there does the f-DPO reparameterisation
+# cancel the partition function, so only these take a non-default f_divergence_type (as in TRL 1.16).
+F_DIVERGENCE_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust",
+                                            "discopop", "sft")
+# Loss types that sort across the batch: per-pair WPO weights would no longer belong to their pair.
+UNWEIGHTABLE_LOSS_TYPES: tuple[str, ...] = ("aot", "aot_pair", "aot_unpaired")
 
 
 def validate_loss_config(
@@ -24,6 +32,9 @@ def validate_loss_config(
     loss_weights: Sequence[float] | None,
     beta: float,
     label_smoothing: float,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    use_weighting: bool = False,
 ) -> list[str]:
     """Check the DPO loss knobs and return the loss types as a list; raise ``ValueError`` saying what to fix."""
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
@@ -44,6 +55,22 @@ def validate_loss_config(
         raise ValueError(f"label_smoothing must lie in [0.0, 0.5), got {label_smoothing}.")
     if "exo_pair" in types and label_smoothing == 0.0:
         raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper recommends 1e-3).")
+    if f_divergence_type not in F_DIVERGENCE_TYPES:
+        raise ValueError(f"Unknown f_divergence_type {f_divergence_type!r}; valid names are: "
+                         f"{', '.join(map(repr, F_DIVERGENCE_TYPES))}.")
+    unfit = [t for t in types if t not in F_DIVERGENCE_LOSS_TYPES]
+    if f_divergence_type != "reverse_kl" and unfit:
+        raise ValueError(
+            f"f_divergence_type={f_divergence_type!r} does not apply to loss type(s) {unfit}: f-DPO only holds for the "
+            f"losses of the chosen-minus-rejected score, {list(F_DIVERGENCE_LOSS_TYPES)}. Use "
+            "f_divergence_type='reverse_kl' (standard DPO) with these losses."
+        )
+    if not math.isfinite(f_alpha_divergence_coef):
+        raise ValueError(f"f_alpha_divergence_coef must be a finite number (default 0.5), got {f_alpha_divergence_coef}.")
+    sorting = [t for t in types if t in UNWEIGHTABLE_LOSS_TYPES]
+    if use_weighting and sorting:
+        raise ValueError(f"use_weighting=True (WPO) cannot weight loss type(s) {sorting}: they sort log-ratios across "
+                         "the batch, so a pair's weight would land on another pair's term. Drop one of the two.")
     ignoring = [t for t in types if t not in SMOOTHED_LOSS_TYPES]
     if label_smoothing > 0 and ignoring:
         warnings.warn(
@@ -92,6 +119,51 @@ def length_desensitized_logps(
     return weighted_sum(token_logps_chosen, mask_c), weighted_sum(token_logps_rejected, mask_r)
 
 
+def f_divergence_scores(
+    logratios: torch.Tensor, f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5
+) -> torch.Tensor:
+    """f-DPO: the score ``f'(u)`` of a sequence with likelihood ratio ``u = pi / pi_ref`` (``logratios = log u``).
+
+    ``reverse_kl``: ``log u`` (standard DPO); ``forward_kl``: ``1 - 1/u``; ``js_divergence``: ``log(2u / (1 + u))``;
+    ``alpha_divergence``: ``(u^(a-1) - 1) / (a - 1)`` with ``a = f_alpha_divergence_coef`` (``log u`` at ``a = 1``;
+    in float32 the exponent is clamped at 80, as TRL does, so the score stays finite).
+    """
+    if f_divergence_type == "reverse_kl":
+        return logratios
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if f_divergence_type == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    if f_divergence_type == "alpha_divergence":
+        a = float(f_alpha_divergence_coef)
+        if abs(a - 1.0) < 1e-6:
+            return logratios
+        exponent = (a - 1.0) * logratios
+        if exponent.dtype != torch.float64:
+            exponent = exponent.clamp(max=80.0)
+        return torch.expm1(exponent) / (a - 1.0)
+    raise ValueError(f"Unknown f_divergence_type {f_divergence_type!r}; valid names are: "
+                     f"{', '.join(map(repr, F_DIVERGENCE_TYPES))}.")
+
+
+def wpo_weights(
+    token_logps: torch.Tensor, token_log_sum_sq_probs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """WPO pair weights (TRL's ``use_weighting``): ``(chosen_weights [B], rejected_weights [B])``, detached.
+
+    Inputs are ``[2B, T]``, chosen rows first: the policy's per-token log-probs, ``log sum_v p_v^2`` of each token's
+    distribution, and the 0/1 completion mask. A sequence weighs ``exp(mean_t (log p_t - log sum_v p_v^2))`` over
+    its completion tokens (its probability, length-normalised and aligned to the policy's own sampling
+    distribution); ``dpo_loss`` multiplies each pair's terms by ``chosen_weight * rejected_weight``.
+    """
+    mask = mask.to(torch.float64 if token_logps.dtype == torch.float64 else torch.float32)
+    with torch.no_grad():
+        aligned = (token_logps.to(mask.dtype) - token_log_sum_sq_probs.to(mask.dtype)) * mask
+        weights = torch.exp(aligned.sum(-1) / mask.sum(-1).clamp(min=1.0))
+    half = weights.shape[0] // 2
+    return weights[:half], weights[half:]
+
+
 def _smoothed_sigmoid(x: torch.Tensor, eps: float) -> torch.Tensor:
     return -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
 
@@ -112,6 +184,9 @@ def dpo_loss(
     bco_delta: torch.Tensor | float = 0.0,
     discopop_tau: float = 0.05,
     chosen_token_logp_sums: torch.Tensor | None = None,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    pair_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-example DPO losses (TRL's loss types) from summed completion log-probs.
 
@@ -133,6 +208,15 @@ def dpo_loss(
       which dropped the running mean. ``DPOModule`` passes the running mean: deliberately unlike TRL 1.16,
       because the shift δ is part of BCO's formula (and of TRL's own bco_pair until its DPO refactor).
     - ``aot`` and ``aot_pair`` sort across the batch, so each example's loss depends on the others.
+      ``aot_unpaired`` is TRL 1.16's name for ``aot_pair`` (same formula; both names are accepted).
+    - ``sigmoid_norm`` is ``sigmoid`` on length-normalised scores (``chosen_lengths``/``rejected_lengths``).
+    - ``f_divergence_type`` (f-DPO) replaces each log-ratio ``log u`` by the score ``f'(u)``
+      (``f_divergence_scores``) in sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust and discopop; sft does
+      not read it; the other types refuse a non-default value (``validate_loss_config``). Rewards stay
+      ``beta * log u``.
+    - ``pair_weights`` ``[B]`` (WPO, TRL's ``use_weighting``: ``chosen_weight * rejected_weight`` from
+      ``wpo_weights``) multiplies every term of a pair; the ``sft`` term is then, as in TRL, the batch's token
+      NLL times each pair's weight.
     - ``label_smoothing`` (cDPO / robust DPO / EXO epsilon) affects sigmoid, robust, exo_pair, aot, aot_pair.
       Deliberately unlike TRL 1.16, ``sigmoid`` applies it (cDPO: ``-(1-e) logsig(x) - e logsig(-x)``), because
       TRL 1.16 ignores it there without a word, so a user who sets it would silently train plain DPO;
@@ -141,7 +225,8 @@ def dpo_loss(
     Returns ``(losses [B], chosen_rewards [B], rejected_rewards [B])``, rewards being
     ``beta * (policy - reference)`` detached.
     """
-    types = validate_loss_config(loss_type, loss_weights, beta, label_smoothing)
+    types = validate_loss_config(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
+                                 f_alpha_divergence_coef, use_weighting=pair_weights is not None)
     weights = [1.0] * len(types) if loss_weights is None else [float(w) for w in loss_weights]
     if "discopop" in types and not discopop_tau > 0:
         raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}.")
@@ -171,7 +256,9 @@ def dpo_loss(
         return torch.as_tensor(value, device=device).to(dtype).clamp(min=1.0)
 
     chosen_logratios, rejected_logratios = pc - rc, pr - rr
-    logits = beta * (chosen_logratios - rejected_logratios)
+    chosen_scores = f_divergence_scores(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
+    rejected_scores = f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    logits = beta * (chosen_scores - rejected_scores)
     eps = label_smoothing
     losses = torch.zeros_like(pc)
     for name, weight in zip(types, weights):
@@ -182,7 +269,7 @@ def dpo_loss(
         elif name == "ipo":
             len_c = lengths(chosen_lengths, "chosen_lengths", "ipo")
             len_r = lengths(rejected_lengths, "rejected_lengths", "ipo")
-            term = (chosen_logratios / len_c - rejected_logratios / len_r - 1 / (2 * beta)) ** 2
+            term = (chosen_scores / len_c - rejected_scores / len_r - 1 / (2 * beta)) ** 2
         elif name == "robust":
             term = (-(1 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
         elif name == "exo_pair":
@@ -200,7 +287,7 @@ def dpo_loss(
         elif name == "aot":
             delta = torch.sort(pc - pr).values - torch.sort(rc - rr).values
             term = _smoothed_sigmoid(beta * delta, eps)
-        elif name == "aot_pair":
+        elif name in ("aot_pair", "aot_unpaired"):
             delta = torch.sort(chosen_logratios).values - torch.sort(rejected_logratios).values
             term = _smoothed_sigmoid(beta * delta, eps)
         elif name == "apo_zero":
@@ -210,9 +297,17 @@ def dpo_loss(
         elif name == "discopop":
             mix = torch.sigmoid(logits / discopop_tau)
             term = (1 - mix) * -F.logsigmoid(logits) + mix * torch.exp(-logits)
+        elif name == "sigmoid_norm":
+            len_c = lengths(chosen_lengths, "chosen_lengths", "sigmoid_norm")
+            len_r = lengths(rejected_lengths, "rejected_lengths", "sigmoid_norm")
+            term = -F.logsigmoid(beta * (chosen_scores / len_c - rejected_scores / len_r))
         else:  # "sft"
             nll_logps = pc if chosen_token_logp_sums is None else chosen_token_logp_sums.to(device=device, dtype=dtype)
             term = -nll_logps / lengths(chosen_lengths, "chosen_lengths", "sft").mean()
+            if pair_weights is not None:  # TRL: the batch's token NLL, weighted per pair
+                term = term.mean().expand_as(pc)
+        if pair_weights is not None:
+            term = term * pair_weights.to(device=device, dtype=dtype).detach()
         losses = losses + weight * term
 
     chosen_rewards = (beta * chosen_logratios).detach()

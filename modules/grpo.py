@@ -109,6 +109,8 @@ class GRPOModule(GRPORollout, PolicyModule):
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
+    uses_reference_model = True
+
     def __init__(
         self,
         model_name_or_path: str | None = None,
@@ -278,8 +280,9 @@ class GRPOModule(GRPORollout, PolicyModule):
         hp = self.hparams
         mb, slot = self.next_micro_batch(batch)
         control = self.entropy_control
-        logps, entropies = self.token_logps(self.model, mb, entropy_grad=control.enabled,
-                                            with_entropy=hp.log_entropy or control.enabled or hp.top_entropy_quantile < 1)
+        with self.training_forward_context():
+            logps, entropies = self.token_logps(self.model, mb, entropy_grad=control.enabled,
+                                                with_entropy=hp.log_entropy or control.enabled or hp.top_entropy_quantile < 1)
         mask = mb["completion_mask"].bool()
         entropy_mask = None if hp.top_entropy_quantile >= 1 else self._high_entropy_mask(entropies.detach(), mask)
         accumulate = self.trainer.accumulate_grad_batches
@@ -315,7 +318,7 @@ class GRPOModule(GRPORollout, PolicyModule):
                 s[_key(name)].update(stats[key])
         if entropies is not None and mask.any():
             s[_key("entropy")].update(entropies.detach()[mask].mean())
-        return loss * scale
+        return self.add_router_aux_loss(loss * scale)
 
     def _high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``top_entropy_quantile``'s token mask; the quantile is over every rank's real tokens of this step."""

@@ -71,6 +71,7 @@ class KTOModule(PolicyModule):
     describes across accumulation and ranks (``kl`` over micro-batches, weighted by rows).
 
     Args:
+        disable_dropout: set every dropout probability of the policy to 0 (TRL 1.16's default for KTO).
         beta: strength of the implicit KL penalty (TRL's default 0.1); > 0.
         loss_type: ``kto`` (default) or ``apo_zero_unpaired`` (APO-zero on unpaired rows: no KL term, so no
             mismatched forwards).
@@ -107,13 +108,14 @@ class KTOModule(PolicyModule):
         num_shared_layers: int | None = None,
         precompute_ref_log_probs: bool = False,
         ref_log_probs_cache_dir: str | None = None,
+        disable_dropout: bool = True,
         **kwargs: Any,
     ) -> None:
         validate_kto_config(loss_type, beta, desirable_weight, undesirable_weight)
         if num_shared_layers is not None and (ref_model_name_or_path or ref_model_init_kwargs):
             raise ValueError("num_shared_layers shares the policy's own layers; it cannot be combined with a "
                              "separately loaded reference (ref_model_name_or_path / ref_model_init_kwargs).")
-        super().__init__(model_name_or_path, **kwargs)
+        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
         self.ref_model: torch.nn.Module | None = None  # not a registered submodule: never optimised or checkpointed
         self.reference_forward_calls = 0
         self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})

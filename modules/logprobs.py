@@ -23,6 +23,17 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows:
     return out.view(index.shape)
 
 
+def log_sum_squared_probs(logits: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+    """``log(sum_v softmax(logits)_v^2)`` per position of ``logits [..., V]`` -> ``[...]`` float32, detached (WPO's
+    alignment term: the log-probability that two samples of the distribution agree), row chunk by row chunk."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, flat.shape[0], chunk_rows):
+        rows = flat[start : start + chunk_rows].float()
+        out[start : start + chunk_rows] = torch.logsumexp(2 * rows, -1) - 2 * torch.logsumexp(rows, -1)
+    return out.view(logits.shape[:-1])
+
+
 def completion_logps(
     logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -117,6 +117,7 @@ class RewardModule(PolicyModule):
     Args:
         center_rewards_coefficient: weight of the mean-zero penalty on the rewards (TRL's name; TRL recommends
             0.01); None: no penalty. Must be >= 0.
+        disable_dropout: set every dropout probability of the model to 0 (TRL 1.16's default for reward models).
         **kwargs: ``PolicyModule`` arguments: ``model_name_or_path``, ``from_config``, ``model`` (Python API: a
             built sequence classifier with ``num_labels=1``), ``model_init_kwargs``, ``peft_config`` (LoRA; its
             ``task_type`` defaults to ``SEQ_CLS``, which keeps the score head fully trainable and in the export),
@@ -130,7 +131,7 @@ class RewardModule(PolicyModule):
     """
 
     def __init__(self, model_name_or_path: str | None = None, *, center_rewards_coefficient: float | None = None,
-                 **kwargs: Any) -> None:
+                 disable_dropout: bool = True, **kwargs: Any) -> None:
         if center_rewards_coefficient is not None and not center_rewards_coefficient >= 0:
             raise ValueError(f"center_rewards_coefficient must be >= 0 or null (TRL recommends 0.01), got "
                              f"{center_rewards_coefficient}.")
@@ -143,7 +144,7 @@ class RewardModule(PolicyModule):
                 f"({type(model).__name__}). Build it with AutoModelForSequenceClassification.from_pretrained(..., "
                 "num_labels=1), or pass model_name_or_path (a causal LM checkpoint gets a new score head)."
             )
-        super().__init__(model_name_or_path, **kwargs)
+        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
         self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
         self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
 

@@ -157,7 +157,8 @@ class RLOOModule(GRPOModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         hp = self.hparams
         mb, _ = self.next_micro_batch(batch)
-        logps, entropies = self.token_logps(self.model, mb, with_entropy=hp.log_entropy)
+        with self.training_forward_context():
+            logps, entropies = self.token_logps(self.model, mb, with_entropy=hp.log_entropy)
         # on-policy (one pass, one optimizer step per rollout) the ratio is 1 by definition: the old log-probs are
         # there only for the KL penalty, and a second forward's rounding (or dropout) must not clip anything
         old = mb.get("old_logps") if GRPOModule._reuses_rollout(self, self.rollout_shape[1]) else None
@@ -171,4 +172,4 @@ class RLOOModule(GRPOModule):
         mask = mb["completion_mask"].bool()
         if entropies is not None and mask.any():
             s[_key("entropy")].update(entropies.detach()[mask].mean())
-        return loss
+        return self.add_router_aux_loss(loss)

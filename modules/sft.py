@@ -96,12 +96,14 @@ class SFTModule(PolicyModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         local_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         denom, scale = self._step_denominator(batch, local_tokens)
-        loss, stats = self.compute_loss(self._logits(batch), batch, num_items_in_batch=denom)
+        with self.training_forward_context():
+            logits = self._logits(batch)
+        loss, stats = self.compute_loss(logits, batch, num_items_in_batch=denom)
         n = stats["num_tokens"].clamp(min=1)
         self.train_loss.update(stats["nll_sum"] / n, weight=stats["num_tokens"])
         self.train_accuracy.update(stats["num_correct"] / n, weight=stats["num_tokens"])
         self.train_tokens.update(count_input_tokens(batch))
-        return loss * scale
+        return self.add_router_aux_loss(loss * scale)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called once per optimizer step, after the last micro-batch's backward: log the step's aggregates.

@@ -105,7 +105,10 @@ def build(method: str, model: str, devices: int):
         return (SFTModule(model, neftune_noise_alpha=5.0, **common),
                 SFTDataModule(rows("arithmetic_sft.jsonl", 44), tokenizer=TINY, batch_size=4, max_length=32), 2)
     if method == "dpo":
-        return (DPOModule(model, **common),
+        # dropout kept on (DPO's default turns it off); TR-DPO reference syncs every 2 steps, so a resume restores a
+        # reference that is no longer the initial policy
+        return (DPOModule(model, disable_dropout=False, sync_ref_model=True, ref_model_mixup_alpha=0.5,
+                          ref_model_sync_steps=2, **common),
                 PreferenceDataModule(rows("arithmetic_preference.jsonl", 44), tokenizer=TINY, batch_size=4), 2)
     if method == "grpo":
         # a rollout (2 prompts x 4 completions) serves 4 steps (2 micro-batches x 2 iterations); 4 prompts per
@@ -146,8 +149,9 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, data, ckpt_path="last" if args.resume else None)
     if trainer.is_global_zero:
-        torch.save({"model": module.model.state_dict(), "optimizer": trainer.optimizers[0].state_dict()},
-                   out / "final.pt")
+        reference = getattr(module, "ref_model", None)
+        torch.save({"model": module.model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+                    "reference": reference.state_dict() if reference is not None else None}, out / "final.pt")
     print("DONE", trainer.global_step, file=sys.stderr)
 
 

@@ -63,7 +63,9 @@ EXPECTED = {
     ),
     # TRL's mean token NLL over the batch's chosen tokens, spread so that the mean over examples equals it
     "sft": [-PC[i] * 3 / sum(LC) for i in range(3)],
+    "sigmoid_norm": per_example(lambda c, r, z, i: -logsig(BETA * (c / LC[i] - r / LR[i]))),
 }
+EXPECTED["aot_unpaired"] = EXPECTED["aot_pair"]  # TRL 1.16's name for the same loss
 EXO_EPS = 1e-3
 EXPECTED["exo_pair"] = per_example(
     lambda c, r, z, i: sig(BETA * z) * (logsig(BETA * z) - math.log(1 - EXO_EPS))

@@ -94,6 +94,8 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
     final_b = torch.load(b / "final.pt", weights_only=True)
     _assert_equal_tree(final_a["model"], final_b["model"], f"{method}: weights after resume")
     _assert_equal_tree(final_a["optimizer"], final_b["optimizer"], f"{method}: optimizer state after resume")
+    # DPO syncs its reference (TR-DPO) every 2 steps: the resumed runs restored the mixed reference
+    _assert_equal_tree(final_a.get("reference"), final_b.get("reference"), f"{method}: reference after resume")
     la, lb = _losses(a), _losses(b)
     assert sorted(la) == list(range(max_steps)), sorted(la)
     shared = [s for s in la if s >= resume1]
@@ -101,4 +103,6 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
     # the weights moved, and (GRPO) the loss is not the zero of a reward without variance
     init = torch.load(a / "init.pt", weights_only=True)
     assert not all(torch.equal(init[k], final_a["model"][k]) for k in init)
+    if final_a.get("reference") is not None:  # the synced reference is not the initial policy any more
+        assert not all(torch.equal(init[k], final_a["reference"][k]) for k in init)
     assert any(abs(v) > 1e-6 for v in la.values()), la

@@ -48,7 +48,8 @@ MATRIX_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "q
 WINDOW_KWARG_FAMILIES = frozenset({"mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
                                    "phi3"})
 _KNOBS = {  # the knob as YAML / the command line names it, and the setting that avoids the layout
-    "padding_free": ("data.padding_free / data.packing (SFTDataModule)", "data.padding_free: false and data.packing: false"),
+    "padding_free": ("data.padding_free / data.packing (SFTDataModule; data.padding_free of PreferenceDataModule)",
+                     "data.padding_free: false and data.packing: false"),
     "packed": ("data.packing (SFTDataModule)", "data.packing: false"),
     "dpo_shared": ("data.prompt_sharing (PreferenceDataModule, on by default)", "data.prompt_sharing: false"),
     "grpo_shared": ("model.prompt_sharing (GRPOModule)", "model.prompt_sharing: false"),

@@ -1,0 +1,72 @@
+"""TR-DPO reference updates (TRL's ``sync_ref_model``): every ``ref_model_sync_steps`` optimizer steps the
+reference becomes ``ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference``, parameter by
+parameter (the callback that times it and keeps the mixed weights in checkpoints: ``callbacks/reference_sync.py``).
+
+Only a reference held as its own full-precision model can be mixed; the other reference modes are refused when
+the module is built (``check_reference_sync``) or at fit start (``check_mixable``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def check_reference_sync(hparams: Any, uses_reference_model: bool, method: str) -> None:
+    """Refuse, at construction, the knob values and combinations a reference update cannot work with."""
+    alpha, every = hparams.get("ref_model_mixup_alpha", 0.6), hparams.get("ref_model_sync_steps", 512)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"ref_model_mixup_alpha must lie in [0, 1] (TR-DPO's alpha; default 0.6), got {alpha}.")
+    if int(every) != every or every < 1:
+        raise ValueError(f"ref_model_sync_steps must be an integer >= 1 (optimizer steps; default 512), got {every}.")
+    if not hparams.get("sync_ref_model"):
+        return
+    why = None
+    if not uses_reference_model:
+        why = f"{method} has no reference model"
+    elif hparams.get("reference_free"):
+        why = "reference_free=True uses no reference model"
+    elif hparams.get("beta", None) == 0:
+        why = "beta=0 builds no reference model; set beta > 0 to have one"
+    elif hparams.get("precompute_ref_log_probs"):
+        why = ("precompute_ref_log_probs=True computes the reference log-probs once before training, and a reference "
+               "that changes during training would make them stale; set precompute_ref_log_probs=False")
+    elif hparams.get("peft_config") is not None:
+        why = ("with LoRA (peft_config) the reference is the base model with the adapters disabled, not a model of "
+               "its own that could be mixed; train without peft_config to sync the reference")
+    elif (hparams.get("ref_model_init_kwargs") or {}).get("quantization_config") is not None:
+        why = "a quantized reference (ref_model_init_kwargs.quantization_config) cannot take a mix of float weights"
+    if why:
+        raise ValueError(f"sync_ref_model=True cannot work here: {why}. Drop sync_ref_model (and its "
+                         "ref_model_mixup_alpha / ref_model_sync_steps).")
+
+
+def check_mixable(policy: torch.nn.Module, reference: torch.nn.Module | None) -> None:
+    """At fit start: the reference exists and has the policy's parameter names and shapes."""
+    if reference is None:
+        raise ValueError("sync_ref_model=True but this run has no reference model in memory to update.")
+    mine = {n: p.shape for n, p in policy.named_parameters()}
+    theirs = {n: p.shape for n, p in reference.named_parameters()}
+    if mine != theirs:
+        differ = sorted(set(mine) ^ set(theirs)) or [n for n in mine if mine[n] != theirs[n]]
+        raise ValueError(
+            "sync_ref_model=True mixes the policy into the reference parameter by parameter, but the reference "
+            f"(ref_model_name_or_path) has other parameters (e.g. {differ[:2]}). Use a reference of the policy's "
+            "architecture, or drop sync_ref_model."
+        )
+
+
+@torch.no_grad()
+def mix_into_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> int:
+    """``reference <- alpha * policy + (1 - alpha) * reference`` for every parameter; returns how many were mixed.
+    Tensors the two models share (``num_shared_layers``) are the same values already and are left alone."""
+    mixed = 0
+    policy_params = dict(policy.named_parameters())
+    for name, ref_param in reference.named_parameters():
+        param = policy_params[name]
+        if param is ref_param:
+            continue
+        ref_param.mul_(1.0 - alpha).add_(param.detach().to(ref_param.dtype), alpha=alpha)
+        mixed += 1
+    return mixed
