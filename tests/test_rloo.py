@@ -133,6 +133,7 @@ def _run(args, cwd, **env):
 
 def test_console_quickstart_runs_and_logs(repo, tmp_path):
     out = _run(["fit", "--config", str(repo / "configs" / "rloo_quickstart.yaml"), "--trainer.max_steps", "2",
+                "--model.beta", "0.05",
                 "--trainer.val_check_interval", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
                 "--plot.enabled", "false"], cwd=repo)
     assert out.returncode == 0, out.stderr[-3000:]
