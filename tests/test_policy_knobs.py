@@ -146,7 +146,7 @@ def test_sync_ref_model_refusals(tiny_model, tiny_dir):
         (lambda: DPOModule(model=tiny_model, sync_ref_model=True, precompute_ref_log_probs=True), "stale"),
         (lambda: DPOModule(model=tiny_model, sync_ref_model=True, reference_free=True), "reference_free"),
         (lambda: DPOModule(model=tiny_model, sync_ref_model=True, peft_config={"r": 4}), "LoRA"),
-        (lambda: DPOModule(str(tiny_dir), sync_ref_model=True,
+        (lambda: DPOModule(str(tiny_dir), from_config=True, sync_ref_model=True,
                            ref_model_init_kwargs={"quantization_config": {"load_in_8bit": True}}), "quantized"),
         (lambda: GRPOModule(model=tiny_model, reward_funcs=[len], sync_ref_model=True), "beta=0"),
         (lambda: SFTModule(model=tiny_model, sync_ref_model=True), "SFTModule has no reference model"),

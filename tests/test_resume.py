@@ -65,8 +65,6 @@ CASES = [
     ("dpo", 1, 9, 3, 5, 7, 6),
     # a rollout serves 4 steps, 2 rollouts/epoch: 8 steps/epoch. Kill at 3 -> resume 2 (mid-rollout); 9 -> 8
     ("grpo", 1, 10, 2, 3, 9, 8),
-    # DDP, 2 processes (gloo): 6 batches/epoch/rank -> 3 steps/epoch. Kill at 5 -> resume 4; kill at 7 -> resume 6
-    ("sft", 2, 8, 2, 5, 7, 3),
     # DDP GRPO: each rank its own prompts, rollouts and reward normaliser; as the single-process case
     ("grpo", 2, 10, 2, 3, 9, 8),
 ]
