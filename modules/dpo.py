@@ -42,6 +42,7 @@ from lightalign.modules.reference import (
     save_cached,
     tokenized_fingerprint,
 )
+from lightalign.modules.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
 TOKENIZED_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "index")
@@ -51,7 +52,7 @@ PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies"
               "logps/chosen", "logps/rejected")
 
 
-class DPOModule(PolicyModule):
+class DPOModule(StatHooks, PolicyModule):
     """Direct preference optimisation on the pair batches of ``PreferenceDataModule``.
 
     Chosen and rejected go through the policy in one concatenated forward; per-sequence log-probs sum the
@@ -317,24 +318,6 @@ class DPOModule(PolicyModule):
         with self.training_forward_context():
             loss = self._step(batch, self.train_stats)
         return self.add_router_aux_loss(loss)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)
-        self._log_stats(self.train_stats, "train")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, self.eval_stats)
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "val")
-        self.log_eval_metrics("val")
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, self.eval_stats)
-
-    def on_test_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "test")
-        self.log_eval_metrics("test")
 
     # ------------------------------------------------------------------------------------- precompute
     def reference_fingerprint(self) -> str:

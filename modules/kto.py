@@ -22,6 +22,7 @@ from lightalign.modules.reference import (
     save_cached,
     tokenized_fingerprint,
 )
+from lightalign.modules.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
 TOKENIZED_COLUMNS = ("prompt_input_ids", "completion_input_ids", "kl_completion_input_ids", "index")
@@ -56,7 +57,7 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], prefi
     return token_logps.sum(-1)
 
 
-class KTOModule(PolicyModule):
+class KTOModule(StatHooks, PolicyModule):
     """KTO (Ethayarajh et al. 2024) on completions judged one at a time (``UnpairedPreferenceDataModule``).
 
     Each micro-batch runs the policy on its rows (with gradients) and on its mismatched sequences (each prompt with
@@ -260,24 +261,6 @@ class KTOModule(PolicyModule):
         tokens = batch["attention_mask"].sum() + (batch["kl_attention_mask"].sum() if self.uses_kl else 0)
         self.last_batch_tokens, self.last_batch_samples = int(tokens), int(batch["labels"].shape[0])
         return self._step(batch, self.train_stats)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)
-        self._log_stats(self.train_stats, "train")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, self.eval_stats)
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "val")
-        self.log_eval_metrics("val")
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, self.eval_stats)
-
-    def on_test_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "test")
-        self.log_eval_metrics("test")
 
     # ------------------------------------------------------------------------------------- precompute
     def reference_fingerprint(self) -> str:

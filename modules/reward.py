@@ -19,6 +19,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
 from lightalign.modules.export import export_hf
+from lightalign.modules.stat_hooks import StatHooks
 
 PAIR_STATS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
 SCORE_HEADS = ("score", "classifier")  # the head's attribute name in transformers' sequence classifiers
@@ -94,7 +95,7 @@ def sequence_classification_peft_config(peft_config: Any) -> Any:
     return peft_config
 
 
-class RewardModule(PolicyModule):
+class RewardModule(StatHooks, PolicyModule):
     """Train a reward model (Bradley-Terry) on the pair batches of ``PreferenceDataModule``.
 
     The model is ``AutoModelForSequenceClassification`` with one output (``num_labels=1``): ``model_name_or_path``
@@ -243,24 +244,6 @@ class RewardModule(PolicyModule):
         self.last_batch_tokens = int(batch["attention_mask"].sum())
         self.last_batch_samples = int(batch["input_ids"].shape[0]) // 2
         return self._step(batch, self.train_stats)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)
-        self._log_stats(self.train_stats, "train")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, self.eval_stats)
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "val")
-        self.log_eval_metrics("val")
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, self.eval_stats)
-
-    def on_test_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "test")
-        self.log_eval_metrics("test")
 
     # ------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
