@@ -33,15 +33,8 @@ from lightalign.modules.dpo_loss import (  # noqa: F401  (re-exported: the publi
     validate_loss_config,
     wpo_weights,
 )
-from lightalign.modules.reference import (
-    build_reference,
-    cache_path,
-    load_cached,
-    model_fingerprint,
-    move_reference,
-    save_cached,
-    tokenized_fingerprint,
-)
+from lightalign.modules.reference import build_reference, model_fingerprint, move_reference
+from lightalign.modules.reference_precompute import precompute_reference_logps
 from lightalign.modules.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
@@ -330,65 +323,7 @@ class DPOModule(StatHooks, PolicyModule):
         with self.model.disable_adapter():
             return model_fingerprint(self.model.get_base_model(), extra)
 
-    @torch.no_grad()
     def precompute_reference(self, datamodule: Any) -> None:
-        """Give the datamodule the reference log-probs of every split (``set_reference_logps``).
-
-        Values come from the disk cache when the same reference weights met the same tokenized rows before
-        (the key hashes every weight and every token id); otherwise each rank computes its share of the rows
-        and the shares are gathered, and rank 0 writes the cache. The reference model is released afterwards.
-        """
-        fingerprint = None
-        was_training = self.training
-        self.eval()
-        for label, dataset in datamodule.splits().items():
-            if label in datamodule.reference_logps:
-                continue
-            if fingerprint is None:
-                fingerprint = self.reference_fingerprint()
-            data_key = tokenized_fingerprint(dataset, TOKENIZED_COLUMNS)
-            path = cache_path(self.hparams.ref_log_probs_cache_dir, fingerprint, data_key)
-            cached = load_cached(path)
-            if not self.trainer.strategy.reduce_boolean_decision(cached is not None, all=True):
-                chosen, rejected = self._sharded_reference_pass(datamodule, dataset)
-                cached = {"chosen": chosen, "rejected": rejected}
-                if self.trainer.is_global_zero:
-                    save_cached(path, cached)
-            datamodule.set_reference_logps(label, cached["chosen"], cached["rejected"])
-        self.train(was_training)
-        if self.ref_model is not None or getattr(self, "_policy_is_reference", False):
-            self.ref_model = None
-            self._policy_is_reference = False
-            self._ref_released = True
-
-    def _sharded_reference_pass(self, datamodule: Any, dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference log-probs of every row of ``dataset``, in row order: rank ``r`` of ``W`` computes the
-        contiguous rows ``[n*r//W, n*(r+1)//W)``, then the shares are all-gathered. Every rank runs the same
-        number of forwards (a short share repeats its last batch and drops the result), so a sharded policy
-        acting as its own reference (FSDP, ZeRO-3) meets its collectives in step."""
-        world, rank, n = self.trainer.world_size, self.trainer.global_rank, len(dataset)
-        bounds = [n * r // world for r in range(world + 1)]
-        batch_size = self.hparams.get("precompute_ref_batch_size") or datamodule.val_batch_size
-        steps = max(-(-(bounds[r + 1] - bounds[r]) // batch_size) for r in range(world))
-        start, stop = bounds[rank], bounds[rank + 1]
-        # an empty share (fewer rows than ranks) computes row 0 and drops it
-        share = dataset.select(range(start, stop)) if stop > start else dataset.select([0])
-        batches = iter(datamodule.eval_dataloader(share, "reference", batch_size=batch_size))
-        chosen, rejected, batch = [], [], None
-        for _ in range(steps):
-            real = next(batches, None)
-            batch = real if real is not None else batch  # a short share repeats its last batch
-            c, r = self.reference_logps({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()})
-            if real is not None and stop > start:
-                chosen.append(c.float())
-                rejected.append(r.float())
-        mine = torch.stack([torch.cat(chosen), torch.cat(rejected)]) if chosen \
-            else torch.zeros(2, 0, device=self.device)
-        if world == 1:
-            return mine[0].cpu(), mine[1].cpu()
-        widest = max(bounds[r + 1] - bounds[r] for r in range(world))
-        padded = torch.zeros(2, widest, device=self.device)
-        padded[:, : mine.shape[1]] = mine
-        everyone = self.all_gather(padded)  # [W, 2, widest]
-        full = torch.cat([everyone[r, :, : bounds[r + 1] - bounds[r]] for r in range(world)], dim=1).cpu()
-        return full[0], full[1]
+        """Give the datamodule the reference log-probs of every split (chosen, rejected), cached on disk and sharded
+        over the ranks (``modules/reference_precompute.py``); the reference model is released afterwards."""
+        precompute_reference_logps(self, datamodule, TOKENIZED_COLUMNS, ("chosen", "rejected"))

@@ -13,15 +13,8 @@ from torchmetrics.aggregation import MeanMetric
 from lightalign.modules.base import PolicyModule, is_peft_model
 from lightalign.modules.kto_loss import LOSS_TYPES, kl_estimate, kto_loss, validate_kto_config  # noqa: F401
 from lightalign.modules.logprobs import completion_logps
-from lightalign.modules.reference import (
-    build_reference,
-    cache_path,
-    load_cached,
-    model_fingerprint,
-    move_reference,
-    save_cached,
-    tokenized_fingerprint,
-)
+from lightalign.modules.reference import build_reference, model_fingerprint, move_reference
+from lightalign.modules.reference_precompute import precompute_reference_logps
 from lightalign.modules.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
@@ -270,59 +263,8 @@ class KTOModule(StatHooks, PolicyModule):
                 return model_fingerprint(model.get_base_model(), {"kl": self.uses_kl})
         return model_fingerprint(model, {"kl": self.uses_kl})
 
-    @torch.no_grad()
     def precompute_reference(self, datamodule: Any) -> None:
-        """Give the datamodule the reference log-probs of every row and its mismatched sequence, per split
-        (``set_reference_logps``): from the disk cache when the same reference met the same tokenized rows
-        before, else computed (each rank its contiguous share, then gathered; rank 0 writes the cache). The
-        reference model is released afterwards."""
-        fingerprint = None
-        was_training = self.training
-        self.eval()
-        for label, dataset in datamodule.splits().items():
-            if label in datamodule.reference_logps:
-                continue
-            fingerprint = fingerprint or self.reference_fingerprint()
-            path = cache_path(self.hparams.ref_log_probs_cache_dir, fingerprint,
-                              tokenized_fingerprint(dataset, TOKENIZED_COLUMNS))
-            cached = load_cached(path)
-            if not self.trainer.strategy.reduce_boolean_decision(cached is not None, all=True):
-                logps, kl_logps = self._sharded_reference_pass(datamodule, dataset)
-                cached = {"logps": logps, "kl_logps": kl_logps}
-                if self.trainer.is_global_zero:
-                    save_cached(path, cached)
-            datamodule.set_reference_logps(label, cached["logps"], cached["kl_logps"])
-        self.train(was_training)
-        if self.ref_model is not None or getattr(self, "_policy_is_reference", False):
-            self.ref_model = None
-            self._policy_is_reference = False
-            self._ref_released = True
-
-    def _sharded_reference_pass(self, datamodule: Any, dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference log-probs of every row of ``dataset`` in row order: rank ``r`` of ``W`` computes rows
-        ``[n*r//W, n*(r+1)//W)``, every rank runs the same number of forwards (a short share repeats its last
-        batch and drops it), then the shares are all-gathered."""
-        world, rank, n = self.trainer.world_size, self.trainer.global_rank, len(dataset)
-        bounds = [n * r // world for r in range(world + 1)]
-        size = datamodule.val_batch_size
-        steps = max(-(-(bounds[r + 1] - bounds[r]) // size) for r in range(world))
-        start, stop = bounds[rank], bounds[rank + 1]
-        share = dataset.select(range(start, stop)) if stop > start else dataset.select([0])
-        batches = iter(datamodule.eval_dataloader(share, "reference"))
-        logps, kl_logps, batch = [], [], None
-        for _ in range(steps):
-            real = next(batches, None)
-            batch = real if real is not None else batch
-            ref, ref_kl = self.reference_logps({k: v.to(self.device) for k, v in batch.items()})
-            if real is not None and stop > start:
-                logps.append(ref.float())
-                kl_logps.append(ref_kl.float() if ref_kl is not None else torch.zeros_like(ref, dtype=torch.float32))
-        mine = torch.stack([torch.cat(logps), torch.cat(kl_logps)]) if logps else torch.zeros(2, 0, device=self.device)
-        if world == 1:
-            return mine[0].cpu(), mine[1].cpu()
-        widest = max(bounds[r + 1] - bounds[r] for r in range(world))
-        padded = torch.zeros(2, widest, device=self.device)
-        padded[:, : mine.shape[1]] = mine
-        everyone = self.all_gather(padded)  # [W, 2, widest]
-        full = torch.cat([everyone[r, :, : bounds[r + 1] - bounds[r]] for r in range(world)], dim=1).cpu()
-        return full[0], full[1]
+        """Give the datamodule the reference log-probs of every row and of its mismatched sequence, per split,
+        cached on disk and sharded over the ranks (``modules/reference_precompute.py``); the reference model is
+        released afterwards."""
+        precompute_reference_logps(self, datamodule, TOKENIZED_COLUMNS, ("logps", "kl_logps"))
