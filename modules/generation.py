@@ -29,21 +29,32 @@ def prefill_shared_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, promp
 
 @torch.no_grad()
 def generate_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                    num_generations: int, share_prefill: bool = True, **generate_kwargs: Any) -> torch.Tensor:
+                    num_generations: int, share_prefill: bool = True, return_logprobs: bool = False,
+                    **generate_kwargs: Any):
     """``num_generations`` completions per prompt, rows grouped by prompt: ``[P * G, prompt_len + new]``.
 
     With ``share_prefill`` (and prompts of at least two tokens) the prompt prefill runs once per prompt;
-    otherwise this is ``model.generate(num_return_sequences=num_generations)``.
-    """
+    otherwise this is ``model.generate(num_return_sequences=num_generations)``. With ``return_logprobs`` also the
+    sampler's log-prob of each new token ``[P * G, new]`` (``generate``'s processed scores: the distribution sampled
+    from), as ``(sequences, logprobs)``."""
+    if return_logprobs:
+        generate_kwargs.update(output_scores=True, return_dict_in_generate=True)
     if not share_prefill or num_generations == 1 or prompt_ids.shape[1] < 2:
-        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                              num_return_sequences=num_generations, **generate_kwargs)
-    cache = prefill_shared_cache(model, prompt_ids, prompt_mask, num_generations)
-    return model.generate(
-        input_ids=prompt_ids.repeat_interleave(num_generations, 0),
-        attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
-        past_key_values=cache, **generate_kwargs,
-    )
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                             num_return_sequences=num_generations, **generate_kwargs)
+    else:
+        cache = prefill_shared_cache(model, prompt_ids, prompt_mask, num_generations)
+        out = model.generate(
+            input_ids=prompt_ids.repeat_interleave(num_generations, 0),
+            attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
+            past_key_values=cache, **generate_kwargs,
+        )
+    if not return_logprobs:
+        return out
+    new = out.sequences[:, prompt_ids.shape[1]:]
+    scores = torch.stack(out.scores, 1).float()  # [P * G, new, V]
+    logps = torch.log_softmax(scores, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+    return out.sequences, logps
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
@@ -55,46 +66,99 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return sorted(set(ids))
 
 
-@torch.no_grad()
-def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, Any], num_generations: int,
-                       share_prefill: bool = True, **sampling: Any) -> dict[str, Any]:
-    """A GRPO rollout: ``num_generations`` sampled completions per prompt of a ``PromptCollator`` batch (eval mode,
-    KV cache, then the model's mode is restored), cut after their first EOS.
-
-    Returns rows grouped by prompt: ``prompt_ids``/``prompt_mask`` (left-padded), ``completion_ids``/
-    ``completion_mask`` (through EOS, padded after), ``truncated`` (no EOS), and for the reward functions
-    ``prompts``, ``completions`` (strings, or assistant messages for conversational prompts), ``texts`` and
-    ``columns`` (the data's other columns, plus ``completion_ids``)."""
+def sample_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
+                  *, backend: str, eos: list[int], pad_token_id: int, max_new_tokens: int, share_prefill: bool = True,
+                  continuous_config: dict[str, Any] | None = None, return_logprobs: bool = False,
+                  **sampling: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The generated tokens ``[P * G, new]`` of ``backend`` (rows grouped by prompt; what follows a completion's
+    first EOS is not defined) and, with ``return_logprobs``, the sampler's log-prob of each ``[P * G, new]``.
+    ``sampling``: temperature, top_p, top_k, min_p, repetition_penalty and other ``generate`` arguments."""
     from lightalign.strategies.sharding import generation_context
 
-    eos = eos_token_ids(model, tokenizer)
-    was_training = model.training
-    model.eval()
-    try:
-        with generation_context(model) as extra:  # full parameters under FSDP2 / ZeRO-3, released after
-            out = generate_groups(model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations,
-                                  share_prefill=share_prefill, **extra, do_sample=True, eos_token_id=eos,
-                                  pad_token_id=tokenizer.pad_token_id, use_cache=True, **sampling)
-    finally:
-        model.train(was_training)
-    completion_ids = out[:, batch["prompt_input_ids"].shape[1]:]
+    if backend == "continuous":
+        if sampling.get("repetition_penalty", 1.0) != 1.0 or set(sampling) - {"temperature", "top_p", "top_k",
+                                                                                 "min_p", "repetition_penalty"}:
+            raise ValueError("generation_backend 'continuous' applies only temperature/top_p/top_k/min_p; got "
+                             f"{sorted(sampling)}: use generation_backend: generate.")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise ValueError("generation_backend 'continuous' is not supported with several processes here "
+                             "(transformers' continuous batching seeds and shards across the process group itself); "
+                             "use generation_backend: generate.")
+        from lightalign.modules.generation_continuous import continuous_batching_groups
+
+        return continuous_batching_groups(
+            model, prompt_ids, prompt_mask, num_generations, eos_token_ids=eos, pad_token_id=pad_token_id,
+            max_new_tokens=max_new_tokens, temperature=sampling.get("temperature", 1.0),
+            top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0), min_p=sampling.get("min_p"),
+            config=continuous_config, return_logprobs=return_logprobs)
+    if backend == "static":
+        from lightalign.modules.generation_static import bucket_prompts, static_generate_kwargs
+
+        prompt_ids, prompt_mask = bucket_prompts(prompt_ids, prompt_mask, pad_token_id)
+        sampling = {**sampling, **static_generate_kwargs()}
+        share_prefill = False
+    elif backend != "generate":
+        raise ValueError(f"generation_backend={backend!r} is unknown.")
+    with generation_context(model) as extra:  # full parameters under FSDP2 / ZeRO-3, released after
+        out = generate_groups(model, prompt_ids, prompt_mask, num_generations, share_prefill=share_prefill,
+                              return_logprobs=return_logprobs, **extra, do_sample=True, eos_token_id=eos,
+                              pad_token_id=pad_token_id, use_cache=True, max_new_tokens=max_new_tokens, **sampling)
+    sequences, logps = out if return_logprobs else (out, None)
+    return sequences[:, prompt_ids.shape[1]:], logps
+
+
+def cut_after_eos(completion_ids: torch.Tensor, eos: list[int], pad_token_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Completions cut after their first EOS: ``(ids padded with pad_token_id, mask through EOS, truncated)``."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
     has_eos = is_eos.any(-1)
     first = torch.where(has_eos, is_eos.int().argmax(-1), completion_ids.shape[1])
     positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
     completion_mask = (positions[None, :] <= first[:, None]).long()
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    return completion_ids.masked_fill(completion_mask == 0, pad_token_id), completion_mask, ~has_eos
+
+
+@torch.no_grad()
+def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, Any], num_generations: int,
+                       share_prefill: bool = True, backend: str = "generate",
+                       continuous_config: dict[str, Any] | None = None, return_logprobs: bool = False,
+                       max_new_tokens: int = 256, **sampling: Any) -> dict[str, Any]:
+    """A GRPO rollout: ``num_generations`` sampled completions per prompt of a ``PromptCollator`` batch (eval mode,
+    KV cache, then the model's mode is restored), cut after their first EOS, on the generation ``backend``
+    (``generation_backends``).
+
+    Returns rows grouped by prompt: ``prompt_ids``/``prompt_mask`` (left-padded), ``completion_ids``/
+    ``completion_mask`` (through EOS, padded after), ``truncated`` (no EOS), and for the reward functions
+    ``prompts``, ``completions`` (strings, or assistant messages for conversational prompts), ``texts`` and
+    ``columns`` (the data's other columns, plus ``completion_ids``). With ``return_logprobs`` also
+    ``sampling_logps`` ``[rows, T]``: the log-prob each token had in the distribution it was sampled from
+    (0 under the mask's zeros)."""
+    eos = eos_token_ids(model, tokenizer)
+    was_training = model.training
+    model.eval()
+    try:
+        completion_ids, logps = sample_groups(
+            model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations, backend=backend,
+            eos=eos, pad_token_id=tokenizer.pad_token_id, max_new_tokens=max_new_tokens, share_prefill=share_prefill,
+            continuous_config=continuous_config, return_logprobs=return_logprobs, **sampling)
+    finally:
+        model.train(was_training)
+    completion_ids, completion_mask, truncated = cut_after_eos(completion_ids, eos, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     prompts = [p for p in batch["prompts"] for _ in range(num_generations)]
     completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
     columns = {k: [v for v in vals for _ in range(num_generations)] for k, vals in batch["columns"].items()}
     columns["completion_ids"] = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask)]
-    return {
+    rollout = {
         "prompt_ids": batch["prompt_input_ids"].repeat_interleave(num_generations, 0),
         "prompt_mask": batch["prompt_attention_mask"].repeat_interleave(num_generations, 0),
-        "completion_ids": completion_ids, "completion_mask": completion_mask, "truncated": ~has_eos,
+        "completion_ids": completion_ids, "completion_mask": completion_mask, "truncated": truncated,
         "prompts": prompts, "completions": completions, "texts": texts, "columns": columns,
     }
+    if logps is not None:
+        rollout["sampling_logps"] = logps * completion_mask
+    return rollout
 
 
 def check_generation_arithmetic(generation_batch_size: int, num_generations: int, steps: int | None) -> None:

@@ -23,6 +23,7 @@ from lightalign.modules.base import PolicyModule, is_peft_model
 from lightalign.modules.entropy_control import (SENTINEL, EntropyController, check_entropy_control,
                                                high_entropy_mask)
 from lightalign.modules.generation import check_generation_arithmetic, check_generation_knobs, check_rollout_config
+from lightalign.modules.generation_backends import check_backend_knobs, resolve_backend
 from lightalign.modules.grpo_loss import (GLOBAL_TOKEN_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_loss,
                                           validate_grpo_loss_config)
 from lightalign.modules.grpo_rollout import GRPORollout, _key
@@ -61,7 +62,16 @@ class GRPOModule(GRPORollout, PolicyModule):
             ``no_repeat_ngram_size``); the ones this module sets (``max_new_tokens``, ``num_return_sequences``,
             ``temperature``, ``top_p`` ...) are refused with the knob to use. (TRL lets them override its knobs.)
         cache_implementation: ``generate``'s KV-cache implementation (e.g. ``static``); needs ``share_prefill:
-            false``.
+            false`` and the ``generate`` backend.
+        generation_backend: what samples the rollouts (``modules/generation_backends.py``): ``generate``
+            (``model.generate``, prompt prefill shared; any knob), ``continuous`` (transformers' continuous
+            batching, paged KV cache: finished completions leave the batch; refuses ``repetition_penalty``,
+            ``generation_kwargs``, ``cache_implementation``) or ``static`` (static KV cache, compiled decode step).
+            Unset: the measured default for the device (CPU: ``DEFAULT_BACKEND``; other devices ``generate``, not
+            measured there), or ``generate`` when a knob only it honours is set.
+        use_transformers_continuous_batching: TRL's name for ``generation_backend: continuous``.
+        transformers_continuous_batching_config: ``ContinuousBatchingConfig`` fields for ``continuous`` (e.g.
+            ``page_size``, ``num_blocks``; by default the paged cache is sized from the rollout).
         loss_type: ``dapo`` (default) | ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``cispo`` | ``sapo`` | ``luspo`` |
             ``vespo`` (formulas: ``grpo_loss``). ``cispo`` needs ``epsilon_high`` (the ratio cap, e.g. 5.0);
             ``luspo`` needs ``importance_sampling_level: sequence`` and ``beta: 0``. ``dapo`` divides by the completion
@@ -131,6 +141,9 @@ class GRPOModule(GRPORollout, PolicyModule):
         repetition_penalty: float = 1.0,
         generation_kwargs: dict[str, Any] | None = None,
         cache_implementation: str | None = None,
+        generation_backend: Literal["generate", "continuous", "static"] | None = None,
+        use_transformers_continuous_batching: bool = False,
+        transformers_continuous_batching_config: dict[str, Any] | None = None,
         loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"] = "dapo",
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
@@ -175,6 +188,10 @@ class GRPOModule(GRPORollout, PolicyModule):
         check_entropy_control(entropy_coef, use_adaptive_entropy, entropy_coef_min, entropy_coef_max,
                               entropy_coef_delta, entropy_target)
         check_generation_knobs(generation_kwargs, cache_implementation, share_prefill)
+        check_backend_knobs(resolve_backend(generation_backend, use_transformers_continuous_batching),
+                            transformers_continuous_batching_config=transformers_continuous_batching_config,
+                            repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
+                            cache_implementation=cache_implementation)
         if num_generations_eval is not None and num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got {num_generations_eval}.")
         if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:

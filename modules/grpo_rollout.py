@@ -15,6 +15,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightalign.modules.entropy_control import token_entropies
 from lightalign.modules.generation import sample_completions, split_rollout
+from lightalign.modules.generation_backends import effective_backend, resolve_backend
 from lightalign.modules.layouts import grpo_forward, prompt_group_batch
 from lightalign.modules.logprobs import scatter_to_sequences
 from lightalign.rewards import (check_reward_weights, clip_rewards, compute_rewards, nanstd, normalize_then_sum,
@@ -29,15 +30,22 @@ class GRPORollout:
         return self.hparams.num_iterations > 1 or steps > self.trainer.accumulate_grad_batches
 
     @torch.no_grad()
-    def generate(self, batch: dict[str, Any], num_generations: int) -> dict[str, Any]:
-        """Sample ``num_generations`` completions per prompt (``generation.sample_completions``)."""
+    def generate(self, batch: dict[str, Any], num_generations: int, return_logprobs: bool = False) -> dict[str, Any]:
+        """Sample ``num_generations`` completions per prompt (``generation.sample_completions``) on the module's
+        generation backend (``generation_backends``); ``return_logprobs`` adds the sampler's ``sampling_logps``."""
         hp = self.hparams
+        backend = effective_backend(
+            resolve_backend(hp.get("generation_backend"), hp.get("use_transformers_continuous_batching", False)),
+            self.model.device.type, repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
+            cache_implementation=hp.cache_implementation)
+        extra = {} if backend == "continuous" else {
+            "repetition_penalty": hp.repetition_penalty, **(hp.generation_kwargs or {}),
+            **({} if hp.cache_implementation is None else {"cache_implementation": hp.cache_implementation})}
         return sample_completions(
-            self.model, self.tokenizer, batch, num_generations, share_prefill=hp.share_prefill,
-            temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0, min_p=hp.min_p,
-            repetition_penalty=hp.repetition_penalty, max_new_tokens=hp.max_completion_length,
-            **({} if hp.cache_implementation is None else {"cache_implementation": hp.cache_implementation}),
-            **(hp.generation_kwargs or {}),
+            self.model, self.tokenizer, batch, num_generations, share_prefill=hp.share_prefill, backend=backend,
+            continuous_config=hp.get("transformers_continuous_batching_config"), return_logprobs=return_logprobs,
+            max_new_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0,
+            min_p=hp.min_p, **extra,
         )
 
     def score(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict, num_generations: int | None = None
