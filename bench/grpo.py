@@ -6,6 +6,15 @@ Run by hand from the repository root, in a separate venv so TRL never enters the
     /work/benchvenv/bin/pip install -e '.[bench]'
     /work/benchvenv/bin/python bench/grpo.py [--steps 8] [--warmup 2] [--repeats 3] [--grad-accum 4]
     /work/benchvenv/bin/python bench/grpo.py --shape longtail      # generated prompts of a long-tailed length mix
+    /work/benchvenv/bin/python bench/grpo.py --shape reasoning     # short prompts, long completions of varied length
+
+`--shape reasoning` is the RL-for-reasoning workload: the short arithmetic prompts, `--max-completion-length` 256
+and an EOS logit bias (`--eos-bias`, default 2.3 there) added to the model's output logits by a forward hook on its
+output embedding in both frameworks (generation and training alike: it is part of the benchmark model), so the
+random-weight model's completions end at geometric, varied lengths (EOS probability about 1% per token: mean about
+95 tokens, some hit 256). It runs each `--variants` entry: `lightalign:<generation_backend>` (generate, continuous,
+static) and `trl:generate` / `trl:continuous` (TRL's `use_transformers_continuous_batching`, its paged cache sized
+like lightalign's instead of from half the machine's RAM, which is TRL's CPU default).
 
 The `small` config (~30M params) is built once under a fixed seed and saved with the tokenizer to a temporary folder
 that both frameworks load. Prompts: examples/data/arithmetic_prompts.jsonl; reward: `digit_fraction_reward` (TRL's
@@ -108,12 +117,17 @@ def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dic
             meter.rollouts[-1]["reward_s"] = time.perf_counter() - start
             return out
 
+        def configure_model(self):
+            super().configure_model()
+            add_eos_bias(self.model, self.tokenizer_eos, args.eos_bias)
+
+    TimedGRPOModule.tokenizer_eos = eos_id(args.model_dir)
     L.seed_everything(args.seed, verbose=False)
     module = TimedGRPOModule(
         args.model_dir, reward_funcs=[digit_fraction_reward], num_generations=args.num_generations,
         generation_batch_size=args.generation_batch, max_completion_length=args.max_completion_length,
         temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=args.lr, lr_scheduler_type="constant",
-        prompt_sharing=args.prompt_sharing == "on")
+        prompt_sharing=args.prompt_sharing == "on", generation_backend=args.backend or None)
     data = PromptDataModule(args.data, tokenizer=args.model_dir, max_prompt_length=args.max_prompt_length,
                             num_workers=0, seed=args.seed)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
@@ -122,7 +136,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dic
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
     trainer.fit(module, data)
     gen, steps, micro = module.rollout_shape
-    return {"attn": module.model.config._attn_implementation,
+    return {"attn": module.model.config._attn_implementation, "backend": args.backend or "default",
             "shape": f"generation_batch_size={gen} steps_per_generation={steps} micro_batch={micro} "
                      f"accumulate_grad_batches={trainer.accumulate_grad_batches}"}
 
@@ -160,17 +174,61 @@ def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
         weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=False, fp16=False, gradient_checkpointing=False,
         use_vllm=False, use_cpu=True, dataloader_num_workers=0, eval_strategy="no", save_strategy="no",
         report_to="none", disable_tqdm=True, logging_steps=10, seed=args.seed,
+        **trl_generation(args),
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     dataset = load_dataset("json", data_files=args.data, split="train")
     trainer = TimedGRPOTrainer(model=args.model_dir, reward_funcs=[digit_fraction_reward], args=config,
                                train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()])
+    add_eos_bias(trainer.model, eos_id(args.model_dir), args.eos_bias)
     trainer.train()
-    return {"attn": trainer.model.config._attn_implementation,
+    return {"attn": trainer.model.config._attn_implementation, "backend": args.backend or "generate",
             "shape": f"generation_batch_size={config.generation_batch_size} "
                      f"steps_per_generation={config.steps_per_generation} "
                      f"micro_batch={config.per_device_train_batch_size} "
                      f"gradient_accumulation_steps={config.gradient_accumulation_steps}"}
+
+
+def eos_id(model_dir: str) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).eos_token_id
+
+
+def add_eos_bias(model, eos: int, bias: float | None) -> None:
+    """Raise the EOS logit by ``bias`` in every forward (a hook on the output embedding; same in both frameworks)."""
+    import torch
+
+    if not bias:
+        return
+    head = model.get_output_embeddings()
+    vector = None
+
+    def hook(module, inputs, logits):
+        nonlocal vector
+        if vector is None or vector.device != logits.device or vector.dtype != logits.dtype:
+            vector = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            vector[eos] = bias
+        return logits + vector
+
+    head.register_forward_hook(hook)
+
+
+def trl_generation(args: argparse.Namespace) -> dict:
+    """TRL's generation settings of the variant: plain generate, or its continuous batching with lightalign's
+    rollout-sized paged cache (TRL's own CPU default sizes it from half the machine's RAM)."""
+    if args.backend != "continuous":
+        return {}
+    from lightalign.modules.generation_continuous import cache_sizing
+
+    prompts = [json.loads(line)["prompt"] for line in open(args.data) if line.strip()]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    lengths = sorted(len(ids) for ids in tok(prompts)["input_ids"])
+    per_rollout = args.generation_batch // args.num_generations
+    sizes = cache_sizing(args.generation_batch, lengths[-1], sum(lengths[-per_rollout:]), args.max_completion_length)
+    return {"use_transformers_continuous_batching": True, "transformers_continuous_batching_config": sizes}
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -181,17 +239,18 @@ def run_one(args: argparse.Namespace) -> dict:
     os.environ["HF_DATASETS_CACHE"] = str(workdir / "datasets")  # no dataset cache hit across runs
     meter = Meter(args.warmup, args.steps)
     extra = (run_lightalign if args.framework == "lightalign" else run_trl)(args, meter, workdir)
-    return {"framework": args.framework, **meter.summary(), "threads": torch.get_num_threads(),
+    return {"framework": args.framework, "variant": f"{args.framework}:{extra['backend']}", **meter.summary(), "threads": torch.get_num_threads(),
             "peak_rss_mb": harness.peak_rss_mb(), **extra}
 
 
-def spawn(args: argparse.Namespace, framework: str) -> dict | None:
-    argv = ["--framework", framework, "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
+def spawn(args: argparse.Namespace, variant: str) -> dict | None:
+    framework, _, backend = variant.partition(":")
+    argv = ["--framework", framework, "--backend", backend, "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
     for name in ("num_generations", "generation_batch", "grad_accum", "max_completion_length", "max_prompt_length",
-                 "steps", "warmup", "threads", "lr", "max_grad_norm", "seed", "prompt_sharing"):
+                 "steps", "warmup", "threads", "lr", "max_grad_norm", "seed", "prompt_sharing", "eos_bias"):
         if getattr(args, name) is not None:
             argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return harness.spawn(__file__, argv, args.threads, f"grpo {framework}")
+    return harness.spawn(__file__, argv, args.threads, f"grpo {variant}")
 
 
 def completion_flops(args: argparse.Namespace, mean_prompt: float, mean_completion: float) -> float:
@@ -208,13 +267,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "assets" / "models" / "small"), help="config + tokenizer folder")
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "arithmetic_prompts.jsonl"))
-    parser.add_argument("--shape", choices=bench_data.SHAPES, help="generate prompts of this length shape "
-                        "(bench/data.py) instead of --data")
+    parser.add_argument("--shape", choices=(*bench_data.SHAPES, "reasoning"), help="generate prompts of this length "
+                        "shape (bench/data.py) instead of --data; reasoning: see above")
+    parser.add_argument("--eos-bias", type=float, default=None, help="added to the EOS logit in both frameworks "
+                        "(default: 2.3 with --shape reasoning, else none)")
+    parser.add_argument("--variants", nargs="+", default=None, help="framework:backend entries, e.g. "
+                        "lightalign:continuous trl:continuous (default: --frameworks with their default generation; "
+                        "with --shape reasoning every backend but static, and TRL with and without continuous batching)")
     parser.add_argument("--mean-length", type=int, default=24, help="mean words per generated prompt")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--generation-batch", type=int, default=32, help="completions per rollout (= per step)")
     parser.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (micro-batch = G / A)")
-    parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument("--max-completion-length", type=int, default=None, help="default 32; 256 with --shape reasoning")
     parser.add_argument("--max-prompt-length", type=int, default=None, help="lightalign only; TRL 1.x has none")
     parser.add_argument("--prompt-sharing", choices=("on", "off"), default="off",
                         help="lightalign trains each group's prompt once (GRPOModule prompt_sharing); for long prompts")
@@ -231,12 +295,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--out", default="grpo.json", help="file name under bench/results/")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--framework", "--model-dir", "--workdir"):  # set by the parent for its subprocesses
+    for hidden in ("--framework", "--backend", "--model-dir", "--workdir"):  # set by the parent for its subprocesses
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     return parser
 
 
 def check(args: argparse.Namespace) -> None:
+    reasoning = args.shape == "reasoning"
+    if args.max_completion_length is None:
+        args.max_completion_length = 256 if reasoning else 32
+    if args.eos_bias is None and reasoning and not args.one:
+        args.eos_bias = 2.3
+    if args.variants is None:
+        args.variants = (["lightalign:generate", "lightalign:continuous", "trl:generate", "trl:continuous"]
+                         if reasoning else [f"{fw}:" for fw in args.frameworks])
     if args.warmup < 1:
         raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
     if args.generation_batch % args.num_generations or args.generation_batch % args.grad_accum:
@@ -253,7 +325,7 @@ def run(args: argparse.Namespace) -> dict:
         args.model_dir = str(Path(args.workdir) / "model")
         args.n_params = n_params = harness.build_model(args.model, Path(args.model_dir), args.seed)
         per_rollout = args.generation_batch // args.num_generations
-        if args.shape:
+        if args.shape and args.shape != "reasoning":
             n = max(64, 2 * (args.warmup + args.steps) * per_rollout)
             args.data = str(bench_data.write(Path(args.workdir) / "prompts.jsonl", "prompts", args.shape, n,
                                              args.mean_length, args.seed))
@@ -265,7 +337,8 @@ def run(args: argparse.Namespace) -> dict:
         settings = {
             "model": f"{Path(args.model).name} ({n_params / 1e6:.1f}M params, seed {args.seed}, saved once, "
                      "loaded by both)",
-            "data": (f"generated prompts, shape {args.shape}" if args.shape else Path(args.data).name)
+            "data": (f"generated prompts, shape {args.shape}" if args.shape and args.shape != "reasoning"
+                     else Path(args.data).name)
             + f" ({len(prompts)} prompts, {min(prompt_lens)}-{max(prompt_lens)} tokens)",
             "reward": "lightalign.rewards.digit_fraction_reward", "num_generations": args.num_generations,
             "generation_batch_size": args.generation_batch, "micro_batch": args.generation_batch // args.grad_accum,
@@ -273,7 +346,8 @@ def run(args: argparse.Namespace) -> dict:
             "num_iterations": 1, "max_completion_length": args.max_completion_length,
             "lightalign_prompt_sharing": args.prompt_sharing,
             "max_prompt_length": f"{args.max_prompt_length} (lightalign; TRL 1.x has no such knob)",
-            "sampling": "temperature 1.0, top_p 1.0, top_k 0, generate() with KV cache, no vLLM",
+            "sampling": "temperature 1.0, top_p 1.0, top_k 0, KV cache, no vLLM",
+            "eos_bias": args.eos_bias, "variants": args.variants,
             "loss": "dapo, beta 0 (no reference), epsilon 0.2, scale_rewards group",
             "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
@@ -285,7 +359,7 @@ def run(args: argparse.Namespace) -> dict:
         mean_prompt = statistics.mean(prompt_lens)
         runs = []
         for r in range(args.repeats):
-            for framework in harness.alternate(args.frameworks, r):
+            for framework in harness.alternate(args.variants, r):
                 for attempt in range(args.retries + 1):  # 2 shared cores: a busy machine skews everything
                     quiet = harness.wait_for_quiet(args.max_contention, timeout=900)
                     res = spawn(args, framework)
@@ -313,9 +387,10 @@ def run(args: argparse.Namespace) -> dict:
 
     keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "reward_share",
             "others_cpu_share", "model_flops_per_sec")
-    summary = {fw: {k: harness.median_of(runs, k, framework=fw) for k in keys}
-               for fw in args.frameworks if any(r["framework"] == fw for r in runs)}
-    la, tr = (summary.get(fw, {}).get("completions_per_sec") for fw in FRAMEWORKS)
+    summary = {v: {k: harness.median_of(runs, k, variant=v) for k in keys}
+               for v in dict.fromkeys(r["variant"] for r in runs)}
+    la, tr = (max((row["completions_per_sec"] for v, row in summary.items() if v.startswith(fw + ":")
+                   and row["completions_per_sec"] is not None), default=None) for fw in FRAMEWORKS)
     return {"settings": settings, "runs": runs, "summary": summary, "ratio": harness.ratio(la, tr),
             "n_params": n_params}
 
@@ -328,12 +403,14 @@ def main() -> None:
         harness.emit(run_one(args))
         return
     result = run(args)
-    print("\n| framework | completions/s | mean completion length | peak RSS MB |\n|---|---|---|---|")
+    print("\n| variant | completions/s | mean completion length | generation share | peak RSS MB |\n"
+          "|---|---|---|---|---|")
     for fw, row in result["summary"].items():
         print(f"| {fw} | {row['completions_per_sec']:.2f} | {row['mean_completion_length']:.2f} "
-              f"| {row['peak_rss_mb']:.0f} |")
+              f"| {100 * row['generation_share']:.0f}% | {row['peak_rss_mb']:.0f} |")
     if result["ratio"] is not None:
-        print(f"\nlightalign / TRL completions/s: {result['ratio']:.2f}x (median of {args.repeats} run(s) each)")
+        print(f"\nbest lightalign / best TRL completions/s: {result['ratio']:.2f}x (median of {args.repeats} run(s) "
+              "each)")
     contended = sum(r["contended"] for r in result["runs"])
     if contended:
         print(f"WARNING: {contended} run(s) shared the machine with other processes (see above); figures are skewed.")
