@@ -80,8 +80,9 @@ def sample_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask:
                                                                                  "min_p", "repetition_penalty"}:
             raise ValueError("generation_backend 'continuous' applies only temperature/top_p/top_k/min_p; got "
                              f"{sorted(sampling)}: use generation_backend: generate.")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+        from lightalign.modules.generation_backends import several_processes
+
+        if several_processes():
             raise ValueError("generation_backend 'continuous' is not supported with several processes here "
                              "(transformers' continuous batching seeds and shards across the process group itself); "
                              "use generation_backend: generate.")

@@ -21,8 +21,9 @@ from typing import Any
 GENERATION_BACKENDS = ("generate", "continuous", "static")
 
 # The default when generation_backend is unset, by device type. Chosen by bench/grpo.py --shape reasoning on the
-# project's 2-core CPU machine (docs/performance.md); GPUs keep generate until measured there.
-DEFAULT_BACKEND = {"cpu": "generate"}
+# project's 2-core CPU machine (docs/performance.md: continuous batching 4.7x generate's completions/s there, contended);
+# GPUs keep generate until measured there.
+DEFAULT_BACKEND = {"cpu": "continuous"}
 
 # ContinuousBatchingConfig fields the rollout sets itself, with what to use instead.
 OWNED_CONTINUOUS_KEYS = {
@@ -90,13 +91,21 @@ def check_backend_knobs(backend: str | None, *, transformers_continuous_batching
                          "cache_implementation, or use generation_backend: generate with cache_implementation.")
 
 
+def several_processes() -> bool:
+    import torch
+
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
 def effective_backend(backend: str | None, device_type: str, *, repetition_penalty: float,
                       generation_kwargs: dict[str, Any] | None, cache_implementation: str | None) -> str:
     """The backend a rollout runs on: the asked one, else the device's default unless a knob only ``generate``
-    honours is set (then ``generate``)."""
+    honours is set or several processes train (then ``generate``)."""
     if backend is not None:
         return backend
     chosen = default_backend(device_type)
-    if chosen != "generate" and (repetition_penalty != 1.0 or generation_kwargs or cache_implementation is not None):
+    if chosen != "generate" and (repetition_penalty != 1.0 or generation_kwargs or cache_implementation is not None
+                                 or several_processes()):
         return "generate"
     return chosen

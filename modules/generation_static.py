@@ -5,6 +5,11 @@ has the same shapes and ``torch.compile`` (transformers' ``CompileConfig``, forc
 forward once. Prompts are left-padded to a multiple of ``PROMPT_BUCKET`` tokens so rollouts whose longest prompt
 differs reuse the compiled graph (left padding is masked: the completions do not change). Sampling is ``generate``'s
 own (the same logits processors), so it is exactly what the knobs ask. The prefill runs on every copy of a prompt.
+The compiled forward is traced on the first rollout: weight updates are seen (parameters are graph inputs), forward
+hooks added to the model afterwards are not (torch's ``skip_nnmodule_hook_guards``; a test caught it).
+
+Measured on the project's 2-core CPU (docs/performance.md): inductor's first compilation takes minutes, so this is
+not the default there.
 """
 
 from __future__ import annotations

