@@ -20,10 +20,13 @@ from typing import Any
 
 GENERATION_BACKENDS = ("generate", "continuous", "static")
 
-# The default when generation_backend is unset, by device type. Chosen by bench/grpo.py --shape reasoning on the
-# project's 2-core CPU machine (docs/performance.md: continuous batching 4.7x generate's completions/s there, contended);
-# GPUs keep generate until measured there.
-DEFAULT_BACKEND = {"cpu": "continuous"}
+# The default when generation_backend is unset, by device type (missing: generate). On the project's 2-core CPU,
+# bench/grpo.py --shape reasoning measured continuous at 4.7x generate's completions/s (contended; docs/
+# performance.md), so CPUs should default to continuous: {"cpu": "continuous"}. Not flipped yet: it changes the
+# samples of every GRPO/RLOO/PPO test that patches model.generate or relies on the rewards generate happened to
+# sample (test_grpo.py::test_accumulation_4x2_equals_1x8 got all-zero advantages under it); the flip needs a
+# full-suite run. GPUs keep generate until measured there.
+DEFAULT_BACKEND: dict[str, str] = {}
 
 # ContinuousBatchingConfig fields the rollout sets itself, with what to use instead.
 OWNED_CONTINUOUS_KEYS = {

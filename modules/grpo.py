@@ -67,8 +67,9 @@ class GRPOModule(GRPORollout, PolicyModule):
             (``model.generate``, prompt prefill shared; any knob), ``continuous`` (transformers' continuous
             batching, paged KV cache: finished completions leave the batch; refuses ``repetition_penalty``,
             ``generation_kwargs``, ``cache_implementation``) or ``static`` (static KV cache, compiled decode step).
-            Unset: the measured default for the device (CPU: ``DEFAULT_BACKEND``; other devices ``generate``, not
-            measured there), or ``generate`` when a knob only it honours is set.
+            Unset: ``generate`` (``generation_backends.DEFAULT_BACKEND``; on a CPU ``continuous`` measured faster on
+            short prompts with long completions, docs/performance.md; GPUs not measured), and always ``generate``
+            when a knob only it honours is set.
         use_transformers_continuous_batching: TRL's name for ``generation_backend: continuous``.
         transformers_continuous_batching_config: ``ContinuousBatchingConfig`` fields for ``continuous`` (e.g.
             ``page_size``, ``num_blocks``; by default the paged cache is sized from the rollout).
