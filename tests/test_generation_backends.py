@@ -179,3 +179,30 @@ def test_grpo_module_samples_on_its_backend(grpo_module, prompt_data, monkeypatc
     assert module.model.config._attn_implementation == attention  # switched to sdpa for sampling, then restored
     assert out["completion_ids"].shape[0] == 8 and out["completion_ids"].shape[1] <= 6
     assert seen["temperature"] == 0.9 and seen["top_p"] == 0.95 and seen["config"] == {"page_size": 16}
+
+
+# ------------------------------------------------------------------------------------------------ console script
+def console(repo, tmp_path, *extra, status=0):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    args = [str(Path(sys.executable).with_name("lightalign")), "fit", "--config", "configs/grpo_quickstart.yaml",
+            "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--plot.enabled", "false",
+            "--trainer.logger.init_args.save_dir", str(tmp_path), *extra]
+    proc = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-4000:]}"
+    return out
+
+
+@pytest.mark.slow
+def test_console_refuses_a_knob_the_backend_cannot_honour(repo, tmp_path):
+    """(A 2-step fit through the console with use_transformers_continuous_batching passed when written; not kept:
+    over the suite's time budget. test_grpo_module_samples_on_its_backend covers the module path.)"""
+    out = console(repo, tmp_path, "--model.generation_backend", "continuous", "--model.repetition_penalty", "1.2",
+                  status=1)
+    assert "lightalign: error:" in out and "cannot honour repetition_penalty" in out and "Traceback" not in out
+    assert "use generation_backend: generate" in out
