@@ -73,6 +73,18 @@ def test_sampler_logps_equal_the_training_forward(model, tokenizer, backend):
     torch.testing.assert_close(out["sampling_logps"][mask], logps[mask], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["generate", "continuous"])
+def test_min_p_is_applied(model, tokenizer, backend):
+    """Every sampled token has at least min_p times its position's top probability (the training forward's)."""
+    out = rollout(model, tokenizer, backend, temperature=1.0, min_p=0.8)
+    mb = {k: out[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    with torch.no_grad():
+        logps, logits, _ = grpo_forward(model, mb)
+    top = torch.log_softmax(logits.float(), -1).max(-1).values
+    mask = out["completion_mask"].bool()
+    assert (logps - top)[mask].min() >= torch.log(torch.tensor(0.8)) - 1e-5
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_seeded_runs_reproduce(model, tokenizer, backend):
     a, b = rollout(model, tokenizer, backend, seed=3), rollout(model, tokenizer, backend, seed=3)
