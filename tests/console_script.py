@@ -57,6 +57,19 @@ def run(repo: Path | str, *args: str, env: dict[str, str] | None = None, timeout
     return server.run(argv, str(repo), env, timeout)
 
 
+def run_python(script: Path | str, *args: str, cwd: Path | str | None = None, env: dict[str, str] | None = None,
+               timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python script *args`` (a test's worker script), forked from the console server like ``run``: the child runs
+    the file as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python script`` sets them."""
+    env = standard_env() if env is None else env
+    argv = [sys.executable, str(script), *map(str, args)]
+    cwd = str(cwd or os.getcwd())
+    server = None if os.name != "posix" else _server_for(env)
+    if server is None:
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return server.run(argv, cwd, env, timeout, script=str(script))
+
+
 # The console server's program: import the libraries with stdout/stderr captured, then fork one child per request
 # (a JSON line on stdin); answer {"pid"} at once and {"status"} when the child has exited (JSON lines on the
 # original stdout, kept on a private descriptor).
@@ -95,11 +108,16 @@ for fd, path, text in zip((1, 2), (request["stdout"], request["stderr"]), preamb
     os.write(out, text); os.dup2(out, fd); os.close(out)
 os.chdir(request["cwd"])
 os.environ.clear(); os.environ.update(request["env"])
-sys.argv = request["argv"]
-sys.path[0] = os.path.dirname(request["argv"][0])
+script = request["script"]
+sys.argv = request["argv"][1:] if script else request["argv"]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
 del json, os, importlib, request, preamble, captured, proto_in, proto_out
-from lightalign.cli import main
-sys.exit(main())
+if script:
+    import runpy
+    runpy.run_path(script, run_name="__main__")
+else:
+    from lightalign.cli import main
+    sys.exit(main())
 """
 
 
@@ -119,11 +137,12 @@ class ConsoleServer:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         return self.proc.stdout.readline().strip() if ready else None
 
-    def run(self, argv: list[str], cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], cwd: str, env: dict[str, str], timeout: float,
+            script: str | None = None) -> subprocess.CompletedProcess:
         with self.lock:
             self.calls += 1
             out, err = f"{self.dir}/{self.calls}.out", f"{self.dir}/{self.calls}.err"
-            request = {"argv": argv, "cwd": cwd, "env": env, "stdout": out, "stderr": err}
+            request = {"argv": argv, "script": script, "cwd": cwd, "env": env, "stdout": out, "stderr": err}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             pid = json.loads(self._line(60))["pid"]
