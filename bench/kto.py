@@ -143,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    if args.rows < args.steps * args.batch_size:
-        sys.exit(f"--rows {args.rows} < --steps x --batch-size: the last steps would wrap into a second epoch.")
+    if -(-args.rows // args.batch_size) < args.steps:
+        sys.exit(f"--rows {args.rows} make fewer than --steps {args.steps} batches of {args.batch_size}: the last "
+                 "steps would wrap into a second epoch.")
     lines = Path(args.data).read_text().splitlines()[: args.rows]
     rows = [json.loads(line) for line in lines]
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,8 +164,9 @@ def main() -> None:
     if problems:
         print("NOT COMPARABLE:\n  " + "\n  ".join(problems[:10]))
         sys.exit(1)
-    print("inputs: same tokenized rows (prompt / completion / KL completion ids) and the same batches in the same "
-          "order on both sides")
+    kl = " / KL completion" if args.loss_type == "kto" else ""
+    print(f"inputs: the same tokenized rows (prompt / completion{kl} ids) and the same batches in the same order on "
+          "both sides")
     print("step | lightalign loss | TRL loss | |diff|")
     for step, (a, b) in enumerate(zip(ours["losses"], theirs["losses"]), 1):
         print(f"{step:4d} | {a:.8f} | {b:.8f} | {abs(a - b):.2e}")
