@@ -152,3 +152,17 @@ def test_rloo_flops_count_the_reference_and_old_policy_forwards_only_with_a_kl_p
     assert rloo.completion_flops(args, 4.0, 6.0) == pytest.approx(fwd + train)  # generation + training
     args.beta = 0.05
     assert rloo.completion_flops(args, 4.0, 6.0) == pytest.approx(3 * fwd + train)
+
+
+def test_suite_rows_of_kto_and_rloo_and_no_target_for_them():
+    suite = load("suite")
+    kto_result = {"summary": [{"mode": "online", "lightalign_rows_per_sec": 3.0, "trl_rows_per_sec": 2.0,
+                               "lightalign_model_flops_per_sec": 1e9, "trl_model_flops_per_sec": 5e8,
+                               "lightalign_peak_rss_mb": 500.0, "trl_peak_rss_mb": 600.0}]}
+    (row,) = suite.rows_of("kto", kto_result, "small", "longtail", 1e10)
+    assert (row["variant"], row["unit"], row["ratio"], row["lightalign_mfu"]) == ("online ref", "rows/s", 1.5, 0.1)
+    rloo_result = {"summary": {"lightalign": {"completions_per_sec": 4.0, "model_flops_per_sec": 2e9, "peak_rss_mb": 1.0},
+                               "trl": {"completions_per_sec": 2.0, "model_flops_per_sec": 1e9, "peak_rss_mb": 2.0}}}
+    (row,) = suite.rows_of("rloo", rloo_result, "small", "longtail", 1e10)
+    assert (row["unit"], row["ratio"], row["trl_peak_rss_mb"]) == ("completions/s", 2.0, 2.0)
+    assert all("kto" not in t["target"] and "rloo" not in t["target"] for t in suite.targets([row]))
