@@ -18,7 +18,8 @@ both sides, so both run a reference forward over every rollout, and both keep th
 `normalize_advantages` off, `epsilon` 0.2, `generate` with the KV cache (no vLLM), temperature 1, top_p 1, top_k 0,
 fp32, no gradient checkpointing, constant learning rate, clip 1.0, torch AdamW, no eval, checkpoints or loggers.
 With `--beta 0` lightalign skips the old-policy forward (on-policy, the ratio is 1 by definition) while TRL still
-runs it: that is a difference of the implementations, measured as such.
+runs it: that is a difference of the implementations, measured as such. `--prompt-sharing on` trains each group's
+prompt once on lightalign's side (RLOOModule's `prompt_sharing`, as in bench/grpo.py; TRL has no such layout).
 
 Each framework runs in its own process (peak RSS = its ru_maxrss), alternating, --repeats times (medians). A
 callback times optimizer steps --warmup+1 .. --warmup+--steps: completions/s = completions generated and trained in
@@ -77,7 +78,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
         args.model_dir, reward_funcs=[digit_fraction_reward], num_generations=args.num_generations,
         generation_batch_size=args.generation_batch, max_completion_length=args.max_completion_length,
         temperature=1.0, beta=args.beta, normalize_advantages=False, epsilon=0.2, learning_rate=args.lr,
-        lr_scheduler_type="constant")
+        lr_scheduler_type="constant", prompt_sharing=args.prompt_sharing == "on")
     data = PromptDataModule(args.data, tokenizer=args.model_dir, num_workers=0, seed=args.seed)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
                         accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.max_grad_norm, logger=False,
@@ -155,7 +156,7 @@ def run_one(args: argparse.Namespace) -> dict:
 def spawn(args: argparse.Namespace, framework: str) -> dict | None:
     argv = ["--framework", framework, "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
     for name in ("num_generations", "generation_batch", "grad_accum", "max_completion_length", "beta", "steps",
-                 "warmup", "threads", "lr", "max_grad_norm", "seed"):
+                 "warmup", "threads", "lr", "max_grad_norm", "seed", "prompt_sharing"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return harness.spawn(__file__, argv, args.threads, f"rloo {framework}")
 
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--beta", type=float, default=0.05, help="KL coefficient (TRL's default 0.05; 0: no "
                         "reference model)")
+    parser.add_argument("--prompt-sharing", choices=("on", "off"), default="off",
+                        help="lightalign trains each group's prompt once (RLOOModule prompt_sharing, as GRPO's)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
@@ -232,6 +235,7 @@ def run(args: argparse.Namespace) -> dict:
             "generation_batch_size": args.generation_batch, "micro_batch": args.generation_batch // args.grad_accum,
             "grad_accum": args.grad_accum, "steps_per_generation": f"default (= grad_accum = {args.grad_accum})",
             "num_iterations": 1, "max_completion_length": args.max_completion_length,
+            "lightalign_prompt_sharing": args.prompt_sharing,
             "sampling": "temperature 1.0, top_p 1.0, top_k 0, generate() with KV cache, no vLLM",
             "loss": f"RLOO, beta {args.beta} (KL in the reward), epsilon 0.2, normalize_advantages off",
             "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused (both defaults), wd 0",
