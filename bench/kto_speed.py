@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "negative: do not wait (figures marked contended)")
     parser.add_argument("--out", default="kto.json", help="file name under bench/results/")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--framework", "--mode", "--model-dir", "--workdir", "--n-params"):
+    for hidden in ("--framework", "--mode", "--model-dir", "--workdir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     return parser
 
@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
         args.model_dir = str(Path(args.workdir) / "model")
         args.n_params = n_params = harness.build_model(args.model, Path(args.model_dir), args.seed)
-        if not args.data:
+        generated = not args.data
+        if generated:
             n = max(64, 2 * (args.warmup + args.steps) * args.batch_size)
             args.data = str(bench_data.write(Path(args.workdir) / "unpaired.jsonl", "unpaired", args.shape, n,
                                              args.mean_length, args.seed))
@@ -217,8 +218,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"{args.data} has {rows} rows: fewer than (warmup + steps) x batch-size; lower --steps.")
         settings = {
             "model": f"{Path(args.model).name}: {n_params / 1e6:.1f}M params, seed {args.seed}, saved once, both load",
-            "data": f"generated unpaired rows, shape {args.shape}, mean {args.mean_length} words"
-            if "unpaired.jsonl" == Path(args.data).name and Path(args.data).parent == Path(args.workdir)
+            "data": f"generated unpaired rows, shape {args.shape}, mean {args.mean_length} words" if generated
             else Path(args.data).name, "batch_rows": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "loss_type": "kto", "beta": args.beta, "precision": "fp32",
             "order": "sequential (lightalign shuffle false, TRL train_sampling_strategy sequential)",
