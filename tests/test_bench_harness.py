@@ -161,8 +161,9 @@ def test_suite_rows_of_kto_and_rloo_and_no_target_for_them():
                                "lightalign_peak_rss_mb": 500.0, "trl_peak_rss_mb": 600.0}]}
     (row,) = suite.rows_of("kto", kto_result, "small", "longtail", 1e10)
     assert (row["variant"], row["unit"], row["ratio"], row["lightalign_mfu"]) == ("online ref", "rows/s", 1.5, 0.1)
-    rloo_result = {"summary": {"lightalign": {"completions_per_sec": 4.0, "model_flops_per_sec": 2e9, "peak_rss_mb": 1.0},
-                               "trl": {"completions_per_sec": 2.0, "model_flops_per_sec": 1e9, "peak_rss_mb": 2.0}}}
+    rloo_result = {"summary": {
+        "lightalign": {"completions_per_sec": 4.0, "model_flops_per_sec": 2e9, "peak_rss_mb": 1.0},
+        "trl": {"completions_per_sec": 2.0, "model_flops_per_sec": 1e9, "peak_rss_mb": 2.0}}}
     (row,) = suite.rows_of("rloo", rloo_result, "small", "longtail", 1e10)
     assert (row["unit"], row["ratio"], row["trl_peak_rss_mb"]) == ("completions/s", 2.0, 2.0)
     assert all("kto" not in t["target"] and "rloo" not in t["target"] for t in suite.targets([row]))
