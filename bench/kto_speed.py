@@ -66,7 +66,8 @@ def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, wor
     L.seed_everything(args.seed, verbose=False)
     module = TimedKTOModule(args.model_dir, beta=args.beta, loss_type="kto", learning_rate=args.lr,
                             lr_scheduler_type="constant", precompute_ref_log_probs=precompute,
-                            ref_log_probs_cache_dir=str(workdir / "ref_logps"))
+                            ref_log_probs_cache_dir=str(workdir / "ref_logps"),
+                            recompute_mlp_activation=args.recompute_mlp_activation == "on")
     data = UnpairedPreferenceDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length,
                                         batch_size=args.batch_size, val_batch_size=args.batch_size, num_workers=0,
                                         shuffle=False)
@@ -190,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trl-config", choices=("best", "defaults"), default="best",
                         help="TRL's side: `best` = gradient checkpointing off (as lightalign); `defaults` = "
                              "KTOConfig's gradient_checkpointing=True. fp32 on both sides either way")
+    parser.add_argument("--recompute-mlp-activation", choices=("on", "off"), default="on",
+                        help="lightalign's recompute_mlp_activation (MLP activation memory for some compute; its "
+                             "default: on)")
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--max-contention", type=float, default=0.05,
                         help="wait before each run until other processes use less than this share of the machine; "
@@ -226,6 +230,7 @@ def run(args: argparse.Namespace) -> dict:
                                                                  else "on (KTOConfig default)"),
             "optimizer": "torch AdamW fused (both defaults), wd 0", "lr": args.lr, "lr_schedule": "constant",
             "max_grad_norm": args.max_grad_norm, "threads": args.threads, "dataloader_workers": 0,
+            "lightalign_recompute_mlp_activation": args.recompute_mlp_activation,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
             "max_contention": contention, "versions": harness.versions(),
         }
@@ -240,7 +245,8 @@ def run(args: argparse.Namespace) -> dict:
                             args.workdir, "--data", args.data, "--batch-size", args.batch_size, "--max-length",
                             args.max_length, "--steps", args.steps, "--warmup", args.warmup, "--threads",
                             args.threads, "--lr", args.lr, "--beta", args.beta, "--max-grad-norm",
-                            args.max_grad_norm, "--seed", args.seed, "--trl-config", args.trl_config]
+                            args.max_grad_norm, "--seed", args.seed, "--trl-config", args.trl_config,
+                            "--recompute-mlp-activation", args.recompute_mlp_activation]
                     res = harness.spawn(__file__, argv, args.threads, f"kto {mode} {framework}")
                     if res is None:
                         continue
