@@ -190,12 +190,18 @@ class PPOModule(GRPOModule):
             ref_model_name_or_path=ref_model_name_or_path, ref_model_init_kwargs=ref_model_init_kwargs,
             log_entropy=log_entropy, share_prefill=share_prefill, **kwargs,
         )
-        self.hparams.update(
+        # LightningCLI hands save_hyperparameters its own config (GRPO's defaults for the knobs popped above): the
+        # GRPO knobs PPO sets are set here again, or GRPO's machinery would read num_iterations 1, beta 0 ...
+        knobs = dict(
+            num_iterations=num_ppo_epochs, steps_per_generation=None, beta=kl_coef, epsilon=cliprange,
+            epsilon_high=None, loss_type="grpo", scale_rewards="none", prompt_sharing=False,
             num_mini_batches=num_mini_batches, num_ppo_epochs=num_ppo_epochs, kl_coef=kl_coef,
             adap_kl_ctrl=adap_kl_ctrl, target=target, horizon=horizon, gamma=gamma, lam=lam,
             whiten_rewards=whiten_rewards, cliprange=cliprange, cliprange_value=cliprange_value, vf_coef=vf_coef,
             use_score_scaling=use_score_scaling, use_score_norm=use_score_norm, score_clip=score_clip,
             missing_eos_penalty=missing_eos_penalty, stop_token=stop_token)
+        self.hparams.update(knobs)
+        self._hparams_initial.update(knobs)  # what the logger writes to hparams.yaml
         self.kl_ctl = (AdaptiveKLController(kl_coef, target, horizon) if adap_kl_ctrl else FixedKLController(kl_coef))
         self.score_processor = ScoreProcessor(missing_eos_penalty, use_score_scaling, use_score_norm, score_clip)
         self.value_head = None if hidden is None else ValueHead(hidden)
@@ -243,12 +249,8 @@ class PPOModule(GRPOModule):
 
     # ------------------------------------------------------------------------------------- rollout
     def rewards_to_advantages(self, per_func: torch.Tensor, total: torch.Tensor, group: int) -> torch.Tensor:
-        """The weighted score of each completion (GAE comes in ``_make_rollout``); a non-finite one is an error."""
-        for j, name in enumerate(self.reward_names):
-            bad = torch.isinf(per_func[:, j].float()).nonzero()
-            if len(bad):
-                raise ValueError(f"Reward function '{name}' returned {float(per_func[bad[0, 0], j])} for completion "
-                                 f"{int(bad[0, 0])} of the rollout: PPO needs a finite score for every completion.")
+        """The weighted score of each completion (GAE comes in ``_make_rollout``); a completion without a score is an
+        error (the runner already refuses an infinite reward, naming the function)."""
         missing = torch.isnan(total).nonzero()
         if len(missing):
             i = int(missing[0, 0])
