@@ -3,10 +3,8 @@ script and its export (policy folder + value head)."""
 
 import csv
 import json
-import os
-import subprocess
-import sys
 
+import console_script
 import lightning as L
 import pytest
 import torch
@@ -203,12 +201,10 @@ def test_resume_inside_a_rollout_equals_uninterrupted(tiny_dir, prompt_data, tmp
 
 
 def test_console_fit_exports_policy_and_value_head(repo, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    exe = os.path.join(os.path.dirname(sys.executable), "lightalign")
-    out = subprocess.run([exe, "fit", "--config", str(repo / "configs" / "ppo_quickstart.yaml"),
-                          "--trainer.max_steps", "2", "--model.kl_coef", "0.05", "--model.num_ppo_epochs", "2",
-                          "--model.generation_batch_size", "8", "--trainer.logger.init_args.save_dir", str(tmp_path),
-                          "--plot.enabled", "false"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    out = console_script.run(repo, "fit", "--config", str(repo / "configs" / "ppo_quickstart.yaml"),
+                             "--trainer.max_steps", "2", "--model.kl_coef", "0.05", "--model.num_ppo_epochs", "2",
+                             "--model.generation_batch_size", "8", "--trainer.logger.init_args.save_dir", str(tmp_path),
+                             "--plot.enabled", "false", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     logged = {k for row in rows for k, v in row.items() if v}
