@@ -173,6 +173,25 @@ def test_reward_folder_without_score_head_refused(tiny_dir, tiny_model, tokenize
         module.reward_funcs[0].load()
 
 
+def test_reward_model_folder_scores_the_rollout(tiny_dir, tokenizer, tmp_path, quiet_trainer, prompt_data):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    folder = tmp_path / "reward_model"  # a sequence-classification folder, as RewardModule exports
+    config = AutoConfig.from_pretrained(tiny_dir, num_labels=1)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    keep = KeepBuffer()
+    module = ppo(tiny_dir, reward_funcs=[str(folder)])
+    quiet_trainer(max_steps=1, callbacks=[keep]).fit(module, prompt_data())
+    scores = [float(r["reward"]) for r in module.last_samples]
+    assert len(set(scores)) > 1 and all(torch.isfinite(torch.tensor(scores)))
+    mask = in_rollout_order(keep.buffers[0], "completion_mask").float()
+    returns = in_rollout_order(keep.buffers[0], "returns")  # gamma 1, kl 0 at the first rollout: the score
+    last = mask.sum(-1).long() - 1
+    torch.testing.assert_close(returns[torch.arange(len(scores)), last], torch.tensor(scores), atol=1e-5, rtol=1e-5)
+
+
 def _fit(tiny_dir, prompt_data, max_steps, ckpt_dir=None, ckpt_path=None):
     L.seed_everything(3)
     module = ppo(tiny_dir, kl_coef=0.2, adap_kl_ctrl=True, target=0.01, horizon=20, use_score_scaling=True,
