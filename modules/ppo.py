@@ -234,12 +234,15 @@ class PPOModule(GRPOModule):
             raise ValueError(f"PPOModule's value head reads the input of the output embedding, and model "
                              f"'{self.model_name_or_path}' has none: use a causal LM (…ForCausalLM).")
         self.value_head.to(next(self.model.parameters()).device)
+        self.value_head.requires_grad_(self.hparams.vf_coef > 0)  # vf_coef 0: frozen (DDP then skips it too)
 
     def create_optimizer(self) -> torch.optim.Optimizer:
         """The policy's optimizer (``PolicyModule.create_optimizer``) with the value head as one more parameter group
         (the default AdamW: weight decay on its weight, not its bias; factories and presets: their defaults)."""
         optimizer = super().create_optimizer()
         head = self.value_head.summary
+        if not head.weight.requires_grad:  # vf_coef 0
+            return optimizer
         if self.optimizer_factory is None and self.hparams.get("optim") is None:
             optimizer.add_param_group({"params": [head.weight], "weight_decay": self.hparams.weight_decay})
             optimizer.add_param_group({"params": [head.bias], "weight_decay": 0.0})
