@@ -95,6 +95,10 @@ class PPOModule(GRPOModule):
             ``max_completion_length``).
         stop_token: ``eos`` (generation stops at the model's / tokenizer's EOS, the only stop GRPO's generation
             knows; TRL's default None, which generates to the length limit, is not supported).
+        value_model_name_or_path, value_model_init_kwargs: a separate value network (a causal LM, loaded like the
+            policy, ``from_config`` included) whose last hidden state feeds the value head, as newer PPO
+            implementations use; trained by the value loss alone, checkpointed, exported to ``hf_model/value_model``.
+            Default: the head sits on the policy's own hidden state.
         ref_model_name_or_path, ref_model_init_kwargs, log_entropy: as ``GRPOModule`` (the reference is built when
             ``kl_coef > 0``: a frozen copy, a separate model, or the base model with LoRA disabled).
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule). GRPO's own knobs (``beta``,
@@ -136,6 +140,8 @@ class PPOModule(GRPOModule):
         score_clip: float | None = None,
         missing_eos_penalty: float | None = None,
         stop_token: str | None = "eos",
+        value_model_name_or_path: str | None = None,
+        value_model_init_kwargs: dict[str, Any] | None = None,
         mask_truncated_completions: bool = False,
         ref_model_name_or_path: str | None = None,
         ref_model_init_kwargs: dict[str, Any] | None = None,
@@ -179,6 +185,8 @@ class PPOModule(GRPOModule):
                                                                           "architectures", None))
         elif model_name_or_path is not None:
             hidden = hidden_size_from_folder(model_name_or_path)  # None for a hub name: found at configure_model
+        if value_model_name_or_path is not None:
+            hidden = hidden_size_from_folder(value_model_name_or_path)
         super().__init__(
             model_name_or_path, reward_funcs=reward_funcs, reward_weights=reward_weights,
             num_generations=num_generations, num_generations_eval=num_generations_eval,
@@ -199,12 +207,14 @@ class PPOModule(GRPOModule):
             adap_kl_ctrl=adap_kl_ctrl, target=target, horizon=horizon, gamma=gamma, lam=lam,
             whiten_rewards=whiten_rewards, cliprange=cliprange, cliprange_value=cliprange_value, vf_coef=vf_coef,
             use_score_scaling=use_score_scaling, use_score_norm=use_score_norm, score_clip=score_clip,
-            missing_eos_penalty=missing_eos_penalty, stop_token=stop_token)
+            missing_eos_penalty=missing_eos_penalty, stop_token=stop_token,
+            value_model_name_or_path=value_model_name_or_path, value_model_init_kwargs=value_model_init_kwargs)
         self.hparams.update(knobs)
         self._hparams_initial.update(knobs)  # what the logger writes to hparams.yaml
         self.kl_ctl = (AdaptiveKLController(kl_coef, target, horizon) if adap_kl_ctrl else FixedKLController(kl_coef))
         self.score_processor = ScoreProcessor(missing_eos_penalty, use_score_scaling, use_score_norm, score_clip)
         self.value_head = None if hidden is None else ValueHead(hidden)
+        self.value_model: torch.nn.Module | None = None
         self.stat_names = self.stat_names + _PPO_STATS
         self.train_stats = torch.nn.ModuleDict({_key(k): MeanMetric(nan_strategy="ignore") for k in self.stat_names})
         self.eval_stats = torch.nn.ModuleDict({_key(k): MeanMetric(nan_strategy="ignore") for k in self.stat_names})
@@ -224,15 +234,26 @@ class PPOModule(GRPOModule):
 
     def configure_model(self) -> None:
         super().configure_model()
+        hp = self.hparams
+        if hp.value_model_name_or_path is not None and self.value_model is None:
+            from lightalign.hub import load_causal_lm
+
+            with torch.inference_mode(False):
+                self.value_model = load_causal_lm(hp.value_model_name_or_path, from_config=hp.from_config,
+                                                  init_kwargs=hp.value_model_init_kwargs,
+                                                  trust_remote_code=hp.trust_remote_code)
+            self.value_model.to(next(self.model.parameters()).device)
+            self.value_model.requires_grad_(hp.vf_coef > 0)
+        backbone = self.value_model if self.value_model is not None else self.model
+        name = hp.value_model_name_or_path or self.model_name_or_path
         if self.value_head is None:
-            hidden = find_hidden_size(getattr(self.model, "config", None), self.model)
+            hidden = find_hidden_size(getattr(backbone, "config", None), backbone)
             if hidden is None:
-                raise unknown_architecture(str(self.model_name_or_path),
-                                           getattr(getattr(self.model, "config", None), "architectures", None))
+                raise unknown_architecture(str(name), getattr(getattr(backbone, "config", None), "architectures", None))
             self.value_head = ValueHead(hidden)
-        if self.model.get_output_embeddings() is None:
+        if backbone.get_output_embeddings() is None:
             raise ValueError(f"PPOModule's value head reads the input of the output embedding, and model "
-                             f"'{self.model_name_or_path}' has none: use a causal LM (…ForCausalLM).")
+                             f"'{name}' has none: use a causal LM (…ForCausalLM).")
         self.value_head.to(next(self.model.parameters()).device)
         self.value_head.requires_grad_(self.hparams.vf_coef > 0)  # vf_coef 0: frozen (DDP then skips it too)
 
@@ -243,6 +264,8 @@ class PPOModule(GRPOModule):
         head = self.value_head.summary
         if not head.weight.requires_grad:  # vf_coef 0
             return optimizer
+        if self.value_model is not None:
+            optimizer.add_param_group({"params": [p for p in self.value_model.parameters() if p.requires_grad]})
         if self.optimizer_factory is None and self.hparams.get("optim") is None:
             optimizer.add_param_group({"params": [head.weight], "weight_decay": self.hparams.weight_decay})
             optimizer.add_param_group({"params": [head.bias], "weight_decay": 0.0})
@@ -271,7 +294,8 @@ class PPOModule(GRPOModule):
         hp = self.hparams
         chunks = super()._make_rollout(batch)  # "advantages" holds each completion's score until here
         for mb in chunks:
-            mb["old_logps"], _, mb["old_values"] = policy_forward(self.model, self.value_head, mb, hp.temperature)
+            mb["old_logps"], _, mb["old_values"] = policy_forward(self.model, self.value_head, mb, hp.temperature,
+                                                                  self.value_model)
         order = torch.argsort(torch.cat([mb["row"] for mb in chunks]))  # back to the rollout's order
 
         def rollout_order(key: str) -> torch.Tensor:
@@ -311,7 +335,7 @@ class PPOModule(GRPOModule):
         hp = self.hparams
         mb, slot = self.next_micro_batch(batch)
         with self.training_forward_context():
-            logps, logits, values = policy_forward(self.model, self.value_head, mb, hp.temperature)
+            logps, logits, values = policy_forward(self.model, self.value_head, mb, hp.temperature, self.value_model)
         mask = mb["completion_mask"]
         accumulate = self.trainer.accumulate_grad_batches
         start = (slot // accumulate) * accumulate  # the optimizer step's micro-batches: its tokens normalise the loss
@@ -362,4 +386,6 @@ class PPOModule(GRPOModule):
         its weights (``modules/value_head.py``: ``load_value_head``)."""
         path = super().export_hf(output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict)
         self.value_head.save(path)
+        if self.value_model is not None:
+            self.value_model.save_pretrained(path / "value_model", safe_serialization=True)
         return path

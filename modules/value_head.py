@@ -7,7 +7,9 @@ that samples completion token ``t``, the position of ``logps[:, t]``. No second 
 (which would keep every layer's states).
 
 The head is saved beside the Hugging Face export as ``value_head.safetensors`` (``weight [1, H]``, ``bias [1]``)
-and ``value_head.json``; the export folder itself stays an ordinary causal-LM folder.
+and ``value_head.json``; the export folder itself stays an ordinary causal-LM folder. A separate value network
+(``PPOModule(value_model_name_or_path=...)``: a causal LM whose last hidden state feeds the head) is saved in its
+``value_model/`` subfolder.
 """
 
 from __future__ import annotations
@@ -105,19 +107,31 @@ def load_value_head(folder: str | os.PathLike) -> ValueHead:
     return head
 
 
-def policy_forward(model: torch.nn.Module, value_head: ValueHead, mb: dict[str, Any], temperature: float = 1.0):
-    """One forward of a (padded) GRPO micro-batch: per-token log-probs ``[B, T]`` of the completion tokens, the
-    logits they came from, and the values ``[B, T]`` of the states sampling them."""
+def _values_of(model: torch.nn.Module, value_head: ValueHead, mb: dict[str, Any], temperature: float, forward):
+    """Run ``forward`` (a ``grpo_forward`` call on ``model``) and the value head on the hidden states it fed into
+    ``model``'s output embedding."""
     captured: list[torch.Tensor] = []
-    head = model.get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    handle = model.get_output_embeddings().register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     try:
-        logps, logits, _ = grpo_forward(model, mb, temperature)
+        out = forward()
     finally:
         handle.remove()
     if len(captured) != 1:
         raise RuntimeError(f"PPOModule's value head expected the output embedding to run once per forward, it ran "
                            f"{len(captured)} times; this model family is not supported by the value head.")
     t = mb["completion_ids"].shape[1]
-    values = value_head(captured[0][:, -(t + 1):-1])
+    return out, value_head(captured[0][:, -(t + 1):-1])
+
+
+def policy_forward(model: torch.nn.Module, value_head: ValueHead, mb: dict[str, Any], temperature: float = 1.0,
+                   value_model: torch.nn.Module | None = None):
+    """One forward of a (padded) GRPO micro-batch: per-token log-probs ``[B, T]`` of the completion tokens, the
+    logits they came from, and the values ``[B, T]`` of the states sampling them. With ``value_model`` the values
+    come from that model's own forward of the same rows (a separate value network) instead of the policy's."""
+    if value_model is None:
+        (logps, logits, _), values = _values_of(model, value_head, mb, temperature,
+                                                lambda: grpo_forward(model, mb, temperature))
+        return logps, logits, values
+    logps, logits, _ = grpo_forward(model, mb, temperature)
+    _, values = _values_of(value_model, value_head, mb, temperature, lambda: grpo_forward(value_model, mb, temperature))
     return logps, logits, values

@@ -119,6 +119,18 @@ def test_gradients_reach_value_head_and_policy_scaled_by_vf_coef(tiny_dir, quiet
     assert any(not torch.allclose(base[n], off[n]) for n in off if n.startswith("model."))
 
 
+def test_separate_value_model_takes_the_value_loss_alone(tiny_dir, quiet_trainer, prompt_data, grad_capture):
+    kw = {"value_model_name_or_path": str(tiny_dir)}
+    base = one_step_grads(tiny_dir, quiet_trainer, prompt_data, grad_capture, vf_coef=0.1, **kw)
+    double = one_step_grads(tiny_dir, quiet_trainer, prompt_data, grad_capture, vf_coef=0.2, **kw)
+    value_params = [n for n in base if n.startswith("value_model.")]
+    assert value_params and all(torch.allclose(double[n], 2 * base[n], atol=1e-7, rtol=1e-4) for n in value_params)
+    policy = [n for n in base if n.startswith("model.")]
+    assert policy and any(base[n].abs().sum() > 0 for n in policy)
+    for name in policy:  # the value loss no longer reaches the policy
+        torch.testing.assert_close(double[name], base[name], atol=0, rtol=0, msg=name)
+
+
 def test_accumulation_2x4_equals_1x8(tiny_dir, quiet_trainer, prompt_data, grad_capture):
     full = one_step_grads(tiny_dir, quiet_trainer, prompt_data, grad_capture, accumulate=1)
     accum = one_step_grads(tiny_dir, quiet_trainer, prompt_data, grad_capture, accumulate=2)
