@@ -65,7 +65,8 @@ def unknown_architecture(name: str, architectures: Any) -> ValueError:
     return ValueError(
         f"PPOModule's value head: cannot find the hidden size of model '{name}' (architectures {architectures}): its "
         f"config has none of {list(_HIDDEN_KEYS)} and it has no linear output embedding. Choose another "
-        "model_name_or_path, or add the width of its last hidden state to its config.json as hidden_size.")
+        "model_name_or_path (or value_model_name_or_path, the network under the value head), or add the width of "
+        "its last hidden state to its config.json as hidden_size.")
 
 
 class ValueHead(torch.nn.Module):
