@@ -110,6 +110,7 @@ class GRPOModule(GRPORollout, PolicyModule):
     """
 
     uses_reference_model = True
+    check_rollout_config = staticmethod(check_rollout_config)  # PPOModule's own allows one completion per prompt
 
     def __init__(
         self,
@@ -193,7 +194,7 @@ class GRPOModule(GRPORollout, PolicyModule):
         check_reward_weights(funcs, reward_weights)
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
-        check_rollout_config(num_generations, num_iterations, steps_per_generation, generation_batch_size, pack_length)
+        self.check_rollout_config(num_generations, num_iterations, steps_per_generation, generation_batch_size, pack_length)
         if reward_clip is not None and reward_clip <= 0:
             raise ValueError(f"reward_clip must be > 0 or null, got {reward_clip}.")
         super().__init__(model_name_or_path, **kwargs)
