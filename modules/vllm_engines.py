@@ -20,7 +20,7 @@ import json
 import os
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Callable, Iterator
 
 import lightning as L
 import torch
@@ -64,11 +64,13 @@ class ColocatedEngine:
             self.llm.sleep(level=2)
         return [list(sample.token_ids) for request in outputs for sample in request.outputs]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], send: bool = True) -> None:
+    def load_weights(self, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], send: bool = True) -> None:
+        """``weights()``: a fresh iterator of (vLLM name, tensor); each tensor is used before the next is made
+        (LoRA-merged values exist only while the iteration runs)."""
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])
         model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        for name, tensor in weights:
+        for name, tensor in weights():
             model.load_weights([(name, tensor)])
         self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
 
@@ -81,6 +83,7 @@ class ServerEngine:
         self.group_port, self.timeout, self.sender = group_port, timeout, sender
         self.model_id = self._get("/v1/models")["data"][0]["id"]
         self.group = None
+        self.meta: list[tuple[str, str, list[int]]] | None = None
 
     def _request(self, path: str, payload: dict[str, Any] | None = None, method: str = "POST") -> Any:
         data = None if payload is None else json.dumps(payload).encode()
@@ -116,22 +119,26 @@ class ServerEngine:
             self.group = trainer_init(info)
             pending.result()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], send: bool = True) -> None:
+    def load_weights(self, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], send: bool = True) -> None:
+        """``weights()``: a fresh iterator of (vLLM name, tensor). The server must know every tensor's name, dtype
+        and shape before the broadcast starts: a first walk (first push only) reads them, the second streams."""
+        if self.meta is None:
+            self.meta = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in weights()]
         if not send:  # other ranks only take part in gathering sharded parameters
-            for _ in weights:
+            for _ in weights():
                 pass
             return
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         if self.group is None:
             self._connect()
-        weights = [(name, tensor.contiguous()) for name, tensor in weights]
-        info = {"names": [n for n, _ in weights], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
-                "shapes": [list(t.shape) for _, t in weights]}
+        info = {"names": [m[0] for m in self.meta], "dtype_names": [m[1] for m in self.meta],
+                "shapes": [m[2] for m in self.meta]}
         self._request("/start_weight_update", {})
         with ThreadPoolExecutor(max_workers=1) as pool:  # the workers receive while this process broadcasts
             pending = pool.submit(self._request, "/update_weights", {"update_info": info})
-            packed_nccl_broadcast_producer(iter(weights), group=self.group, src=0, post_iter_func=lambda item: item[1])
+            packed_nccl_broadcast_producer(weights(), group=self.group, src=0,
+                                           post_iter_func=lambda item: item[1].contiguous())
             pending.result()
         self._request("/finish_weight_update", {})
         self._request("/reset_prefix_cache", {})
@@ -160,7 +167,7 @@ class VLLMSampler:
                                       device=batch["prompt_input_ids"].device)
 
     def push(self, model: torch.nn.Module, step: int, sender: bool = True) -> None:
-        self.engine.load_weights(vllm_weights(model), send=sender)
+        self.engine.load_weights(lambda: vllm_weights(model), send=sender)
         self.pushed_step = step
 
 

@@ -11,7 +11,7 @@ The pieces, each usable alone:
 * ``check_vllm_knobs``: construction-time validation (a CPU machine is refused with the CPU alternative);
 * ``vllm_sampling_params``: our sampling knobs as vLLM ``SamplingParams`` fields (a pure function);
 * ``vllm_weight_name`` / ``vllm_weights``: the policy's parameters under the names vLLM's ``load_weights``
-  expects (LoRA merged, wrapper prefixes dropped, sharded parameters gathered);
+  expects (LoRA deltas added to their base weights, wrapper prefixes dropped, sharded parameters gathered);
 * ``rollout_from_token_ids``: the engine's completions as the rollout dict ``generation.sample_completions``
   returns;
 * ``ColocatedEngine`` / ``ServerEngine``: the two ways to reach vLLM; ``VLLMRollouts``: the Lightning callback
@@ -112,7 +112,8 @@ def vllm_sampling_params(*, num_generations: int, temperature: float, top_p: flo
 
 
 # ------------------------------------------------------------------------------------------------ weights
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
+# wrappers' own name segments: torch.compile, activation checkpointing, FSDP (v1)
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
 def vllm_weight_name(name: str, peft: bool = False) -> str | None:
@@ -120,8 +121,10 @@ def vllm_weight_name(name: str, peft: bool = False) -> str | None:
     for parameters vLLM does not hold (LoRA factors, the original copy of a ``modules_to_save`` module).
 
     ``peft``: the policy is a PEFT model (names under ``base_model.model.``, adapted layers under ``base_layer``)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
+    parts = [part for part in name.split(".") if part not in _WRAPPER_SEGMENTS]
+    if parts and parts[0] == "module":  # DistributedDataParallel's wrapper
+        parts = parts[1:]
+    name = ".".join(parts)
     if peft:
         if ".lora_" in name or "original_module" in name:
             return None
@@ -131,24 +134,28 @@ def vllm_weight_name(name: str, peft: bool = False) -> str | None:
 
 
 def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under vLLM's names, one tensor at a time (detached; LoRA merged into the base weights
-    for the duration and unmerged after; FSDP2 / ZeRO-3 parameters gathered, so every rank must iterate)."""
+    """The policy's weights under vLLM's names, one tensor at a time, detached. A LoRA layer's base weight is sent
+    with its active adapters' deltas added (computed apart: the policy's own weights are never merged in place,
+    which would round them a little at every push); FSDP2 / ZeRO-3 parameters are gathered, so every rank must
+    iterate."""
     from lightalign.modules.base import is_peft_model
     from lightalign.strategies.sharding import generation_context
 
     peft = is_peft_model(model)
-    with generation_context(model):
-        if peft:
-            model.merge_adapter()
-        try:
-            for name, param in model.named_parameters():
-                target = vllm_weight_name(name, peft=peft)
-                if target is not None:
-                    full = param.full_tensor() if hasattr(param, "full_tensor") else param
-                    yield target, full.detach()
-        finally:
-            if peft:
-                model.unmerge_adapter()
+    lora_layers = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
+                   if peft and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+    with generation_context(model), torch.no_grad():
+        for name, param in model.named_parameters():
+            target = vllm_weight_name(name, peft=peft)
+            if target is None:
+                continue
+            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+            layer = lora_layers.get(name)
+            if layer is not None and not getattr(layer, "merged", False):
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
+                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            yield target, tensor.detach()
 
 
 # ------------------------------------------------------------------------------------------------ rollouts
