@@ -2,8 +2,8 @@
 
 * ``ColocatedEngine`` (``vllm_mode: colocate``): a ``vllm.LLM`` in each training process, sharing its GPU
   (``vllm_gpu_memory_utilization`` of it); weights go in with the engine's ``load_weights``.
-* ``ServerEngine`` (``vllm_mode: server``): a separate ``vllm serve <model> --weight-transfer-config
-  '{"backend": "nccl"}'``; completions come from its ``/v1/completions`` route (prompts as token ids, token ids
+* ``ServerEngine`` (``vllm_mode: server``): a separate ``VLLM_SERVER_DEV_MODE=1 vllm serve <model>
+  --weight-transfer-config '{"backend": "nccl"}'`` (dev mode for ``/reset_prefix_cache``); completions come from its ``/v1/completions`` route (prompts as token ids, token ids
   back), weights go over vLLM's NCCL weight-transfer group (the trainer is rank 0, the server's workers follow).
   Every rank asks for its own prompts' completions; rank 0 alone pushes weights.
 * ``VLLMRollouts``: a Lightning callback (``GRPOModule.configure_callbacks`` adds it when ``use_vllm`` is on):
@@ -141,7 +141,11 @@ class ServerEngine:
                                            post_iter_func=lambda item: item[1].contiguous())
             pending.result()
         self._request("/finish_weight_update", {})
-        self._request("/reset_prefix_cache", {})
+        try:  # prefixes cached under the old weights must not be reused
+            self._request("/reset_prefix_cache", {})
+        except ConnectionError as err:
+            raise ConnectionError(f"{err} The server must reset its prefix cache after each weight update: start it "
+                                  "with VLLM_SERVER_DEV_MODE=1, which enables /reset_prefix_cache.") from err
 
 
 class VLLMSampler:

@@ -171,3 +171,16 @@ def test_colocated_engine_samples_and_takes_pushed_weights(tiny_dir, tmp_path):
             p.add_(torch.randn_like(p))
     engine.load_weights(lambda: vllm_weights(model))
     assert engine.generate([[5, 6, 7]], params) != first
+
+
+@pytest.mark.slow
+def test_shipped_vllm_config_is_refused_on_cpu_by_the_console_script(repo):
+    """configs/grpo_vllm.yaml parses (every knob a GRPOModule argument) and, without CUDA, stops at the module's
+    construction with one message naming the knob and the CPU alternative."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the config is not refused")
+    from test_console import lightalign
+
+    out = lightalign(repo, "fit", "--config", "configs/grpo_vllm.yaml", status=1)
+    assert "lightalign: error: use_vllm: true needs a CUDA GPU" in out and "use_vllm: false" in out
+    assert "Traceback" not in out
