@@ -39,7 +39,8 @@ def micro_batch(args) -> dict[str, torch.Tensor]:
                              generator=g) for _ in range(n // group)]
     lengths = torch.linspace(args.min_len, args.max_len, n).round().long()[torch.randperm(n, generator=g)]
     width_p, width_c = max(len(p) for p in prompts), int(lengths.max())
-    mb = {"prompt_ids": torch.zeros(n, width_p, dtype=torch.long), "prompt_mask": torch.zeros(n, width_p, dtype=torch.long),
+    mb = {"prompt_ids": torch.zeros(n, width_p, dtype=torch.long),
+          "prompt_mask": torch.zeros(n, width_p, dtype=torch.long),
           "completion_ids": torch.zeros(n, width_c, dtype=torch.long),
           "completion_mask": (torch.arange(width_c)[None] < lengths[:, None]).long()}
     for row in range(n):

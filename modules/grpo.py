@@ -312,7 +312,8 @@ class GRPOModule(GRPORollout, PolicyModule):
         prompt = getattr(datamodule, "max_prompt_length", None)
         longest = None if prompt is None else prompt + self.hparams.max_completion_length
         hp = self.hparams
-        return ("grpo_shared" if hp.prompt_sharing else "grpo_packed" if hp.get("padding_free") else "grpo_padded"), longest
+        layout = "grpo_shared" if hp.prompt_sharing else "grpo_packed" if hp.get("padding_free") else "grpo_padded"
+        return layout, longest
 
     # ------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

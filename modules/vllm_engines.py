@@ -3,8 +3,9 @@
 * ``ColocatedEngine`` (``vllm_mode: colocate``): a ``vllm.LLM`` in each training process, sharing its GPU
   (``vllm_gpu_memory_utilization`` of it); weights go in with the engine's ``load_weights``.
 * ``ServerEngine`` (``vllm_mode: server``): a separate ``VLLM_SERVER_DEV_MODE=1 vllm serve <model>
-  --weight-transfer-config '{"backend": "nccl"}'`` (dev mode for ``/reset_prefix_cache``); completions come from its ``/v1/completions`` route (prompts as token ids, token ids
-  back), weights go over vLLM's NCCL weight-transfer group (the trainer is rank 0, the server's workers follow).
+  --weight-transfer-config '{"backend": "nccl"}'`` (dev mode for ``/reset_prefix_cache``); completions come
+  from its ``/v1/completions`` route (prompts as token ids, token ids back), weights go over vLLM's NCCL
+  weight-transfer group (the trainer is rank 0, the server's workers follow).
   Every rank asks for its own prompts' completions; rank 0 alone pushes weights.
 * ``VLLMRollouts``: a Lightning callback (``GRPOModule.configure_callbacks`` adds it when ``use_vllm`` is on):
   builds the engine at fit start, pushes the policy's weights then and after every optimizer step, and sets
