@@ -146,3 +146,30 @@ def test_padding_free_refused_on_alibi_at_fit_start(quiet_trainer, grpo_module, 
     with pytest.raises(ValueError, match=r"model\.padding_free .*cannot run exactly on .*ALiBi.*"
                                          r"model\.padding_free: false"):
         quiet_trainer(max_steps=1).fit(module, prompt_data())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "mistral-sliding", "gemma3"])
+def test_packed_loss_grads_equal_padded_across_families(name):
+    """Learned absolute positions (GPT-2, OPT: counted from each row's first real token in the padded layout),
+    sliding windows (6 tokens, shorter than the sequences) and OPT, whose own mask ignores position_ids (only the
+    per-sequence attention keeps its packed sequences apart): the loss's gradients equal the padded layout's."""
+    from conformance_models import build
+    from lightalign.modules.adaptations import adapt_model, check_layout
+    from lightalign.modules.layouts import grpo_forward
+
+    model = build(name).train()
+    adapt_model(model)
+    check_layout(model, "grpo_packed", max_tokens=32)
+    mb, _ = _micro_batch(1)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+
+    def grads(batch):
+        model.zero_grad(set_to_none=True)
+        logps, _, _ = grpo_forward(model, batch)
+        grpo_loss(logps, None, advantages, batch["completion_mask"], loss_type="grpo")[0].backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, got = grads(mb), grads(dict(mb, packed=packed_completion_batch(mb)))
+    assert want.keys() == got.keys() and want
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-4, msg=f"{name}: {key}")
