@@ -15,7 +15,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightalign.modules.entropy_control import token_entropies
 from lightalign.modules.generation import sample_completions, split_rollout
-from lightalign.modules.layouts import grpo_forward, prompt_group_batch
+from lightalign.modules.layouts import grpo_forward, packed_completion_batch, prompt_group_batch
 from lightalign.modules.logprobs import scatter_to_sequences
 from lightalign.rewards import (check_reward_weights, clip_rewards, compute_rewards, nanstd, normalize_then_sum,
                                 scale_advantages)
@@ -30,8 +30,11 @@ class GRPORollout:
 
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], num_generations: int) -> dict[str, Any]:
-        """Sample ``num_generations`` completions per prompt (``generation.sample_completions``)."""
+        """Sample ``num_generations`` completions per prompt (``generation.sample_completions``; with ``use_vllm``
+        the vLLM engine set up by ``vllm_engines.VLLMRollouts``)."""
         hp = self.hparams
+        if getattr(self, "vllm_generation", None) is not None:
+            return self.vllm_generation.sample_completions(self, batch, num_generations)
         return sample_completions(
             self.model, self.tokenizer, batch, num_generations, share_prefill=hp.share_prefill,
             temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k or 0, min_p=hp.min_p,
@@ -96,8 +99,9 @@ class GRPORollout:
             return logps, None
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropies = token_entropies(logits)
-        if "shared" in mb:
-            entropies = scatter_to_sequences(entropies, mb["shared"], *mb["completion_ids"].shape)[0]
+        layout = mb.get("shared", mb.get("packed"))  # [targets] -> [B, T]
+        if layout is not None:
+            entropies = scatter_to_sequences(entropies, layout, *mb["completion_ids"].shape)[0]
         return logps, torch.where(mb["completion_mask"].bool(), entropies, torch.zeros_like(entropies))
 
     def next_micro_batch(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
@@ -139,6 +143,8 @@ class GRPORollout:
             lengths = mb.pop("lengths")
             if hp.prompt_sharing:
                 mb["shared"] = prompt_group_batch(mb, pad if pad is not None else 0, hp.pack_length, lengths)
+            elif hp.get("padding_free"):
+                mb["packed"] = packed_completion_batch(mb, lengths)
         needs_old = self._reuses_rollout(steps)
         for mb in chunks:
             if needs_old:
