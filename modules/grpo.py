@@ -306,7 +306,7 @@ class GRPOModule(GRPORollout, PolicyModule):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()  # the layout check, NEFTune when asked
-        move_reference(self.ref_model, self.device)
+        move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
 
     def batch_layout(self) -> tuple[str, int | None]:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
