@@ -121,7 +121,12 @@ class RLOOModule(GRPOModule):
             ref_model_init_kwargs=ref_model_init_kwargs, log_entropy=log_entropy, share_prefill=share_prefill,
             prompt_sharing=prompt_sharing, pack_length=pack_length, padding_free=padding_free, **kwargs,
         )
-        self.hparams.update(normalize_advantages=normalize_advantages, reward_clip_range=reward_clip_range)
+        # LightningCLI hands save_hyperparameters its own config, with GRPO's defaults for the GRPO knobs RLOO sets
+        # itself: they are set here again (else GRPO's checks would read loss_type dapo, scale_rewards group).
+        knobs = dict(loss_type="grpo", scale_rewards="none", normalize_advantages=normalize_advantages,
+                     reward_clip_range=reward_clip_range)
+        self.hparams.update(knobs)
+        self._hparams_initial.update(knobs)  # what the logger writes to hparams.yaml
 
     # ------------------------------------------------------------------------------------- rollout
     def rewards_to_advantages(self, per_func: torch.Tensor, total: torch.Tensor, group: int) -> torch.Tensor:

@@ -138,6 +138,11 @@ def test_console_quickstart_runs_and_logs(repo, tmp_path):
     logged = {k for row in rows for k, v in row.items() if v}
     assert {"train/reward/mean", "train/kl", "train/loss", "val/reward/mean"} <= logged
     assert next(tmp_path.rglob("hf_model/config.json"))
+    # the GRPO knobs RLOO fixes are what the run recorded, not GRPO's defaults LightningCLI passed
+    hparams = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=False, map_location="cpu")["hyper_parameters"]
+    assert (hparams["loss_type"], hparams["scale_rewards"]) == ("grpo", "none")
+    hparams_yaml = next(tmp_path.rglob("hparams.yaml")).read_text()
+    assert "loss_type: grpo" in hparams_yaml and "scale_rewards: none" in hparams_yaml
 
 
 def test_console_refuses_a_group_of_one(repo, tmp_path):
