@@ -15,7 +15,7 @@ from lightalign.callbacks import CompletionSamples, DeviceCacheCleanup, HFExport
 from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule, UnpairedPreferenceDataModule
 from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
 from lightalign.strategies import AtomicCheckpointIO, CheckpointError
-from lightalign.modules import (DPOModule, GRPOModule, IterativeSFT, KTOModule, NEFTune, PolicyModule, RewardModule, RLOOModule,
+from lightalign.modules import (DPOModule, GRPOModule, IterativeSFT, KTOModule, NEFTune, PolicyModule, PPOModule, RewardModule, RLOOModule,
                                 SFTModule, create_reference_model, dpo_loss, grpo_loss, kto_loss, reward_loss, sft_loss)
 
 __version__ = "0.1.0"
@@ -40,6 +40,7 @@ __all__ = [
     "NEFTune",
     "NonFiniteGuard",
     "PolicyModule",
+    "PPOModule",
     "PreferenceDataModule",
     "PromptDataModule",
     "RewardModule",

@@ -51,7 +51,7 @@ KNOB_HELP = """lightalign: SFT, DPO and GRPO on PyTorch Lightning.
 
 The method and data knobs belong to the classes a config names; list them with
   lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RLOOModule, KTOModule,
-                                                       RewardModule)
+                                                       RewardModule, PPOModule)
   lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule,
                                                        UnpairedPreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config

@@ -7,8 +7,10 @@ Two shapes, same mean length:
   most texts short, a few long: the mix where padding wastes most.
 
 Texts are sentences of ``assets/english_lines.txt`` (what the shipped tokenizer was trained on, so about one token
-per word). Three kinds, in TRL's formats: ``sft`` (prompt-completion, loss on the completion), ``preference``
-(prompt / chosen / rejected, chosen and rejected of different lengths), ``prompts`` (prompt only, for GRPO).
+per word). Four kinds, in TRL's formats: ``sft`` (prompt-completion, loss on the completion), ``preference``
+(prompt / chosen / rejected, chosen and rejected of different lengths), ``unpaired`` (prompt / completion / label,
+for KTO: labels alternate true, false, so every batch of 2+ rows holds both kinds), ``prompts`` (prompt only, for
+GRPO and RLOO).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ("uniform", "longtail")
-KINDS = ("sft", "preference", "prompts")
+KINDS = ("sft", "preference", "unpaired", "prompts")
 
 
 def words() -> list[str]:
@@ -53,11 +55,13 @@ def rows(kind: str, shape: str, n: int, mean: int, seed: int = 0) -> list[dict]:
     rng, vocab = random.Random(seed), words()
     lengths = draw_lengths(shape, mean, n, rng)
     out = []
-    for total in lengths:
+    for i, total in enumerate(lengths):
         prompt_len = max(2, total // 4)
         rest = max(2, total - prompt_len)
-        if kind == "sft":
+        if kind in ("sft", "unpaired"):
             out.append({"prompt": text(vocab, prompt_len, rng), "completion": " " + text(vocab, rest, rng)})
+            if kind == "unpaired":
+                out[-1]["label"] = i % 2 == 0
         elif kind == "preference":
             other = max(2, round(rest * rng.uniform(0.5, 1.5)))
             out.append({"prompt": text(vocab, prompt_len, rng), "chosen": " " + text(vocab, rest, rng),

@@ -1,4 +1,4 @@
-"""The benchmark suite: SFT, DPO and GRPO, lightalign vs TRL, over models x data shapes, in one command.
+"""The benchmark suite: SFT, DPO, GRPO, KTO and RLOO, lightalign vs TRL, over models x data shapes, in one command.
 
     python bench/suite.py                                   # the real run (quiet machine, ~hours on 2 cores)
     python bench/suite.py --quick --models tiny             # smoke run: tiny settings, proves the plumbing
@@ -9,8 +9,9 @@ Needs the benchmark extra (`pip install -e '.[bench]'`: TRL + matplotlib; `make 
 First the machine's fp32 matmul peak is measured (harness.measure_matmul_flops); then for each model and data
 shape (bench/data.py) it runs bench/sft.py (padding / padding_free / packing / group_by_length), bench/dpo.py
 (online / precomputed reference, lightalign prompt_sharing on / off, TRL at its best CPU settings and at its
-DPOConfig defaults) and bench/grpo.py (lightalign prompt_sharing off alternating with TRL, then on), each run in
-its own process, frameworks alternating, medians over --repeats.
+DPOConfig defaults), bench/grpo.py (lightalign prompt_sharing off alternating with TRL, then on), bench/kto_speed.py
+(online / precomputed reference) and bench/rloo.py, each run in its own process, frameworks alternating, medians over
+--repeats.
 One table closes the run (per row: the figure of each side, the ratio, MFU = model FLOP/s over the matmul peak,
 peak RSS), followed by the issue's targets; JSON goes to bench/results/suite.json and a bar chart of the ratios
 to bench/results/suite.png.
@@ -29,17 +30,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dpo  # noqa: E402
 import grpo  # noqa: E402
 import harness  # noqa: E402
+import kto_speed  # noqa: E402
+import rloo  # noqa: E402
 import sft  # noqa: E402
 
-BENCHMARKS = ("sft", "dpo", "grpo")
+BENCHMARKS = ("sft", "dpo", "grpo", "kto", "rloo")
 # Tiny settings of --quick: enough steps to start and stop the clock, nothing more.
 QUICK = {
     "sft": ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--max-length", "64", "--mean-length", "24"],
     "dpo": ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--max-length", "64", "--mean-length", "16"],
     "grpo": ["--steps", "1", "--warmup", "1", "--generation-batch", "8", "--num-generations", "4", "--grad-accum",
              "2", "--max-completion-length", "8", "--mean-length", "12", "--retries", "0"],
+    "kto": ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--max-length", "64", "--mean-length", "16"],
+    "rloo": ["--steps", "1", "--warmup", "1", "--generation-batch", "8", "--num-generations", "4", "--grad-accum",
+             "2", "--max-completion-length", "8", "--mean-length", "12", "--retries", "0"],
 }
 TARGETS = {"sft": 1.3, "dpo": 2.0, "grpo": 2.0, "sft_mfu": 0.5}  # issue #8, small model, long-tailed data
+TARGETED = ("sft", "dpo", "grpo")  # KTO and RLOO (issue #24) have no target: measured against TRL, not held to a ratio
 
 
 def model_dir(name: str) -> str:
@@ -80,6 +87,15 @@ def rows_of(bench: str, result: dict, model: str, shape: str, peak: float) -> li
             row(f"{r['mode']} ref, prompt_sharing {r['prompt_sharing']}, TRL {r['trl_config']}", "pairs/s",
                 r["lightalign_pairs_per_sec"], r["trl_pairs_per_sec"], r["lightalign_model_flops_per_sec"],
                 r["trl_model_flops_per_sec"], r["lightalign_peak_rss_mb"], r["trl_peak_rss_mb"])
+    elif bench == "kto":
+        for r in result["summary"]:
+            row(f"{r['mode']} ref", "rows/s", r["lightalign_rows_per_sec"], r["trl_rows_per_sec"],
+                r["lightalign_model_flops_per_sec"], r["trl_model_flops_per_sec"], r["lightalign_peak_rss_mb"],
+                r["trl_peak_rss_mb"])
+    elif bench == "rloo":
+        la, tr = (result["summary"].get(fw, {}) for fw in harness.FRAMEWORKS)
+        row("generate + train", "completions/s", la.get("completions_per_sec"), tr.get("completions_per_sec"),
+            la.get("model_flops_per_sec"), tr.get("model_flops_per_sec"), la.get("peak_rss_mb"), tr.get("peak_rss_mb"))
     else:  # one result per lightalign prompt_sharing setting; TRL ran alongside the first (see main)
         tr = result["runs"][0]["summary"].get("trl", {})
         for sharing, res in zip(("off", "on"), result["runs"]):
@@ -94,7 +110,7 @@ def targets(rows: list[dict]) -> list[dict]:
     """The issue's targets, read from the `small` / `longtail` rows (best lightalign variant vs best TRL one)."""
     picked = [r for r in rows if r["model"] == "small" and r["shape"] == "longtail"]
     out = []
-    for bench in BENCHMARKS:
+    for bench in TARGETED:
         mine = [r for r in picked if r["benchmark"] == bench]
         la = max((r["lightalign"] for r in mine if r["lightalign"]), default=None)
         tr = max((r["trl"] for r in mine if r["trl"]), default=None)
@@ -144,11 +160,13 @@ def plot(payload: dict, out: Path) -> Path | None:
     if not rows:
         print("no chart: no row has both a lightalign and a TRL figure.")
         return None
-    colors = {"sft": "tab:blue", "dpo": "tab:orange", "grpo": "tab:green"}
+    colors = {"sft": "tab:blue", "dpo": "tab:orange", "grpo": "tab:green", "kto": "tab:red", "rloo": "tab:purple"}
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
     labels = [f"{r['benchmark']} {r['model']} {r['shape']} {r['variant']}" for r in rows]
     ax.barh(range(len(rows)), [r["ratio"] for r in rows], color=[colors[r["benchmark"]] for r in rows])
     for i, r in enumerate(rows):
+        if r["benchmark"] not in TARGETED:
+            continue
         ax.plot([TARGETS[r["benchmark"]]] * 2, [i - 0.4, i + 0.4], color="black", linestyle=":", linewidth=1)
     ax.axvline(1.0, color="grey", linewidth=1)
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
@@ -211,6 +229,10 @@ def main() -> None:
                     result = dpo.run(namespace(dpo, common + quick + ["--shape", shape, "--prompt-sharing", "on",
                                                                        "off", "--trl-config", "best", "defaults"],
                                                contention))
+                elif bench == "kto":
+                    result = kto_speed.run(namespace(kto_speed, common + quick + ["--shape", shape], contention))
+                elif bench == "rloo":
+                    result = rloo.run(namespace(rloo, common + quick + ["--shape", shape], contention))
                 else:  # prompt_sharing off: both frameworks alternating; on: lightalign only, right after
                     argv = common + quick + ["--shape", shape]
                     result = {"runs": [grpo.run(namespace(grpo, argv + ["--prompt-sharing", "off"], contention)),

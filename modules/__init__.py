@@ -3,6 +3,7 @@
 from lightalign.modules.base import PolicyModule
 from lightalign.modules.dpo import LOSS_TYPES, DPOModule, dpo_loss
 from lightalign.modules.grpo import GRPOModule, grpo_loss
+from lightalign.modules.ppo import PPOModule
 from lightalign.modules.rloo import RLOOModule
 from lightalign.modules.iterative_sft import IterativeSFT
 from lightalign.modules.kto import KTOModule, kto_loss
@@ -12,6 +13,6 @@ from lightalign.modules.reward import RewardModule, reward_loss
 from lightalign.modules.sft import SFTModule, sft_loss
 
 __all__ = [
-    "LOSS_TYPES", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "PolicyModule", "RewardModule", "RLOOModule",
+    "LOSS_TYPES", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule",
     "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss", "kto_loss", "reward_loss", "sft_loss",
 ]

@@ -180,7 +180,7 @@ class DPOModule(StatHooks, PolicyModule):
         )
 
     def _move_reference(self) -> None:
-        move_reference(self.ref_model, self.device)
+        move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

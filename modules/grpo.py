@@ -28,6 +28,7 @@ from lightalign.modules.grpo_loss import (GLOBAL_TOKEN_LOSS_TYPES, GRPO_LOSS_TYP
                                           validate_grpo_loss_config)
 from lightalign.modules.grpo_rollout import GRPORollout, _key
 from lightalign.modules.rng_state import gather_per_rank, to_cpu
+from lightalign.modules.vllm_generation import check_vllm_knobs
 from lightalign.modules.reference import build_reference, move_reference
 from lightalign.rewards import RunningRewardNormalizer, check_reward_weights, reward_func_names, resolve_reward_funcs
 
@@ -117,10 +118,21 @@ class GRPOModule(GRPORollout, PolicyModule):
             whole groups so a micro-batch holds whole groups. Needs ``sdpa`` or ``eager`` attention.
         pack_length: with ``prompt_sharing``, a micro-batch of ``T`` tokens is split into
             ``ceil(T / pack_length)`` rows of balanced length (``datamodules/shared_prefix.py``).
+        padding_free: train on each micro-batch with no padding: every ``[prompt, completion]`` one after the
+            other in one row, positions restarting at each, one attention call per sequence (``sdpa_varlen``);
+            old and reference log-probs are computed the same way. Equal to the padded layout within float
+            tolerance; refused at fit start on models that cannot run it exactly (ALiBi, ...). Worth it when
+            completion lengths vary (reasoning workloads). Not with ``prompt_sharing`` (pick one). TRL's GRPO has
+            no such knob; the name is the one TRL's SFT and DPO use for the same idea.
+        use_vllm, vllm_mode, vllm_server_base_url, vllm_server_host, vllm_server_port, vllm_server_timeout,
+            vllm_group_port, vllm_gpu_memory_utilization, vllm_tensor_parallel_size, vllm_max_model_length,
+            vllm_enable_sleep_mode, vllm_model_impl: sample rollouts with vLLM on a GPU (TRL's names and
+            defaults; ``modules/vllm_generation.py``, docs/vllm.md). Refused without CUDA.
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
     uses_reference_model = True
+    check_rollout_config = staticmethod(check_rollout_config)  # PPOModule's own allows one completion per prompt
 
     def __init__(
         self,
@@ -176,8 +188,27 @@ class GRPOModule(GRPORollout, PolicyModule):
         share_prefill: bool = True,
         prompt_sharing: bool = False,
         pack_length: int = 1024,
+        padding_free: bool = False,
+        use_vllm: bool = False,
+        vllm_mode: Literal["colocate", "server"] = "colocate",
+        vllm_server_base_url: str | None = None,
+        vllm_server_host: str = "0.0.0.0",
+        vllm_server_port: int = 8000,
+        vllm_server_timeout: float = 240.0,
+        vllm_group_port: int = 51216,
+        vllm_gpu_memory_utilization: float = 0.3,
+        vllm_tensor_parallel_size: int = 1,
+        vllm_max_model_length: int | None = None,
+        vllm_enable_sleep_mode: bool = False,
+        vllm_model_impl: Literal["vllm", "transformers"] = "vllm",
         **kwargs: Any,
     ) -> None:
+        check_vllm_knobs(**{k: v for k, v in locals().items() if k.startswith("vllm_")}, use_vllm=use_vllm,
+                         generation_kwargs=generation_kwargs, cache_implementation=cache_implementation)
+        if padding_free and prompt_sharing:
+            raise ValueError("padding_free and prompt_sharing are two layouts of the training micro-batch; set one: "
+                             "prompt_sharing for long prompts shared by many completions, padding_free for short "
+                             "prompts with completions of varied length.")
         validate_grpo_loss_config(
             loss_type, epsilon, epsilon_high, beta, max_completion_length,
             importance_sampling_level=importance_sampling_level, delta=delta,
@@ -189,6 +220,9 @@ class GRPOModule(GRPORollout, PolicyModule):
         check_entropy_control(entropy_coef, use_adaptive_entropy, entropy_coef_min, entropy_coef_max,
                               entropy_coef_delta, entropy_target)
         check_generation_knobs(generation_kwargs, cache_implementation, share_prefill)
+        if use_vllm and (generation_backend is not None or use_transformers_continuous_batching):
+            raise ValueError("use_vllm samples with vLLM; generation_backend / use_transformers_continuous_batching "
+                             "pick a transformers backend instead: set only one of them.")
         check_backend_knobs(resolve_backend(generation_backend, use_transformers_continuous_batching),
                             transformers_continuous_batching_config=transformers_continuous_batching_config,
                             repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
@@ -211,7 +245,7 @@ class GRPOModule(GRPORollout, PolicyModule):
         check_reward_weights(funcs, reward_weights)
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
-        check_rollout_config(num_generations, num_iterations, steps_per_generation, generation_batch_size, pack_length)
+        self.check_rollout_config(num_generations, num_iterations, steps_per_generation, generation_batch_size, pack_length)
         if reward_clip is not None and reward_clip <= 0:
             raise ValueError(f"reward_clip must be > 0 or null, got {reward_clip}.")
         super().__init__(model_name_or_path, **kwargs)
@@ -283,15 +317,25 @@ class GRPOModule(GRPORollout, PolicyModule):
                     init_kwargs=hp.ref_model_init_kwargs, trust_remote_code=hp.trust_remote_code,
                 )
 
+    def configure_callbacks(self) -> list:
+        callbacks = super().configure_callbacks()
+        if self.hparams.get("use_vllm"):  # the engine, its weight pushes and the sampler (modules/vllm_engines.py)
+            from lightalign.modules.vllm_engines import VLLMRollouts
+
+            callbacks.append(VLLMRollouts())
+        return callbacks
+
     def on_fit_start(self) -> None:
         super().on_fit_start()  # the layout check, NEFTune when asked
-        move_reference(self.ref_model, self.device)
+        move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
 
     def batch_layout(self) -> tuple[str, int | None]:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         prompt = getattr(datamodule, "max_prompt_length", None)
         longest = None if prompt is None else prompt + self.hparams.max_completion_length
-        return ("grpo_shared" if self.hparams.prompt_sharing else "grpo_padded"), longest
+        hp = self.hparams
+        layout = "grpo_shared" if hp.prompt_sharing else "grpo_packed" if hp.get("padding_free") else "grpo_padded"
+        return layout, longest
 
     # ------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

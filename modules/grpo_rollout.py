@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightalign.modules.entropy_control import token_entropies
 from lightalign.modules.generation import sample_completions, split_rollout
 from lightalign.modules.generation_backends import effective_backend, resolve_backend
-from lightalign.modules.layouts import grpo_forward, prompt_group_batch
+from lightalign.modules.layouts import grpo_forward, packed_completion_batch, prompt_group_batch
 from lightalign.modules.logprobs import scatter_to_sequences
 from lightalign.rewards import (check_reward_weights, clip_rewards, compute_rewards, nanstd, normalize_then_sum,
                                 scale_advantages)
@@ -33,8 +33,11 @@ class GRPORollout:
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], num_generations: int, return_logprobs: bool = False) -> dict[str, Any]:
         """Sample ``num_generations`` completions per prompt (``generation.sample_completions``) on the module's
-        generation backend (``generation_backends``); ``return_logprobs`` adds the sampler's ``sampling_logps``."""
+        generation backend (``generation_backends``); ``return_logprobs`` adds the sampler's ``sampling_logps``. With
+        ``use_vllm``: the vLLM engine set up by ``vllm_engines.VLLMRollouts``."""
         hp = self.hparams
+        if getattr(self, "vllm_generation", None) is not None:
+            return self.vllm_generation.sample_completions(self, batch, num_generations)
         asked = resolve_backend(hp.get("generation_backend"), hp.get("use_transformers_continuous_batching", False))
         backend = effective_backend(asked, self.model.device.type, repetition_penalty=hp.repetition_penalty,
                                     generation_kwargs=hp.generation_kwargs,
@@ -120,8 +123,9 @@ class GRPORollout:
             return logps, None
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropies = token_entropies(logits)
-        if "shared" in mb:
-            entropies = scatter_to_sequences(entropies, mb["shared"], *mb["completion_ids"].shape)[0]
+        layout = mb.get("shared", mb.get("packed"))  # [targets] -> [B, T]
+        if layout is not None:
+            entropies = scatter_to_sequences(entropies, layout, *mb["completion_ids"].shape)[0]
         return logps, torch.where(mb["completion_mask"].bool(), entropies, torch.zeros_like(entropies))
 
     def next_micro_batch(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
@@ -163,6 +167,8 @@ class GRPORollout:
             lengths = mb.pop("lengths")
             if hp.prompt_sharing:
                 mb["shared"] = prompt_group_batch(mb, pad if pad is not None else 0, hp.pack_length, lengths)
+            elif hp.get("padding_free"):
+                mb["packed"] = packed_completion_batch(mb, lengths)
         needs_old = self._reuses_rollout(steps)
         for mb in chunks:
             if needs_old:

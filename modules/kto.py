@@ -242,13 +242,13 @@ class KTOModule(StatHooks, PolicyModule):
     # ------------------------------------------------------------------------------------- hooks
     def on_fit_start(self) -> None:
         self.check_model_layout()  # before the reference pass: a refused layout costs no compute
-        move_reference(self.ref_model, self.device)
+        move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
         if self.hparams.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)
         self.attach_neftune()  # after the reference pass, which must see clean embeddings
 
     def on_validation_start(self) -> None:
-        move_reference(self.ref_model, self.device)
+        move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens = batch["attention_mask"].sum() + (batch["kl_attention_mask"].sum() if self.uses_kl else 0)

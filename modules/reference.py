@@ -142,11 +142,22 @@ def build_reference(
         return create_reference_model(policy, num_shared_layers)
 
 
-def move_reference(ref: torch.nn.Module | None, device: torch.device) -> None:
-    """Put an unregistered reference on the module's device (quantized models stay where bitsandbytes put them)."""
+def move_reference(ref: torch.nn.Module | None, device: torch.device, policy: torch.nn.Module | None = None,
+                   init_kwargs: dict[str, Any] | None = None) -> None:
+    """Put an unregistered reference on the module's device (quantized models stay where bitsandbytes put them),
+    in the floating dtype of ``policy``'s weights: Lightning's ``*-true`` precisions convert only registered
+    submodules, and a float32 reference next to a bf16/float64 policy would make the first step's log-ratios
+    non-zero (as in TRL, the reference runs in the policy's dtype). A dtype set in ``ref_model_init_kwargs``
+    (``dtype`` / ``torch_dtype``) is kept."""
     if ref is None or getattr(ref, "is_loaded_in_8bit", False) or getattr(ref, "is_loaded_in_4bit", False):
         return
-    ref.to(device)
+    dtype = None
+    if policy is not None and not {"dtype", "torch_dtype"} & set(init_kwargs or {}):
+        embeddings = policy.get_input_embeddings() if hasattr(policy, "get_input_embeddings") else None
+        weight = getattr(embeddings, "weight", None)
+        if weight is not None and weight.is_floating_point():
+            dtype = weight.dtype
+    ref.to(device=device, dtype=dtype) if dtype is not None else ref.to(device)
 
 
 # --------------------------------------------------------------------------------------------- log-prob cache

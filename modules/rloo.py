@@ -41,7 +41,8 @@ class RLOOModule(GRPOModule):
         num_generations: completions per prompt (the group); at least 2, since the baseline is the others' mean.
         num_generations_eval, generation_batch_size, steps_per_generation, num_iterations, max_completion_length,
             temperature, top_p, top_k, min_p, repetition_penalty, generation_kwargs, cache_implementation,
-            mask_truncated_completions, share_prefill, prompt_sharing, pack_length, log_entropy: as ``GRPOModule``.
+            mask_truncated_completions, share_prefill, prompt_sharing, pack_length, padding_free, log_entropy: as
+            ``GRPOModule``.
         epsilon, epsilon_high: clipping range ``[1 - epsilon, 1 + epsilon_high]`` of the *sequence* ratio.
         beta: KL coefficient (TRL's default 0.05). The penalty ``beta * sum_t (logp_old - logp_ref)`` is taken
             from the reward of each completion before the baselines; a reference model is built when ``beta > 0``
@@ -85,6 +86,7 @@ class RLOOModule(GRPOModule):
         share_prefill: bool = True,
         prompt_sharing: bool = False,
         pack_length: int = 1024,
+        padding_free: bool = False,
         **kwargs: Any,
     ) -> None:
         # LightningCLI fills every GRPOModule knob with its default (it follows **kwargs into the parent): only a
@@ -117,9 +119,14 @@ class RLOOModule(GRPOModule):
             epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, scale_rewards="none",
             mask_truncated_completions=mask_truncated_completions, ref_model_name_or_path=ref_model_name_or_path,
             ref_model_init_kwargs=ref_model_init_kwargs, log_entropy=log_entropy, share_prefill=share_prefill,
-            prompt_sharing=prompt_sharing, pack_length=pack_length, **kwargs,
+            prompt_sharing=prompt_sharing, pack_length=pack_length, padding_free=padding_free, **kwargs,
         )
-        self.hparams.update(normalize_advantages=normalize_advantages, reward_clip_range=reward_clip_range)
+        # LightningCLI hands save_hyperparameters its own config, with GRPO's defaults for the GRPO knobs RLOO sets
+        # itself: they are set here again (else GRPO's checks would read loss_type dapo, scale_rewards group).
+        knobs = dict(loss_type="grpo", scale_rewards="none", normalize_advantages=normalize_advantages,
+                     reward_clip_range=reward_clip_range)
+        self.hparams.update(knobs)
+        self._hparams_initial.update(knobs)  # what the logger writes to hparams.yaml
 
     # ------------------------------------------------------------------------------------- rollout
     def rewards_to_advantages(self, per_func: torch.Tensor, total: torch.Tensor, group: int) -> torch.Tensor:

@@ -87,3 +87,83 @@ def test_gemm_floor_times_each_micro_batch(tmp_path):
     one = harness.gemm_floor_seconds(config_dir, [16], repeats=1)
     assert one > 0
     assert harness.gemm_floor_seconds(config_dir, []) == 0.0
+
+
+def test_unpaired_rows_alternate_labels_so_every_batch_holds_both_kinds():
+    rows = data.rows("unpaired", "longtail", 6, 20, seed=1)
+    assert [r["label"] for r in rows] == [True, False] * 3
+    assert all(set(r) == {"prompt", "completion", "label"} and r["completion"].startswith(" ") for r in rows)
+    assert [r["prompt"] for r in data.rows("unpaired", "longtail", 6, 20, seed=1)] == [r["prompt"] for r in rows]
+
+
+def test_kto_parity_refuses_differing_rows_or_batches():
+    # bench/kto.py compares final weights only once both sides saw the same token ids in the same batches
+    kto = load("kto")
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert kto.unpadded(ids, mask) == [[5, 6, 7], [8, 9]]
+
+    def side(kl_completion, batch_rows):
+        return {"tokens": [([1], [2], [3]), ([4], [5], kl_completion)], "batches": [(batch_rows, [[1, 3]])]}
+
+    same = side([2], [[1, 2], [4, 5]])
+    assert kto.check_same_inputs(same, side([2], [[1, 2], [4, 5]]), "kto") == []
+    assert kto.check_same_inputs(same, side([5], [[1, 2], [4, 5]]), "kto") == [
+        "row 1: KL completion ids differ: lightalign [2], TRL [5]"]
+    assert kto.check_same_inputs(same, side([5], [[1, 2], [4, 5]]), "apo_zero_unpaired") == []  # no KL term there
+    assert kto.check_same_inputs(same, side([2], [[4, 5], [1, 2]]), "kto") == [
+        "step 1: the batches' sequences differ"]
+
+
+def test_kto_speed_flops_pair_each_row_with_the_previous_completion_of_its_batch(tmp_path):
+    import argparse
+    import json
+
+    from transformers import AutoTokenizer
+
+    kto_speed = load("kto_speed")
+    model_dir = BENCH.parent / "assets" / "models" / "tiny"
+    rows = [{"prompt": "the cat", "completion": " sat on the old mat today", "label": True},
+            {"prompt": "a dog", "completion": " ran", "label": False}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = argparse.Namespace(model_dir=str(model_dir), data=str(path), warmup=0, steps=1, batch_size=2,
+                              max_length=None, n_params=1000)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    n = lambda text: len(tok(text)["input_ids"]) + 1  # noqa: E731  (+ EOS)
+    shape = harness.model_shape(model_dir)
+    fwd = lambda ls: harness.forward_flops(1000, shape["layers"], shape["hidden"], ls)  # noqa: E731
+    lengths = [n(r["prompt"] + r["completion"]) for r in rows]
+    kl = [n(rows[0]["prompt"] + rows[1]["completion"]), n(rows[1]["prompt"] + rows[0]["completion"])]
+    trained = harness.train_flops(1000, shape["layers"], shape["hidden"], lengths) + fwd(kl)
+    assert kto_speed.window_flops(args, online=False) == pytest.approx(trained)
+    assert kto_speed.window_flops(args, online=True) == pytest.approx(trained + fwd(lengths) + fwd(kl))
+
+
+def test_rloo_flops_count_the_reference_and_old_policy_forwards_only_with_a_kl_penalty():
+    import argparse
+
+    rloo = load("rloo")
+    model_dir = BENCH.parent / "assets" / "models" / "tiny"
+    shape = harness.model_shape(model_dir)
+    args = argparse.Namespace(model_dir=str(model_dir), n_params=1000, beta=0.0)
+    fwd = harness.forward_flops(1000, shape["layers"], shape["hidden"], [10])
+    train = harness.train_flops(1000, shape["layers"], shape["hidden"], [10])
+    assert rloo.completion_flops(args, 4.0, 6.0) == pytest.approx(fwd + train)  # generation + training
+    args.beta = 0.05
+    assert rloo.completion_flops(args, 4.0, 6.0) == pytest.approx(3 * fwd + train)
+
+
+def test_suite_rows_of_kto_and_rloo_and_no_target_for_them():
+    suite = load("suite")
+    kto_result = {"summary": [{"mode": "online", "lightalign_rows_per_sec": 3.0, "trl_rows_per_sec": 2.0,
+                               "lightalign_model_flops_per_sec": 1e9, "trl_model_flops_per_sec": 5e8,
+                               "lightalign_peak_rss_mb": 500.0, "trl_peak_rss_mb": 600.0}]}
+    (row,) = suite.rows_of("kto", kto_result, "small", "longtail", 1e10)
+    assert (row["variant"], row["unit"], row["ratio"], row["lightalign_mfu"]) == ("online ref", "rows/s", 1.5, 0.1)
+    rloo_result = {"summary": {
+        "lightalign": {"completions_per_sec": 4.0, "model_flops_per_sec": 2e9, "peak_rss_mb": 1.0},
+        "trl": {"completions_per_sec": 2.0, "model_flops_per_sec": 1e9, "peak_rss_mb": 2.0}}}
+    (row,) = suite.rows_of("rloo", rloo_result, "small", "longtail", 1e10)
+    assert (row["unit"], row["ratio"], row["trl_peak_rss_mb"]) == ("completions/s", 2.0, 2.0)
+    assert all("kto" not in t["target"] and "rloo" not in t["target"] for t in suite.targets([row]))

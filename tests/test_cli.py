@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import console_script
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -17,9 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_cli(repo: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "lightalign.cli", *args], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = console_script.run(repo, *args, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
     return proc
 

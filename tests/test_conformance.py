@@ -33,6 +33,7 @@ PACKING_REFUSED = ALIBI | {"falcon", "opt-eager"}  # OPT's own mask ignores posi
 EXPECTED_REFUSED = (
     {(f, "padding_free") for f in PACKING_REFUSED}
     | {(f, "packed") for f in PACKING_REFUSED}
+    | {(f, "grpo_packed") for f in PACKING_REFUSED}
     | {(f, layout) for f in ALIBI for layout in ("dpo_shared", "grpo_shared")}
     # eager-only Gemma2 with a window shorter than the sequences: the shared-prefix mask cannot hold the window
     | {("gemma2-sliding", "dpo_shared"), ("gemma2-sliding", "grpo_shared")}
@@ -69,7 +70,7 @@ def layout_logps(layout: str, model, rows=None) -> list[torch.Tensor]:
     from lightalign.datamodules.preference import PreferenceCollator
     from lightalign.datamodules.shared_prefix import SharedPromptCollator
     from lightalign.modules.dpo import completion_token_logps
-    from lightalign.modules.layouts import grpo_token_logps, prompt_group_batch, sft_logits
+    from lightalign.modules.layouts import grpo_token_logps, packed_completion_batch, prompt_group_batch, sft_logits
 
     with torch.no_grad():
         if layout in ("padded", "padding_free", "packed"):
@@ -96,10 +97,12 @@ def layout_logps(layout: str, model, rows=None) -> list[torch.Tensor]:
             batch = collate(pairs)
             logps, mask = completion_token_logps(model, batch)
             return [row[m.bool()] for row, m in zip(logps, mask)]
-        if layout in ("grpo_padded", "grpo_shared"):
+        if layout in ("grpo_padded", "grpo_shared", "grpo_packed"):
             mb = _grpo_micro_batch()
             if layout == "grpo_shared":
                 mb["shared"] = prompt_group_batch(mb, pad_token_id=0, pack_length=32)
+            if layout == "grpo_packed":
+                mb["packed"] = packed_completion_batch(mb)
             logps = grpo_token_logps(model, mb)
             return [row[m.bool()] for row, m in zip(logps, mb["completion_mask"])]
     raise ValueError(layout)
@@ -185,7 +188,7 @@ def test_mlp_recompute_is_bitwise_where_applied(family):
         assert torch.equal(grads[0][key], grads[1][key]), f"{name}: {key}"
 
 
-@pytest.mark.parametrize("layout", ["padding_free", "dpo_shared", "grpo_shared"])
+@pytest.mark.parametrize("layout", ["padding_free", "dpo_shared", "grpo_shared", "grpo_packed"])
 def test_every_refusal_is_needed(family, layout):
     """A refused cell computed anyway is wrong (or fails inside transformers): no refusal is over-cautious."""
     name, plain, adapted, _ = family
@@ -204,7 +207,8 @@ def supported_families_table() -> str:
     """The README's table: family x layout, from ``check_layout``'s verdicts that this file holds to."""
     names = {"padded": "SFT padded", "padding_free": "SFT padding-free", "packed": "SFT packing",
              "dpo_shared": "DPO prompt sharing", "dpo_classic": "DPO padded", "grpo_padded": "GRPO padded",
-             "grpo_shared": "GRPO prompt sharing", "shared_prefill": "GRPO shared prefill"}
+             "grpo_shared": "GRPO prompt sharing", "grpo_packed": "GRPO padding-free",
+             "shared_prefill": "GRPO shared prefill"}
     lines = ["| model (tiny config) | attention | " + " | ".join(names[x] for x in LAYOUTS) + " |",
              "|---" * (len(LAYOUTS) + 2) + "|"]
     from lightalign.modules.adaptations import adapt_model

@@ -1,7 +1,8 @@
 """The ``lightalign`` console script as a new user meets it: exit statuses, help pages, one-line errors, the
 progress lines, ``enable_checkpointing: false``, ``max_steps: 0``, the export's file permissions.
 
-Every test runs the venv's console script in a subprocess and checks its exit status and output.
+Every test runs the venv's console script in a process of its own and checks its exit status and output
+(tests/console_script.py: forked from a server that imported torch and Lightning once, or the script itself).
 """
 
 from __future__ import annotations
@@ -9,20 +10,18 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import console_script
+
 pytestmark = pytest.mark.slow
-LIGHTALIGN = Path(sys.executable).with_name("lightalign")
 
 
 def lightalign(repo: Path, *args: str, status: int = 0, **extra_env: str) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra_env)
-    env.pop("LIGHTALIGN_DEBUG", None) if "LIGHTALIGN_DEBUG" not in extra_env else None
-    proc = subprocess.run([str(LIGHTALIGN), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    proc = console_script.run(repo, *args, env=console_script.standard_env(**extra_env))
     out = proc.stdout + proc.stderr
     assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
     return out
@@ -44,6 +43,22 @@ def test_plot_exit_status(repo, tmp_path):
     assert "Figure(" not in out
     out = lightalign(repo, "plot", str(tmp_path / "nowhere"), status=1)
     assert "lightalign: error: Run folder" in out and "does not exist" in out and "Traceback" not in out
+
+
+def test_console_server_runs_what_the_script_runs(repo, tmp_path):
+    """The fork-server way of running the console script (what most console tests use) gives the exit status,
+    standard output and standard error of the installed script itself."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2"\n')
+    cases = [("--help",), ("plot", str(tmp_path / "nowhere")),
+             short_run(tmp_path, "--data.path", str(bad), "--data.val_path", "null")]
+    for args in cases:
+        calls = console_script._SERVER.calls if console_script._SERVER else 0
+        forked = console_script.run(repo, *args)
+        assert console_script._SERVER is not None and console_script._SERVER.calls == calls + 1  # it was forked
+        script = console_script.run(repo, *args, real=True)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (script.returncode, script.stdout, script.stderr)
+    assert script.returncode == 1 and "line 2" in script.stderr
 
 
 def test_help_pages(repo):

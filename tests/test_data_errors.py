@@ -9,25 +9,23 @@ error.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import console_script
+
 from lightalign import DataFormatError, ModelNotFoundError, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
 
-LIGHTALIGN = Path(sys.executable).with_name("lightalign")
 GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
 
 def lightalign(repo: Path, *args: str, status: int = 1, env_drop: tuple[str, ...] = (), **extra_env: str) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra_env)
-    for key in ("LIGHTALIGN_DEBUG", *env_drop):
+    env = console_script.standard_env(**extra_env)
+    for key in env_drop:
         env.pop(key, None)
-    proc = subprocess.run([str(LIGHTALIGN), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    proc = console_script.run(repo, *args, env=env, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
     return out

@@ -123,6 +123,19 @@ def test_default_reference_is_frozen_copy_outside_optimizer(tiny_dir, data_dir):
     assert not torch.equal(module.model.model.layers[0].mlp.up_proj.weight, ref.model.layers[0].mlp.up_proj.weight)
 
 
+def test_reference_follows_the_policy_dtype_under_true_precision(tiny_dir, data_dir):
+    """Under ``64-true`` Lightning converts the policy, not the unregistered reference; the reference must run in the
+    policy's dtype (as in TRL), so with the weights unchanged (learning rate 0) both give the same log-probs."""
+    module = DPOModule(str(tiny_dir), from_config=True, learning_rate=0.0, recompute_mlp_activation=False)
+    data = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir), batch_size=4)
+    _trainer(max_steps=1, precision="64-true").fit(module, data)
+    assert {p.dtype for p in module.ref_model.parameters()} == {torch.float64}
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        torch.testing.assert_close(module._pair_logps(module.ref_model, batch), module._pair_logps(module.model, batch),
+                                   rtol=0, atol=0)
+
+
 def test_shared_layers_reference(tiny_dir, data_dir):
     module = DPOModule(str(tiny_dir), from_config=True, num_shared_layers=2, learning_rate=1e-3)
     module.configure_model()

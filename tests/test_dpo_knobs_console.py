@@ -4,21 +4,17 @@ knob."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import console_script
+
 pytestmark = pytest.mark.slow
-LIGHTALIGN = Path(sys.executable).with_name("lightalign")
 
 
 def lightalign(repo: Path, *args: str, status: int = 0) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("LIGHTALIGN_DEBUG", None)
-    proc = subprocess.run([str(LIGHTALIGN), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    proc = console_script.run(repo, *args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
     return out

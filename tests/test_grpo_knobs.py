@@ -332,25 +332,17 @@ def test_chat_template_kwargs_reach_the_template(tiny_dir, write_jsonl, tokenize
 # ---------------------------------------------------------------- the console script
 @pytest.mark.slow
 def test_console_help_lists_the_knobs_and_a_bad_knob_is_one_clear_error(repo, tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    import console_script
 
-    script = str(Path(sys.executable).with_name("lightalign"))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("LIGHTALIGN_DEBUG", None)
-    help_page = subprocess.run([script, "fit", "--model.help", "lightalign.GRPOModule"], cwd=repo, env=env,
-                               capture_output=True, text=True, timeout=300)
+    help_page = console_script.run(repo, "fit", "--model.help", "lightalign.GRPOModule", timeout=300)
     assert help_page.returncode == 0, help_page.stderr[-2000:]
     for knob in ("importance_sampling_level", "delta", "sapo_temperature_neg", "vespo_lambda_pos",
                  "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef",
                  "use_adaptive_entropy", "entropy_target", "multi_objective_aggregation", "num_generations_eval",
                  "generation_kwargs", "cache_implementation"):
         assert f"--model.{knob}" in help_page.stdout, knob
-    bad = subprocess.run([script, "fit", "--config", "configs/grpo_quickstart.yaml", "--model.loss_type", "cispo",
-                          "--trainer.logger.init_args.save_dir", str(tmp_path)], cwd=repo, env=env,
-                         capture_output=True, text=True, timeout=300)
+    bad = console_script.run(repo, "fit", "--config", "configs/grpo_quickstart.yaml", "--model.loss_type", "cispo",
+                             "--trainer.logger.init_args.save_dir", str(tmp_path), timeout=300)
     out = bad.stdout + bad.stderr
     assert bad.returncode == 1, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("lightalign: error:")]

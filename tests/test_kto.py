@@ -5,13 +5,12 @@ console script end to end."""
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
+
+import console_script
 import torch
 from datasets import Dataset
 
@@ -206,13 +205,10 @@ def test_lora_reference_is_the_base_model_with_adapters_disabled(tiny_dir, token
 
 
 # ------------------------------------------------------------------------------------------------ console
-LIGHTALIGN = Path(sys.executable).with_name("lightalign")
 
 
 def run_cli(repo: Path, *args: str, status: int) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("LIGHTALIGN_DEBUG", None)
-    proc = subprocess.run([str(LIGHTALIGN), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    proc = console_script.run(repo, *args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
     return out

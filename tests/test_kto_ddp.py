@@ -4,22 +4,19 @@ same on every rank, and the precomputed reference log-probs (each rank computes 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import console_script
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("kto_worker.py")
 
 
 def run(devices: int, out: Path) -> list[dict]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(WORKER), "--devices", str(devices), "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = console_script.run_python(WORKER, "--devices", str(devices), "--out", str(out),
+                                     env=console_script.standard_env(OMP_NUM_THREADS="1"), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
 

@@ -4,17 +4,15 @@ says what was adapted."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import console_script
 
 from conformance_models import build
 
 pytestmark = pytest.mark.slow
-LIGHTALIGN = Path(sys.executable).parent / "lightalign"
 
 
 def model_folder(tmp_path: Path, family: str, tiny_dir: Path) -> Path:
@@ -28,11 +26,9 @@ def model_folder(tmp_path: Path, family: str, tiny_dir: Path) -> Path:
 
 
 def fit(repo: Path, tmp_path: Path, config: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([str(LIGHTALIGN), "fit", "--config", config, "--trainer.max_steps", "3",
-                           "--trainer.limit_val_batches", "0", "--trainer.logger.init_args.save_dir", str(tmp_path),
-                           "--plot.enabled", "false", *args],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    return console_script.run(repo, "fit", "--config", config, "--trainer.max_steps", "3",
+                              "--trainer.limit_val_batches", "0", "--trainer.logger.init_args.save_dir", str(tmp_path),
+                              "--plot.enabled", "false", *args, timeout=600)
 
 
 def test_alibi_model_with_prompt_sharing_is_refused_before_any_step(repo, tmp_path, tiny_dir):

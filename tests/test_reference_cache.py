@@ -5,13 +5,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
+
+import console_script
 
 from lightalign.modules.dpo import TOKENIZED_COLUMNS
 from lightalign.modules.reference import model_fingerprint, tokenized_fingerprint
@@ -57,11 +57,10 @@ def test_precompute_pass_is_sharded_across_ranks_and_gathered(tmp_path):
     process's 3 forwards over everything."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
                                                              "LOCAL_RANK", "NODE_RANK")}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     for devices in (1, 2):
         out = tmp_path / f"d{devices}"
-        proc = subprocess.run([sys.executable, str(WORKER), "--devices", str(devices), "--out", str(out)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = console_script.run_python(WORKER, "--devices", str(devices), "--out", str(out), env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
     one = json.loads((tmp_path / "d1" / "rank0.json").read_text())
     assert one["forwards"] == 3 and len(one["chosen"]) == 9

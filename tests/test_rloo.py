@@ -1,12 +1,11 @@
 """RLOOModule: leave-one-out advantages on real rollouts, the KL in the reward, accumulation, the console script."""
 
 import csv
-import os
-import subprocess
-import sys
 
 import lightning as L
 import pytest
+
+import console_script
 import torch
 
 from lightalign.modules.rloo import RLOOModule
@@ -126,9 +125,7 @@ def test_reward_clip_range_clamps_before_the_baseline(tiny_dir, quiet_trainer, p
 
 
 def _run(args, cwd, **env):
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **env}
-    exe = os.path.join(os.path.dirname(sys.executable), "lightalign")
-    return subprocess.run([exe, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
+    return console_script.run(cwd, *args, env=console_script.standard_env(**env), timeout=600)
 
 
 def test_console_quickstart_runs_and_logs(repo, tmp_path):
@@ -141,6 +138,11 @@ def test_console_quickstart_runs_and_logs(repo, tmp_path):
     logged = {k for row in rows for k, v in row.items() if v}
     assert {"train/reward/mean", "train/kl", "train/loss", "val/reward/mean"} <= logged
     assert next(tmp_path.rglob("hf_model/config.json"))
+    # the GRPO knobs RLOO fixes are what the run recorded, not GRPO's defaults LightningCLI passed
+    hparams = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=False, map_location="cpu")["hyper_parameters"]
+    assert (hparams["loss_type"], hparams["scale_rewards"]) == ("grpo", "none")
+    hparams_yaml = next(tmp_path.rglob("hparams.yaml")).read_text()
+    assert "loss_type: grpo" in hparams_yaml and "scale_rewards: none" in hparams_yaml
 
 
 def test_console_refuses_a_group_of_one(repo, tmp_path):

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import console_script
+
 pytestmark = pytest.mark.slow
 LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console script
 
@@ -30,6 +32,14 @@ def lightalign(repo: Path, *args: str, extra_env: dict | None = None) -> subproc
     """Start the console script in its own process group (a kill takes all of it); output goes to pipes."""
     return subprocess.Popen([str(LIGHTALIGN), *args], cwd=repo, env=env(**(extra_env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def run_to_end(repo: Path, *args: str, status: int = 0, extra_env: dict | None = None) -> str:
+    """Run the console script to its end (tests/console_script.py) and return its output."""
+    proc = console_script.run(repo, *args, env=console_script.standard_env(**(extra_env or {})))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
+    return out
 
 
 def finish(proc: subprocess.Popen, status: int = 0) -> str:
@@ -53,7 +63,7 @@ def metric_steps(run_dir: Path, key: str = "train/loss") -> list[int]:
 def finished_run(repo, tmp_path_factory) -> Path:
     """A finished 4-step quickstart run (checkpoint at step 4, export written): runs/quickstart/version_0."""
     save_dir = tmp_path_factory.mktemp("finished")
-    finish(lightalign(repo, *quickstart(save_dir)))
+    run_to_end(repo, *quickstart(save_dir))
     return save_dir / "quickstart" / "version_0"
 
 
@@ -83,7 +93,7 @@ def test_killed_run_continues_in_its_folder_without_lost_or_repeated_rows(repo, 
     logged = metric_steps(run)
     assert step == 10 and max(logged) >= step + 3  # the killed run logged steps its checkpoint does not hold
 
-    out = finish(lightalign(repo, *args))
+    out = run_to_end(repo, *args)
     assert f"Continuing run {run} from step 10" in out
     assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]  # no second run folder
     assert metric_steps(run) == list(range(24))  # every step once: nothing lost, nothing repeated
@@ -128,7 +138,7 @@ def test_resume_at_max_steps_writes_the_missing_export(repo, finished_run, tmp_p
     shutil.rmtree(run / "hf_model")
     (run / ".hf_model.tmp-killed").mkdir()
     before = (run / "metrics.csv").read_text()
-    out = finish(lightalign(repo, *quickstart(tmp_path, "--ckpt_path", "last")))
+    out = run_to_end(repo, *quickstart(tmp_path, "--ckpt_path", "last"))
     assert "nothing left to train; writing the Hugging Face export" in out
     assert (run / "hf_model" / "model.safetensors").is_file()
     assert (run / "metrics.csv").read_text() == before
@@ -141,7 +151,7 @@ def test_truncated_checkpoint_is_named_with_the_others_of_its_folder(repo, finis
     last = run / "checkpoints" / "last.ckpt"
     shutil.copy(last, run / "checkpoints" / "step=2.ckpt")
     last.write_bytes(last.read_bytes()[:4096])
-    out = finish(lightalign(repo, *quickstart(tmp_path, "--ckpt_path", "last", steps=6)), 1)
+    out = run_to_end(repo, *quickstart(tmp_path, "--ckpt_path", "last", steps=6), status=1)
     assert f"lightalign: error: Checkpoint '{last}' (4096 bytes) cannot be read" in out, out[-3000:]
     assert "truncated, corrupt" in out and f"Other checkpoints in {last.parent}: step=2.ckpt" in out
     assert "Traceback" not in out
@@ -162,7 +172,7 @@ def test_resume_on_another_data_file_warns_and_continues(repo, finished_run, tmp
     run = copy_run(finished_run, tmp_path)
     data = tmp_path / "more.jsonl"
     data.write_text("\n".join((repo / "examples" / "data" / "arithmetic_sft.jsonl").read_text().splitlines()[:500]) + "\n")
-    out = finish(lightalign(repo, *quickstart(tmp_path, "--data.path", str(data), "--ckpt_path", "last", steps=6)))
+    out = run_to_end(repo, *quickstart(tmp_path, "--data.path", str(data), "--ckpt_path", "last", steps=6))
     assert "was trained on 'examples/data/arithmetic_sft.jsonl'" in out and str(data) in out
     assert metric_steps(run) == list(range(6))
 
@@ -170,7 +180,7 @@ def test_resume_on_another_data_file_warns_and_continues(repo, finished_run, tmp
 def test_unwritable_export_folder_fails_before_training(repo, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    out = finish(lightalign(repo, *quickstart(tmp_path, "--export.output_dir", str(blocker / "hf"))), 1)
+    out = run_to_end(repo, *quickstart(tmp_path, "--export.output_dir", str(blocker / "hf")), status=1)
     assert f"Cannot write the Hugging Face export to {blocker / 'hf'}" in out and "--export.output_dir" in out
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("metrics.csv"))  # stopped before training
 
@@ -196,8 +206,8 @@ def test_tracker_runs_get_one_folder_each(repo, tmp_path, logger):
                  "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}
     args = ["fit", "--config", "configs/quickstart.yaml", *spec, "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "0", "--plot.enabled", "false"]
-    finish(lightalign(repo, *args, extra_env=extra_env))
-    finish(lightalign(repo, *args, extra_env=extra_env))
+    run_to_end(repo, *args, extra_env=extra_env)
+    run_to_end(repo, *args, extra_env=extra_env)
     for version in (0, 1):
         run = root / f"version_{version}"
         for name in ("config.yaml", "versions.json", "checkpoints/last.ckpt", "hf_model/model.safetensors"):

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import console_script
+
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "scale_worker.py"
@@ -29,7 +31,8 @@ METHODS = ("sft", "dpo", "grpo")
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE",
                                                                   "LOCAL_RANK", "RANK")}
-    return dict(env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **extra)
+    return dict(env, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+                **extra)
 
 
 def _worker(out: Path, strategy: str, *extra: str) -> list[str]:
@@ -37,7 +40,9 @@ def _worker(out: Path, strategy: str, *extra: str) -> list[str]:
 
 
 def _run(cmd: list[str], **env: str) -> None:
-    proc = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=900)
+    """A worker command of ``_worker``, forked from the console server when its environment allows."""
+    assert cmd[0] == sys.executable
+    proc = console_script.run_python(cmd[1], *cmd[2:], env=_env(**env), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

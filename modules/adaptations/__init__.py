@@ -21,6 +21,7 @@ from lightalign.modules.adaptations.attention import VARLEN_SDPA, use_varlen_sdp
 from lightalign.modules.adaptations.mlp_memory import MLPReport, mlp_report, recompute_mlp_activation
 from lightalign.modules.adaptations.support import (
     LAYOUTS,
+    PACKED_LAYOUTS,
     LayoutRefused,
     ModelTraits,
     check_layout,
@@ -54,7 +55,7 @@ class AdaptationReport:
     def describe(self) -> str:
         attention = self.attention
         if attention == VARLEN_SDPA:
-            attention += (" (sdpa, one call per sequence)" if self.layout in ("padding_free", "packed")
+            attention += (" (sdpa, one call per sequence)" if self.layout in PACKED_LAYOUTS
                           else " (sdpa with the shared-prefix mask)" if self.layout in ("dpo_shared", "grpo_shared")
                           else " (plain sdpa for this layout)")
         if self.sliding_window is not None:
@@ -101,7 +102,7 @@ def check_run(model: torch.nn.Module, ref_model: torch.nn.Module | None, layout:
 
     from lightalign.modules.adaptations.support import packed_gpu_attention
 
-    if layout in ("padding_free", "packed") and (choice := packed_gpu_attention(model, device)) is not None:
+    if layout in PACKED_LAYOUTS and (choice := packed_gpu_attention(model, device)) is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.set_attn_implementation(choice)
         report.attention = choice

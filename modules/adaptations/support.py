@@ -4,7 +4,8 @@ A *layout* is how lightalign lays sequences out for one forward: ``padded`` rows
 ``packed`` rows (several sequences in one row, ``position_ids`` restarting), the DPO pair layouts
 ``dpo_shared`` (one ``[prompt, chosen, rejected]`` segment per pair under a 4D mask) and ``dpo_classic``
 (padded rows), the GRPO layouts ``grpo_padded`` (left-padded prompts) and ``grpo_shared`` (one segment per
-prompt group), and ``shared_prefill`` (generation with the prompt's KV cache computed once per group).
+prompt group), ``grpo_packed`` (every ``[prompt, completion]`` one after the other in one row, no padding),
+and ``shared_prefill`` (generation with the prompt's KV cache computed once per group).
 
 The requirements, read off the model's structure (``ModelTraits``):
 
@@ -34,9 +35,9 @@ from lightalign.modules.adaptations.attention import VARLEN_SDPA
 from lightalign.modules.logprobs import forward_accepts
 
 LAYOUTS = ("padded", "padding_free", "packed", "dpo_shared", "dpo_classic", "grpo_padded", "grpo_shared",
-           "shared_prefill")
+           "grpo_packed", "shared_prefill")
 SHARED_LAYOUTS = ("dpo_shared", "grpo_shared")
-PACKED_LAYOUTS = ("padding_free", "packed")
+PACKED_LAYOUTS = ("padding_free", "packed", "grpo_packed")
 
 # Families whose masks come from transformers' masking_utils given position_ids (packed sequences detected).
 PACKED_MASK_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
@@ -53,6 +54,7 @@ _KNOBS = {  # the knob as YAML / the command line names it, and the setting that
     "packed": ("data.packing (SFTDataModule)", "data.packing: false"),
     "dpo_shared": ("data.prompt_sharing (PreferenceDataModule, on by default)", "data.prompt_sharing: false"),
     "grpo_shared": ("model.prompt_sharing (GRPOModule)", "model.prompt_sharing: false"),
+    "grpo_packed": ("model.padding_free (GRPOModule / RLOOModule)", "model.padding_free: false"),
 }
 
 

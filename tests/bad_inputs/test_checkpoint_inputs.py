@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import console_script
 from lightalign import AtomicCheckpointIO, CheckpointError, DPOModule, PreferenceDataModule, SFTDataModule, SFTModule
 
 WORKER = Path(__file__).resolve().parent.parent / "resume_worker.py"
@@ -211,14 +212,11 @@ def test_exploding_learning_rate_exits_with_an_error_and_no_export(repo, tiny_di
     and the parameter, and write no Hugging Face model (the console script, as a user runs it)."""
     lines = (data_dir / "arithmetic_sft.jsonl").read_text().splitlines()[:32]
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    script = Path(sys.executable).with_name("lightalign")
-    proc = subprocess.run([str(script), "fit", "--config", str(repo / "configs" / "quickstart.yaml"),
-                           "--model.model_name_or_path", str(tiny_dir), "--model.init_args.learning_rate", "1e38",
-                           "--data.path", str(tmp_path / "train.jsonl"), "--data.val_path", "null",
-                           "--data.batch_size", "4", "--trainer.max_steps", "20", "--plot.enabled", "false",
-                           "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = console_script.run(tmp_path, "fit", "--config", str(repo / "configs" / "quickstart.yaml"),
+                              "--model.model_name_or_path", str(tiny_dir), "--model.init_args.learning_rate", "1e38",
+                              "--data.path", str(tmp_path / "train.jsonl"), "--data.val_path", "null",
+                              "--data.batch_size", "4", "--trainer.max_steps", "20", "--plot.enabled", "false",
+                              "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), timeout=600)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "FloatingPointError: Non-finite weights after optimizer step 2" in proc.stderr, proc.stderr[-3000:]
     assert "parameter 'model." in proc.stderr

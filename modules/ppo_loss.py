@@ -1,0 +1,199 @@
+"""PPO's pure functions of tensors (the formulas of TRL's old ``PPOTrainer`` and its ``experimental.ppo``):
+per-token rewards with the KL penalty, GAE, whitening, the clipped policy and value losses, the KL coefficient
+controllers and the score post-processing (``missing_eos_penalty``, ``use_score_scaling``, ``use_score_norm``,
+``score_clip``).
+
+Tensors are ``[B, T]`` over the completion tokens with a 0/1 ``mask`` (1 on the completion through its EOS). The
+losses take ``num_tokens``: the token count they are normalised by (default the mask's own count). ``PPOModule``
+passes the tokens of the whole optimizer step, so gradient accumulation gives the gradient of one big batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lightalign.rewards import RunningRewardNormalizer
+
+__all__ = ["AdaptiveKLController", "FixedKLController", "ScoreProcessor", "clipped_policy_loss", "clipped_value_loss",
+           "explained_variance", "gae", "masked_mean", "masked_var", "token_rewards", "whiten"]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` where ``mask`` is 1 (0 when the mask is empty)."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased (Bessel-corrected) variance of ``x`` where ``mask`` is 1, as TRL's ``masked_var``; needs two tokens."""
+    count = mask.sum()
+    if count < 2:
+        raise ValueError(f"Whitening needs at least 2 tokens under the mask, got {int(count)}: use a larger "
+                         "generation_batch_size (or longer completions).")
+    centred = (x - masked_mean(x, mask)) * mask.to(x.dtype)
+    return (centred ** 2).sum() / (count - 1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + 1e-8)`` over the masked entries (unbiased variance); ``shift_mean=False`` adds the
+    mean back (only the scale changes). Entries outside the mask are transformed too: mask them afterwards."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    return out if shift_mean else out + mean
+
+
+def token_rewards(scores: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor | None, mask: torch.Tensor,
+                  kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards ``[B, T]``: ``-kl_coef * (logp - ref_logp)`` on every completion token, plus the score of
+    the completion at its last token; and the per-token KL ``logp - ref_logp`` (k1, 0 off the mask). A row with an
+    empty mask gets nothing (its score is dropped)."""
+    mask_f = mask.to(logps.dtype)
+    kl = torch.zeros_like(logps) if ref_logps is None else (logps - ref_logps) * mask_f
+    rewards = -kl_coef * kl
+    last = (mask.long().sum(-1) - 1).clamp(min=0)
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    rewards[rows, last] += scores.to(rewards.dtype) * mask_f[rows, last]
+    return rewards, kl
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation, right to left over the completion tokens:
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``, where ``V_{t+1}`` and
+    ``A_{t+1}`` are 0 past the last masked token (the episode ends there). Returns ``(advantages, returns)`` with
+    ``returns = advantages + values``, both 0 off the mask."""
+    mask_f = mask.to(values.dtype)
+    values = values * mask_f
+    rewards = rewards * mask_f
+    length = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    next_adv = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(length)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = (delta + gamma * lam * next_adv) * mask_f[:, t]
+        advantages[:, t] = next_adv
+        next_value = values[:, t]
+    return advantages, (advantages + values) * mask_f
+
+
+def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                        cliprange: float, num_tokens: torch.Tensor | float | None = None
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate: per token ``max(-A * r, -A * clip(r, 1 - cliprange, 1 + cliprange))`` with
+    ``r = exp(logp - old_logp)``, summed over the mask and divided by ``num_tokens`` (default: the mask's count).
+    Stats (masked means over this batch): ``approxkl`` ``0.5 * (logp - old_logp)^2``, ``clipfrac`` (tokens where the
+    clipped branch is the larger)."""
+    mask_f = mask.to(logps.dtype)
+    diff = logps - old_logps
+    ratio = torch.exp(diff)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    denom = mask_f.sum().clamp(min=1) if num_tokens is None else num_tokens
+    loss = (torch.max(unclipped, clipped) * mask_f).sum() / denom
+    with torch.no_grad():
+        stats = {"approxkl": masked_mean(0.5 * diff ** 2, mask), "clipfrac": masked_mean((clipped > unclipped).float(), mask)}
+    return loss, stats
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       cliprange_value: float, num_tokens: torch.Tensor | float | None = None
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss: per token ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``, summed
+    over the mask and divided by ``num_tokens`` (default: the mask's count). Stats: ``clipfrac`` (tokens where the
+    clipped branch is the larger). Multiply by ``vf_coef`` to add it to the policy loss."""
+    mask_f = mask.to(values.dtype)
+    clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    unclipped = (values - returns) ** 2
+    clipped = (clipped_values - returns) ** 2
+    denom = mask_f.sum().clamp(min=1) if num_tokens is None else num_tokens
+    loss = 0.5 * (torch.max(unclipped, clipped) * mask_f).sum() / denom
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((clipped > unclipped).float(), mask)}
+    return loss, stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 - var(R - V) / var(R)`` over the masked tokens (population variances); NaN when the returns are constant."""
+    residual = returns - values
+    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    var_res = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return 1 - var_res / var_r if var_r > 0 else torch.tensor(float("nan"), device=values.device)
+
+
+class FixedKLController:
+    """A constant KL coefficient (``adap_kl_ctrl: false``)."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing changes."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Ziegler et al.'s proportional controller (``adap_kl_ctrl: true``): after each rollout of ``n_steps``
+    completions whose mean KL (per completion, summed over its tokens) is ``current_kl``,
+    ``value *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon``."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        self.value, self.target, self.horizon = float(init_kl_coef), float(target), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+
+
+class ScoreProcessor:
+    """The score knobs, applied in this order to a rollout's scores ``[N]``: ``missing_eos_penalty`` is subtracted
+    from completions without EOS; ``use_score_scaling`` divides by the running std of every score seen so far
+    (``use_score_norm`` also subtracts the running mean first); ``score_clip`` clamps to ``[-clip, clip]``.
+
+    The running statistics (Welford moments, this rollout's scores included; the unbiased std, 1 before two scores
+    were seen) are checkpointed through ``state_dict``. Under data parallelism pass every rank's scores as ``pool``.
+    """
+
+    def __init__(self, missing_eos_penalty: float | None = None, use_score_scaling: bool = False,
+                 use_score_norm: bool = False, score_clip: float | None = None):
+        self.missing_eos_penalty = missing_eos_penalty
+        self.use_score_scaling, self.use_score_norm, self.score_clip = use_score_scaling, use_score_norm, score_clip
+        self.moments = RunningRewardNormalizer()
+
+    def penalize(self, scores: torch.Tensor, has_eos: torch.Tensor) -> torch.Tensor:
+        if self.missing_eos_penalty is None:
+            return scores
+        return scores - self.missing_eos_penalty * (~has_eos).to(scores.dtype)
+
+    def running_std(self) -> float:
+        m = self.moments
+        return math.sqrt(m.m2 / (m.count - 1)) if m.count > 1 else 1.0
+
+    def scale(self, scores: torch.Tensor, pool: torch.Tensor | None = None) -> torch.Tensor:
+        if self.use_score_scaling:
+            self.moments.update(scores if pool is None else pool)
+            denom = self.running_std() + torch.finfo(scores.dtype).eps
+            scores = ((scores - self.moments.mean) if self.use_score_norm else scores) / denom
+        if self.score_clip is not None:
+            scores = scores.clamp(-self.score_clip, self.score_clip)
+        return scores
+
+    def state_dict(self) -> dict[str, float]:
+        return self.moments.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.moments.load_state_dict(state)
