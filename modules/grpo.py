@@ -20,22 +20,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.base import PolicyModule, is_peft_model
-from lightalign.modules.entropy_control import (SENTINEL, EntropyController, check_entropy_control,
-                                               high_entropy_mask)
-from lightalign.modules.generation import check_generation_arithmetic, check_generation_knobs, check_rollout_config
-from lightalign.modules.generation_backends import check_backend_knobs, resolve_backend
-from lightalign.modules.grpo_loss import (GLOBAL_TOKEN_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_loss,
-                                          validate_grpo_loss_config)
+from lightalign.modules.entropy_control import SENTINEL, EntropyController, high_entropy_mask
+from lightalign.modules.generation import check_generation_arithmetic, check_rollout_config
+from lightalign.modules.grpo_knobs import check_grpo_knobs
+from lightalign.modules.grpo_loss import GLOBAL_TOKEN_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_loss
 from lightalign.modules.grpo_rollout import GRPORollout, _key
 from lightalign.modules.rng_state import gather_per_rank, to_cpu
-from lightalign.modules.vllm_generation import check_vllm_knobs
 from lightalign.modules.reference import build_reference, move_reference
 from lightalign.rewards import RunningRewardNormalizer, check_reward_weights, reward_func_names, resolve_reward_funcs
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPOModule", "grpo_loss"]
-
-SCALE_REWARDS = ("group", "batch", "none")
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 class GRPOModule(GRPORollout, PolicyModule):
@@ -203,51 +197,13 @@ class GRPOModule(GRPORollout, PolicyModule):
         vllm_model_impl: Literal["vllm", "transformers"] = "vllm",
         **kwargs: Any,
     ) -> None:
-        check_vllm_knobs(**{k: v for k, v in locals().items() if k.startswith("vllm_")}, use_vllm=use_vllm,
-                         generation_kwargs=generation_kwargs, cache_implementation=cache_implementation)
-        if padding_free and prompt_sharing:
-            raise ValueError("padding_free and prompt_sharing are two layouts of the training micro-batch; set one: "
-                             "prompt_sharing for long prompts shared by many completions, padding_free for short "
-                             "prompts with completions of varied length.")
-        validate_grpo_loss_config(
-            loss_type, epsilon, epsilon_high, beta, max_completion_length,
-            importance_sampling_level=importance_sampling_level, delta=delta,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
-            use_bias_correction_kl=use_bias_correction_kl, top_entropy_quantile=top_entropy_quantile,
-            entropy_coef=entropy_coef)
-        check_entropy_control(entropy_coef, use_adaptive_entropy, entropy_coef_min, entropy_coef_max,
-                              entropy_coef_delta, entropy_target)
-        check_generation_knobs(generation_kwargs, cache_implementation, share_prefill)
-        if use_vllm and (generation_backend is not None or use_transformers_continuous_batching):
-            raise ValueError("use_vllm samples with vLLM; generation_backend / use_transformers_continuous_batching "
-                             "pick a transformers backend instead: set only one of them.")
-        check_backend_knobs(resolve_backend(generation_backend, use_transformers_continuous_batching),
-                            transformers_continuous_batching_config=transformers_continuous_batching_config,
-                            repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
-                            cache_implementation=cache_implementation)
-        if num_generations_eval is not None and num_generations_eval < 1:
-            raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got {num_generations_eval}.")
-        if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-            raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} is unknown; use one of "
-                             f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}.")
-        if multi_objective_aggregation == "normalize_then_sum" and (
-                normalize_rewards or reward_clip is not None or scale_rewards == "none"):
-            raise ValueError("multi_objective_aggregation='normalize_then_sum' normalises each reward function per "
-                             "group and the weighted sum over the batch itself: unset normalize_rewards and "
-                             "reward_clip, and leave scale_rewards at 'group' (it is not used; 'none' would be "
-                             "silently ignored).")
+        check_grpo_knobs({k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")})
         if reward_funcs is None:
             raise ValueError("GRPOModule needs reward_funcs: callables or import paths of fn(prompts, completions, **columns).")
         specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         funcs = resolve_reward_funcs(list(specs))
         check_reward_weights(funcs, reward_weights)
-        if scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
         self.check_rollout_config(num_generations, num_iterations, steps_per_generation, generation_batch_size, pack_length)
-        if reward_clip is not None and reward_clip <= 0:
-            raise ValueError(f"reward_clip must be > 0 or null, got {reward_clip}.")
         super().__init__(model_name_or_path, **kwargs)
         self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs"])
         self.reward_funcs = funcs
