@@ -314,10 +314,12 @@ class PPOModule(GRPOModule):
         ref = rollout_order("ref_logps") if hp.beta > 0 else None
         coef = self.kl_ctl.value
         rewards, kl = token_rewards(scores, logps.float(), None if ref is None else ref.float(), mask, coef)
+        # under DDP the whitening statistics are every rank's tokens' (what one process with the whole batch computes)
+        summed = (lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")) if world > 1 else None  # noqa: E731
         if hp.whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False) * mask
+            rewards = whiten(rewards, mask, shift_mean=False, sum_over_ranks=summed) * mask
         advantages, returns = gae(rewards, values, mask, hp.gamma, hp.lam)
-        advantages = whiten(advantages, mask) * mask
+        advantages = whiten(advantages, mask, sum_over_ranks=summed) * mask
         seq_kl = kl.sum(-1)
         s[_key("objective/kl")].update(seq_kl.mean())
         s[_key("objective/entropy")].update((-logps * mask).sum(-1).mean())

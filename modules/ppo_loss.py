@@ -11,7 +11,7 @@ passes the tokens of the whole optimizer step, so gradient accumulation gives th
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,10 +37,25 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (centred ** 2).sum() / (count - 1)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+           sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``(x - mean) / sqrt(var + 1e-8)`` over the masked entries (unbiased variance); ``shift_mean=False`` adds the
-    mean back (only the scale changes). Entries outside the mask are transformed too: mask them afterwards."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    mean back (only the scale changes). Entries outside the mask are transformed too: mask them afterwards.
+
+    ``sum_over_ranks`` (a sum over every process, e.g. an all-reduce) makes the mean and variance those of every
+    rank's entries together, as one process holding the whole rollout would compute them (two passes, like the
+    local ones)."""
+    if sum_over_ranks is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        m = mask.to(x.dtype)
+        total = sum_over_ranks(torch.stack([(x * m).sum(), m.sum()]))
+        count = total[1]
+        if count < 2:
+            raise ValueError(f"Whitening needs at least 2 tokens under the mask, got {int(count)}: use a larger "
+                             "generation_batch_size (or longer completions).")
+        mean = total[0] / count
+        var = sum_over_ranks((((x - mean) * m) ** 2).sum()) / (count - 1)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
     return out if shift_mean else out + mean
 

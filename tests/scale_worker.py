@@ -47,7 +47,16 @@ class SaveInitial(L.Callback):
 
         full = full_state_dict(pl_module.model, root=trainer.strategy.model)
         if trainer.is_global_zero:
-            torch.save(full if full is not None else pl_module.model.state_dict(), self.path)
+            torch.save(trained_weights(pl_module, full), self.path)
+
+
+def trained_weights(module, full: dict | None) -> dict:
+    """The policy's full weights, and PPO's value head (plain DDP / one process) under ``value_head.``."""
+    weights = dict(full if full is not None else module.model.state_dict())
+    head = getattr(module, "value_head", None)
+    if head is not None and full is None:
+        weights.update({f"value_head.{k}": v.detach().clone() for k, v in head.state_dict().items()})
+    return weights
 
 
 MAX_NEW = 6
@@ -62,7 +71,7 @@ def equal_length_prompts(n: int) -> Dataset:
     return data.filter(lambda r: len(tok(r["prompt"])["input_ids"]) == 6).select(range(n))
 
 
-def seeded_grpo_class():
+def seeded_grpo_class(base=None):
     """GRPOModule whose sampling depends only on (prompt, step), not on which rank or batch the prompt is in:
     one seeded ``generate`` per prompt, completions right-padded to ``max_completion_length``. With it, 2 ranks x 2
     prompts and 1 process x 4 prompts sample the same completions, so their updates can be compared."""
@@ -70,7 +79,7 @@ def seeded_grpo_class():
 
     from lightalign import GRPOModule
 
-    class SeededGRPO(GRPOModule):
+    class SeededGRPO(base or GRPOModule):
         def generate(self, batch, num_generations):
             parts = []
             for i, prompt in enumerate(batch["prompts"]):
@@ -109,6 +118,13 @@ def build(method: str, mult: int):
     if method == "grpo":  # beta > 0: a frozen reference next to the policy
         module = seeded_grpo_class()(TINY, reward_funcs=[completion_chars], num_generations=4, beta=0.1,
                                      generation_batch_size=8 * mult, max_completion_length=MAX_NEW, **common)
+        return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
+    if method == "ppo":  # a reference (kl_coef > 0), the value head, advantages whitened over every rank's tokens
+        from lightalign import PPOModule
+
+        module = seeded_grpo_class(PPOModule)(TINY, reward_funcs=[completion_chars], num_generations=2, kl_coef=0.1,
+                                              generation_batch_size=8 * mult, max_completion_length=MAX_NEW,
+                                              num_ppo_epochs=1, **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
     raise SystemExit(f"unknown method {method}")
 
@@ -152,6 +168,9 @@ def fit(args, method: str, max_steps: int, ckpt_dir: Path | None = None, ckpt_pa
 
     L.seed_everything(1234)
     module, data = build(method, args.batch_mult)
+    # Lightning's DDP re-seeds at fit start (reset_seed) and one process does not: seed again, so that whatever the
+    # constructor drew (PPO's value head) does not shift the policy's from_config weights in one of them only
+    L.seed_everything(1234)
     out = Path(args.out)
     callbacks = []
     if ckpt_dir is None and ckpt_path is None:  # the resume check's runs neither export nor record the start
@@ -199,7 +218,7 @@ def main() -> None:
         torch.save({k: v.detach().cpu() for k, v in module.model.state_dict().items()} if full is None else {},
                    out / f"{method}_rank{trainer.global_rank}.pt")
         if trainer.is_global_zero:
-            torch.save(full if full is not None else module.model.state_dict(), out / f"{method}.pt")
+            torch.save(trained_weights(module, full), out / f"{method}.pt")
             ref = getattr(module, "ref_model", None)
             if ref is not None:  # where the frozen reference ended up
                 info = {"trainable": sum(p.requires_grad for p in ref.parameters()),

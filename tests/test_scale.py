@@ -71,7 +71,7 @@ def _check_resumed(out: Path, strategy: str) -> None:
 def single(tmp_path_factory) -> Path:
     """One process, twice the per-device batch: the reference every 2-process run is compared with."""
     out = tmp_path_factory.mktemp("single")
-    _run(_worker(out, "single", "--batch-mult", "2"))
+    _run(_worker(out, "single", "--batch-mult", "2", "--methods", ",".join(METHODS + ("ppo",))))
     return out
 
 
@@ -92,8 +92,9 @@ def _check_reference(out: Path, method: str, policy: dict[str, torch.Tensor]) ->
 
 
 def test_ddp_two_processes_equal_single_process(single, tmp_path):
-    _run(_worker(tmp_path, "ddp", "--devices", "2"))
-    for method in METHODS:
+    """... and PPO: its advantages are whitened over both ranks' tokens, its value head trained like the policy."""
+    _run(_worker(tmp_path, "ddp", "--devices", "2", "--methods", ",".join(METHODS + ("ppo",))))
+    for method in METHODS + ("ppo",):
         ddp, one, init = _load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt"), _load(single / f"{method}_init.pt")
         assert _max_diff(init, _load(tmp_path / f"{method}_init.pt")) == 0.0
         assert _max_diff(one, init) > 1e-2, f"{method} did not train"
