@@ -176,6 +176,9 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"learning_rate must be > 0 (the peak of the schedule), got {learning_rate}.")
         if learning_rate == 0 and optimizer is None:  # allowed: losses measured on frozen weights
             warnings.warn("learning_rate is 0: the optimizer will not change the weights.", stacklevel=2)
+        if model is None and from_config and model_name_or_path and _has_weights(model_name_or_path):
+            warnings.warn(f"from_config: true builds random weights from {model_name_or_path}/config.json and does not "
+                          "load the weights in that folder; set from_config: false to train from them.", stacklevel=2)
         if model is None and not from_config:
             from lightalign.hub import check_weights
 
@@ -455,3 +458,9 @@ class PolicyModule(L.LightningModule):
         """Write the policy as a Hugging Face model folder, atomically (``modules/export.py``: ``export_hf``)."""
         return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict,
                          random_base=bool(self.hparams.get("from_config")))
+
+
+def _has_weights(name_or_path: str) -> bool:
+    """Whether a local model folder holds weight files (safetensors or PyTorch bins)."""
+    folder = Path(name_or_path)
+    return folder.is_dir() and any(any(folder.glob(p)) for p in ("*.safetensors", "pytorch_model*.bin"))

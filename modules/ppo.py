@@ -150,6 +150,10 @@ class PPOModule(GRPOModule):
         **kwargs: Any,
     ) -> None:
         defaults = {n: p.default for n, p in inspect.signature(GRPOModule.__init__).parameters.items()}
+        if kwargs.get("padding_free"):
+            raise ValueError("padding_free is not supported by PPOModule (its GAE and value targets are computed on "
+                             "the rollout's padded rows); use padding_free: false (the padded layout).")
+        kwargs.pop("padding_free", None)
         given = sorted(k for k in set(kwargs) & set(_GRPO_ONLY) if kwargs[k] != defaults[k])
         for name in _GRPO_ONLY:
             kwargs.pop(name, None)

@@ -244,3 +244,17 @@ def test_clipping_from_the_guards_norms_equals_lightning_clipping(tiny_dir, data
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     total = torch.linalg.vector_norm(torch.stack([g.norm() for g in runs[0][0]]))
     assert total <= clip * 1.001 if clip < 1 else total > 1e-2  # the small limit did clip, the large one did not
+
+
+def test_from_config_on_a_folder_with_weights_warns_that_they_are_not_loaded(tiny_dir, tiny_model, tmp_path):
+    """A quickstart config (from_config: true) pointed at the user's model folder would train random weights."""
+    import warnings
+
+    from lightalign import SFTModule
+
+    tiny_model.save_pretrained(tmp_path / "mine")
+    with pytest.warns(UserWarning, match="does not load the weights in that folder; set from_config: false"):
+        SFTModule(str(tmp_path / "mine"), from_config=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SFTModule(str(tiny_dir), from_config=True)  # the shipped config-only folder: nothing to warn about

@@ -146,10 +146,11 @@ def test_bad_knobs_refused(tiny_dir, tmp_path):
                         ({"use_score_norm": True}, "set use_score_scaling true"),
                         ({"stop_token": None}, "stop_token=None is not supported"),
                         ({"lam": 1.5}, r"lam must be in \[0, 1\]"),
-                        ({"beta": 0.1, "epsilon": 0.3}, r"\['beta', 'epsilon'\] are GRPOModule knobs")]:
+                        ({"beta": 0.1, "epsilon": 0.3}, r"\['beta', 'epsilon'\] are GRPOModule knobs"),
+                        ({"padding_free": True}, "padding_free is not supported by PPOModule")]:
         with pytest.raises(ValueError, match=message):
             ppo(tiny_dir, **kw)
-    ppo(tiny_dir, beta=0.0, epsilon=0.2, num_iterations=1)  # GRPO's defaults, as LightningCLI passes them: fine
+    ppo(tiny_dir, beta=0.0, epsilon=0.2, num_iterations=1, padding_free=False)  # GRPO's defaults, as LightningCLI passes them: fine
     odd = tmp_path / "odd"
     odd.mkdir()
     config = json.loads((tiny_dir / "config.json").read_text())
