@@ -5,6 +5,7 @@ import csv
 import json
 
 import console_script
+from rollout_callbacks import KeepBuffer, PerturbPolicy
 import lightning as L
 import pytest
 import torch
@@ -29,25 +30,6 @@ class Recorder:
         out = varied_reward(prompts, completions)
         self.rewards.append(torch.tensor(out, dtype=torch.float))
         return out
-
-
-class PerturbPolicy(L.Callback):
-    """Moves the policy away from its reference copy before the first rollout, so the KL is not zero."""
-
-    def on_fit_start(self, trainer, pl_module):
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for p in pl_module.model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-
-
-class KeepBuffer(L.Callback):
-    def __init__(self):
-        self.buffers = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if not self.buffers or self.buffers[-1] is not pl_module._buffer:
-            self.buffers.append(pl_module._buffer)
 
 
 def ppo(tiny_dir, **kw):
