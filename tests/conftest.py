@@ -19,15 +19,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+import console_script  # noqa: E402  (snapshots the environment above for the console-script tests)
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "assets" / "models" / "tiny"
 DATA = REPO / "examples" / "data"
 
 
 def pytest_collection_modifyitems(config, items):
-    # The slow tests (end-to-end runs in subprocesses, a minute each under `make test`) go first, the many short ones
-    # after them: with two xdist workers the run then does not end on one worker's long test while the other idles.
-    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: file order within each group
+    # Longest first: the multi-process tests (up to a minute each), then the other end-to-end runs, then the many
+    # short ones. pyproject's addopts select xdist's work-stealing scheduler: each worker starts on one half of
+    # this order and an idle worker takes the back half of the other's queue, so the run ends on short tests on
+    # both workers. (The default `load` scheduler hands out consecutive chunks of a quarter of a worker's share:
+    # every long test landed in the first worker's first chunk, which then ran them alone for 12 minutes.)
+    items.sort(key=lambda item: ("multiprocess" not in item.keywords, "slow" not in item.keywords))  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -36,11 +36,15 @@ PRELOAD = ("torch", "lightning.pytorch", "lightning.pytorch.cli", "jsonargparse"
            "safetensors.torch", "huggingface_hub", "tokenizers", "transformers", "transformers.modeling_utils",
            "transformers.generation.utils", "transformers.models.qwen2.modeling_qwen2")
 _NOT_INHERITED = ("LIGHTALIGN_DEBUG", "PYTEST_CURRENT_TEST")  # pytest sets the second per test; the script ignores it
+# The test process's environment as the tests started (tests/conftest.py imports this module first thing). Tests that
+# train in-process change os.environ as they go (Lightning's seed_everything sets PL_GLOBAL_SEED, inductor its cache
+# folder): a user's shell has none of that, and a drifting environment would also stop matching the console server's.
+_START_ENV = dict(os.environ)
 
 
 def standard_env(**extra: str) -> dict[str, str]:
-    """The environment console-script tests run with: this process's, offline, minus ``LIGHTALIGN_DEBUG``."""
-    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+    """The environment console-script tests run with: the tests' own at start, offline, minus ``LIGHTALIGN_DEBUG``."""
+    env = {k: v for k, v in _START_ENV.items() if k not in _NOT_INHERITED}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra)
     return env

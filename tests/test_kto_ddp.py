@@ -10,7 +10,7 @@ import pytest
 
 import console_script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 WORKER = Path(__file__).with_name("kto_worker.py")
 
 

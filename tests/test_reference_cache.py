@@ -51,6 +51,7 @@ def test_tokenized_key_follows_the_token_ids_not_the_dataset_object():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_precompute_pass_is_sharded_across_ranks_and_gathered(tmp_path):
     """9 rows, 2 ranks, batches of 4: rank 0 computes rows 0-3 (one batch), rank 1 rows 4-8 (two); rank 0 runs
     its batch once more so both meet the same number of forwards; both end with all 9 rows, equal to one

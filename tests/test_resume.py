@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 WORKER = Path(__file__).resolve().parent / "resume_worker.py"
 
 

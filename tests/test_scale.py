@@ -21,7 +21,7 @@ import torch
 
 import console_script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "scale_worker.py"
 REPO = TESTS.parent
