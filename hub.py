@@ -56,7 +56,7 @@ def _hub_kwargs(name: str) -> dict[str, Any]:
     return {"local_files_only": True}
 
 
-def _hub_unreachable_hint(name: str) -> str:
+def _hub_unreachable_hint(name: str, example: str = "`--model.model_name_or_path /path/to/model`") -> str:
     if _offline_env():
         why = "HF_HUB_OFFLINE is set"
     elif not hub_reachable():
@@ -65,8 +65,8 @@ def _hub_unreachable_hint(name: str) -> str:
         why = "the Hugging Face hub has no such repository (or it is private)"
     return (
         f"'{name}' is not a local folder, and {why}. "
-        "Point at a local folder that holds config.json (and tokenizer files), e.g. "
-        "`--model.model_name_or_path /path/to/model`, or download it where there is network "
+        f"Point at a local folder that holds config.json (and tokenizer files), e.g. {example}, or download it "
+        "where there is network "
         f"(`hf download {name} --local-dir ./{Path(name).name}`) and use that folder."
     )
 

@@ -68,6 +68,28 @@ class RewardModel:
             self.model.to(self.device)
         return self
 
+    def check(self) -> RewardModel:
+        """Read the folder's (or hub name's) config.json now, before any model loads: a name that cannot be found
+        and a folder that is no sequence-classification model (a causal LM has no score head) fail here."""
+        from transformers import AutoConfig
+
+        from lightalign.hub import ModelNotFoundError, _hub_kwargs, _hub_unreachable_hint, _remote_code_error
+
+        try:
+            config = AutoConfig.from_pretrained(self.name_or_path, trust_remote_code=self.trust_remote_code,
+                                                **_hub_kwargs(self.name_or_path))
+        except ValueError as err:
+            if "trust_remote_code" in str(err):
+                raise _remote_code_error(self.name_or_path, err) from err
+            raise
+        except OSError as err:
+            hint = _hub_unreachable_hint(self.name_or_path, "`--model.reward_funcs '[/path/to/reward_model]'`")
+            raise ModelNotFoundError(f"Reward model: {hint} (transformers said: {str(err)[:300]})") from err
+        architectures = list(getattr(config, "architectures", None) or [])
+        if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ValueError(_no_score_head(self.name_or_path, f"its config.json names {architectures}"))
+        return self
+
     def load(self) -> RewardModel:
         """Load the tokenizer and the model now (otherwise the first call does)."""
         if self.model is not None:
@@ -94,13 +116,8 @@ class RewardModel:
             ) from err
         new_head = [k for k in info.get("missing_keys", []) if k.split(".")[0] in ("score", "classifier")]
         if new_head:
-            raise ValueError(
-                f"Reward model '{self.name_or_path}' has no score head (its weights lack {sorted(new_head)}; "
-                f"architectures {getattr(model.config, 'architectures', None)}): transformers would put a random "
-                "head on it and its rewards would be noise. reward_funcs needs a sequence-classification folder: "
-                "train one with lightalign.RewardModule (e.g. lightalign fit --config configs/reward_tiny.yaml) "
-                "and name its hf_model export."
-            )
+            raise ValueError(_no_score_head(self.name_or_path, f"its weights lack {sorted(new_head)}; architectures "
+                                                               f"{getattr(model.config, 'architectures', None)}"))
         # The classifier reads the score at the last non-pad token, so the model must know the pad id.
         model.config.pad_token_id = tokenizer.pad_token_id
         if self.device is None:
@@ -143,3 +160,10 @@ class RewardModel:
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             rewards.extend(logits[:, 0].float().cpu().tolist())
         return rewards
+
+
+def _no_score_head(name_or_path: str, detail: str) -> str:
+    return (f"Reward model '{name_or_path}' has no score head ({detail}): transformers would put a random head on "
+            "it and its rewards would be noise. reward_funcs needs a sequence-classification folder: train one with "
+            "lightalign.RewardModule (e.g. lightalign fit --config configs/reward_tiny.yaml) and name its hf_model "
+            "export.")

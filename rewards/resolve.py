@@ -106,12 +106,12 @@ def _resolve_one(spec: Any) -> Callable:
     path = Path(name).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
-            return RewardModel(name)
+            return RewardModel(name).check()
         raise ValueError(f"Reward '{spec}' is a folder without config.json; a reward model folder needs one.")
     if path.is_file() or (name.startswith((".", "/", "~")) and not path.exists()):
         raise ValueError(f"Reward '{spec}' looks like a path, but there is no model folder at '{path.resolve()}'.")
     if "/" in name:  # "org/model": a hub reward model (import paths use '.' or ':')
-        return RewardModel(name)
+        return RewardModel(name).check()
     return _check_callable(import_object(name), spec)
 
 

@@ -82,6 +82,22 @@ def test_errors_are_one_message_and_the_traceback_is_opt_in(repo, tmp_path):
     assert "Traceback" in lightalign(repo, *args, status=1, LIGHTALIGN_DEBUG="1")
 
 
+def test_a_reward_model_that_is_missing_or_no_classifier_fails_before_the_policy_loads(repo, tmp_path):
+    """A mistyped hub name (offline) and a causal-LM folder as reward model: one error line naming the reward model,
+    at construction (no model summary, no rollout row blamed), exit status 1."""
+    grpo = ["fit", "--config", "configs/grpo_quickstart.yaml", "--trainer.max_steps", "1",
+            "--trainer.logger.init_args.save_dir", str(tmp_path), "--model.reward_funcs"]
+    for reward, message in [("my_org/no-such-reward-model", "Reward model: 'my_org/no-such-reward-model' is not a "
+                                                            "local folder, and HF_HUB_OFFLINE is set"),
+                            ("assets/models/tiny", "Reward model 'assets/models/tiny' has no score head (its "
+                                                   "config.json names ['Qwen2ForCausalLM'])")]:
+        out = lightalign(repo, *grpo, f"[{reward}]", status=1)
+        error = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
+        assert len(error) == 1 and message in error[0] and "Traceback" not in out, out[-3000:]
+        assert "Trainable params" not in out and "at index" not in out, out[-3000:]
+    assert not list(tmp_path.rglob("metrics.csv"))
+
+
 def test_max_steps_zero_says_there_is_nothing_to_train(repo, tmp_path):
     out = lightalign(repo, *short_run(tmp_path), "--trainer.max_steps", "0", status=1)
     assert "--trainer.max_steps is 0: there is nothing to train" in out and "Traceback" not in out

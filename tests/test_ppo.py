@@ -163,9 +163,8 @@ def test_reward_folder_without_score_head_refused(tiny_dir, tiny_model, tokenize
     folder = tmp_path / "causal_lm"  # a causal LM folder, not a sequence-classification one
     tiny_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    module = ppo(tiny_dir, reward_funcs=[str(folder)])
-    with pytest.raises(ValueError, match="has no score head"):  # at the first rollout's scoring (RewardModel.load)
-        module.reward_funcs[0].load()
+    with pytest.raises(ValueError, match=r"has no score head \(its config.json names \['Qwen2ForCausalLM'\]\)"):
+        ppo(tiny_dir, reward_funcs=[str(folder)])  # at construction, from config.json: before any model loads
 
 
 def test_reward_model_folder_scores_the_rollout(tiny_dir, tokenizer, tmp_path, quiet_trainer, prompt_data):

@@ -211,6 +211,8 @@ def test_reward_model_folder_without_a_score_head_is_refused(tmp_path, tiny_mode
     tokenizer.save_pretrained(tmp_path / "lm")
     with pytest.raises(ValueError, match=r"has no score head .*score\.weight.*RewardModule"):
         RewardModel(str(tmp_path / "lm"), device="cpu").load()
+    with pytest.raises(ValueError, match=r"has no score head \(its config.json names \['Qwen2ForCausalLM'\]\)"):
+        RewardModel(str(tmp_path / "lm")).check()  # what resolve_reward_funcs runs: config.json only
 
 
 # ------------------------------------------------------------------------------------------ end to end
