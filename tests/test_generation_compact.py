@@ -70,13 +70,14 @@ def test_a_rows_completion_does_not_depend_on_the_others_finishing(family):
 
 
 def test_compacting_every_step_or_never_gives_the_same_completions(family):
+    """Rows ending at spread lengths give the same tokens and log-probs whether finished rows leave the batch at
+    once, at a quarter of the live rows, or never (then they decode padding until the longest ends, as generate
+    does). Greedy: sampled draws depend on how many rows are live, so only their distribution is comparable
+    (test_generation_backends.py::test_backends_sample_the_same_distribution)."""
     eos, _ = spread_eos(family)
-    knobs = dict(eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW, temperature=0.8, top_k=0, top_p=1.0,
-                 return_logprobs=True)
-    runs = []
-    for fraction in (0.0, 0.25, 2.0):  # 2.0: never compacts (finished rows decode padding, as generate does)
-        torch.manual_seed(5)
-        runs.append(compact_groups(family, PROMPTS[:1], MASK[:1], 6, compact_fraction=fraction, **knobs))
+    knobs = dict(eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW, top_k=1, return_logprobs=True)
+    runs = [compact_groups(family, PROMPTS, MASK, 2, compact_fraction=fraction, **knobs)
+            for fraction in (0.0, 0.25, 2.0)]
     for ids, logps in runs[1:]:
         assert torch.equal(ids, runs[0][0])
         torch.testing.assert_close(logps, runs[0][1], atol=1e-5, rtol=0)
@@ -120,6 +121,18 @@ def test_top_p_matches_transformers_warper_on_the_same_logits():
                              repetition_penalty=1.0)(ids, logits.clone())
     theirs = TopPLogitsWarper(0.5)(ids, TemperatureLogitsWarper(0.7)(ids, logits.clone()))
     assert torch.equal(ours, theirs) and torch.isinf(ours).any()
+
+
+def test_sampling_draws_each_token_with_its_probability():
+    """The exponential race picks token i with probability probs[i] (and never a zero-probability token)."""
+    from lightalign.modules.generation_compact import sample
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    torch.manual_seed(0)
+    counts = torch.bincount(sample(probs.expand(200_000, -1)), minlength=5).float() / 200_000
+    assert counts[1] == 0
+    torch.testing.assert_close(counts, probs, atol=4e-3, rtol=0)  # ~4 standard deviations
+    assert torch.equal(sample(torch.eye(5)), torch.arange(5))
 
 
 def test_max_new_tokens_cuts_and_eos_pads(family):
