@@ -19,7 +19,8 @@ in an order that alternates between repeats, after one untimed warm-up call per 
   progress_bar=False)`, with no `gc.freeze` (TRL has none); on the model as transformers loads it.
 
 Reported per variant: completions/s (wall) and process CPU seconds per completion (`time.process_time`: the
-machine is shared, so CPU time is the figure to compare), mean of the repeats, and the mean completion length.
+machine is shared, so CPU time is the figure to compare), mean of the repeats, the mean completion length (through
+the first EOS) and CPU milliseconds per completion token (the samples differ between variants, so do lengths).
 Results: stdout and bench/results/generation.json.
 """
 
@@ -126,7 +127,8 @@ def bench_model(name: str, args) -> dict:
             if r == 0:  # warm-up
                 continue
             runs[variant].append({"completions_per_sec": len(lengths) / wall, "cpu_s_per_completion": cpu / len(lengths),
-                                  "mean_length": statistics.mean(lengths), "wall_s": wall, "cpu_s": cpu})
+                                  "mean_length": statistics.mean(lengths), "cpu_ms_per_token": 1000 * cpu / sum(lengths),
+                                  "wall_s": wall, "cpu_s": cpu})
             print(f"{name:>5} [{r}/{args.repeats}] {variant:>22}: {len(lengths) / wall:6.2f} completions/s  "
                   f"{cpu / len(lengths):6.3f} CPU s/completion  mean length {statistics.mean(lengths):6.1f}",
                   flush=True)
@@ -155,11 +157,12 @@ def main() -> None:
     results = {"settings": {**vars(args), "versions": harness.versions()}, "models": {}}
     for name in args.models:
         results["models"][name] = bench_model(name, args)
-    print("\n| model | variant | completions/s | CPU s / completion | mean length |\n|---|---|---|---|---|")
+    print("\n| model | variant | completions/s | CPU s / completion | mean length | CPU ms / token |\n"
+          "|---|---|---|---|---|---|")
     for name, res in results["models"].items():
         for variant, row in res["summary"].items():
             print(f"| {name} | {variant} | {row['completions_per_sec']:.2f} | {row['cpu_s_per_completion']:.3f} "
-                  f"| {row['mean_length']:.1f} |")
+                  f"| {row['mean_length']:.1f} | {row['cpu_ms_per_token']:.2f} |")
     print(f"\nwrote {harness.write_json(args.out, results)}")
 
 
