@@ -15,9 +15,9 @@ a standard ``DynamicCache`` and the model's own attention (sdpa / eager, 2-D pad
    gathered out gets ``pad_token_id``, as in ``generate``.
 
 A row's tokens depend only on its own cache, mask and positions, so leaving the batch changes no row's completion;
-greedy (``top_k=1``) equals ``model.generate(do_sample=False)`` token for token (tests). Tokens are drawn from the
-processed distribution by an exponential race (``sample``: exact, cheaper than ``torch.multinomial``) on the default
-torch generator: seeded runs reproduce, but the draws differ from ``generate``'s.
+greedy (``top_k=1``) equals ``model.generate(do_sample=False)`` token for token (tests). Tokens are drawn with
+``torch.multinomial`` from the processed distribution, as ``generate`` does, on the default torch generator: seeded
+runs reproduce, but the draws differ from ``generate``'s once rows have left the batch.
 
 Refused (``check_compact_model``): encoder-decoder models, stateful (recurrent / Mamba) models, and models whose
 ``DynamicCache`` holds anything but plain per-layer keys and values (hybrid linear-attention caches).
@@ -81,15 +81,6 @@ def logits_processors(model: torch.nn.Module, prompt_length: int, eos: list[int]
                                       device=str(next(base.parameters()).device), model_kwargs={})
 
 
-def sample(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from ``probs`` ``[B, V]``: ``argmax(probs / E)`` with ``E`` i.i.d. Exponential(1) picks
-    token ``i`` with probability ``probs[i]`` exactly (the first arrival of independent exponential clocks of rates
-    ``probs``), several times cheaper than ``torch.multinomial`` on a CPU. Zero-probability tokens are never picked;
-    a one-hot ``probs`` (``top_k=1``) gives its argmax."""
-    clocks = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)  # 0 would give 0/0
-    return (probs / clocks).argmax(-1)
-
-
 def _forward_takes(model: torch.nn.Module, name: str) -> bool:
     return name in inspect.signature(_base(model).forward).parameters
 
@@ -134,7 +125,7 @@ def compact_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask
         logits = model(input_ids=step_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                        **extra).logits[:, -1].float()
         scores = processors(ids, logits)
-        tokens = sample(torch.softmax(scores, -1))
+        tokens = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
         tokens = tokens.masked_fill(done, pad_token_id)
         out[live, step] = tokens
         if logps is not None:
