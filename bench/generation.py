@@ -126,9 +126,10 @@ def bench_model(name: str, args) -> dict:
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             if r == 0:  # warm-up
                 continue
-            runs[variant].append({"completions_per_sec": len(lengths) / wall, "cpu_s_per_completion": cpu / len(lengths),
-                                  "mean_length": statistics.mean(lengths), "cpu_ms_per_token": 1000 * cpu / sum(lengths),
-                                  "wall_s": wall, "cpu_s": cpu})
+            n = len(lengths)
+            runs[variant].append({"completions_per_sec": n / wall, "cpu_s_per_completion": cpu / n,
+                                  "mean_length": statistics.mean(lengths),
+                                  "cpu_ms_per_token": 1000 * cpu / sum(lengths), "wall_s": wall, "cpu_s": cpu})
             print(f"{name:>5} [{r}/{args.repeats}] {variant:>22}: {len(lengths) / wall:6.2f} completions/s  "
                   f"{cpu / len(lengths):6.3f} CPU s/completion  mean length {statistics.mean(lengths):6.1f}",
                   flush=True)
