@@ -184,3 +184,12 @@ def test_grpo_module_samples_on_compact(grpo_module, prompt_data, monkeypatch):
     out = module.generate(next(iter(data.train_dataloader())), 4)
     assert out["completion_ids"].shape[0] == 8 and out["completion_ids"].shape[1] <= 6
     assert seen["temperature"] == 0.9 and seen["top_p"] == 0.95 and seen["repetition_penalty"] == 1.1
+
+
+@pytest.mark.slow
+def test_console_fits_on_compact(repo, tmp_path):
+    """The user path: a 2-step GRPO fit through the console script sampling on compact (about 25 s)."""
+    from test_generation_backends import console
+
+    out = console(repo, tmp_path, "--model.generation_backend", "compact")
+    assert "step 2/2" in out and "Traceback" not in out
