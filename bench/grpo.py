@@ -13,8 +13,8 @@ and an EOS logit bias (`--eos-bias`, default 2.3 there) added to the model's out
 output embedding in both frameworks (generation and training alike: it is part of the benchmark model), so the
 random-weight model's completions end at geometric, varied lengths (EOS probability about 1% per token: mean about
 95 tokens, some hit 256). It runs each `--variants` entry: `lightalign:<generation_backend>` (generate, continuous,
-static) and `trl:generate` / `trl:continuous` (TRL's `use_transformers_continuous_batching`, its paged cache sized
-like lightalign's instead of from half the machine's RAM, which is TRL's CPU default).
+static, compact) and `trl:generate` / `trl:continuous` (TRL's `use_transformers_continuous_batching`, its paged
+cache sized like lightalign's instead of from half the machine's RAM, which is TRL's CPU default).
 
 The `small` config (~30M params) is built once under a fixed seed and saved with the tokenizer to a temporary folder
 that both frameworks load. Prompts: examples/data/arithmetic_prompts.jsonl; reward: `digit_fraction_reward` (TRL's

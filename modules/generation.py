@@ -93,6 +93,17 @@ def sample_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask:
             max_new_tokens=max_new_tokens, temperature=sampling.get("temperature", 1.0),
             top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0), min_p=sampling.get("min_p"),
             config=continuous_config, return_logprobs=return_logprobs)
+    if backend == "compact":
+        from lightalign.modules.generation_backends import several_processes
+        from lightalign.modules.generation_compact import compact_groups
+
+        if several_processes():
+            raise ValueError("generation_backend 'compact' is not verified with several processes yet (its rows end "
+                             "after different numbers of forwards on each rank); use generation_backend: generate.")
+        with generation_context(model):  # full parameters under FSDP2 / ZeRO-3 (one process), released after
+            return compact_groups(model, prompt_ids, prompt_mask, num_generations, eos_token_ids=eos,
+                                  pad_token_id=pad_token_id, max_new_tokens=max_new_tokens, share_prefill=share_prefill,
+                                  return_logprobs=return_logprobs, **sampling)
     if backend == "static":
         from lightalign.modules.generation_static import bucket_prompts, static_generate_kwargs
 

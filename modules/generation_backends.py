@@ -12,13 +12,17 @@ current weights.
   ``ContinuousBatchingConfig`` fields. Its cache is sized from the rollout (not from the machine's free memory).
 - ``static``: ``generate`` on a static KV cache with the decode step compiled by ``torch.compile``; the prompt prefill
   runs on every copy (``share_prefill`` does not apply); the first rollout pays the compilation.
+- ``compact``: lightalign's own sampling loop on a ``DynamicCache`` with the shared prefill; a completion that emits
+  EOS leaves the batch (its rows of the cache, mask and positions are gathered out), so no step decodes finished
+  rows (``generation_compact``). Sampling knobs: temperature, top_k, top_p, min_p, repetition_penalty (transformers'
+  own processors); one process.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-GENERATION_BACKENDS = ("generate", "continuous", "static")
+GENERATION_BACKENDS = ("generate", "continuous", "static", "compact")
 
 # The default when generation_backend is unset, by device type (missing: generate). On the project's 2-core CPU,
 # bench/grpo.py --shape reasoning measured continuous at 4.7x generate's completions/s (contended; docs/
@@ -89,6 +93,11 @@ def check_backend_knobs(backend: str | None, *, transformers_continuous_batching
             knob, why = refused[0]
             raise ValueError(f"generation_backend 'continuous' cannot honour {knob} ({why}); use generation_backend: "
                              f"generate for it, or unset {knob}.")
+    if backend == "compact" and (generation_kwargs or cache_implementation is not None):
+        knob = "generation_kwargs" if generation_kwargs else "cache_implementation"
+        raise ValueError(f"generation_backend 'compact' cannot honour {knob} (it applies only temperature/top_k/top_p/"
+                         f"min_p/repetition_penalty on its own DynamicCache); use generation_backend: generate for it, "
+                         f"or unset {knob}.")
     if backend == "static" and cache_implementation is not None:
         raise ValueError("generation_backend 'static' sets the cache itself (a static KV cache); unset "
                          "cache_implementation, or use generation_backend: generate with cache_implementation.")

@@ -61,7 +61,9 @@ class GRPOModule(GRPORollout, PolicyModule):
         generation_backend: what samples the rollouts (``modules/generation_backends.py``): ``generate``
             (``model.generate``, prompt prefill shared; any knob), ``continuous`` (transformers' continuous
             batching, paged KV cache: finished completions leave the batch; refuses ``repetition_penalty``,
-            ``generation_kwargs``, ``cache_implementation``) or ``static`` (static KV cache, compiled decode step).
+            ``generation_kwargs``, ``cache_implementation``), ``static`` (static KV cache, compiled decode step) or
+            ``compact`` (lightalign's loop: finished completions leave the batch; refuses ``generation_kwargs``,
+            ``cache_implementation``; one process).
             Unset: ``generate`` (``generation_backends.DEFAULT_BACKEND``; on a CPU ``continuous`` measured faster on
             short prompts with long completions, docs/performance.md; GPUs not measured), and always ``generate``
             when a knob only it honours is set.
@@ -148,7 +150,7 @@ class GRPOModule(GRPORollout, PolicyModule):
         repetition_penalty: float = 1.0,
         generation_kwargs: dict[str, Any] | None = None,
         cache_implementation: str | None = None,
-        generation_backend: Literal["generate", "continuous", "static"] | None = None,
+        generation_backend: Literal["generate", "continuous", "static", "compact"] | None = None,
         use_transformers_continuous_batching: bool = False,
         transformers_continuous_batching_config: dict[str, Any] | None = None,
         loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"] = "dapo",

@@ -10,7 +10,7 @@ import torch
 from lightalign.modules.generation import sample_completions, sample_groups
 from lightalign.modules.layouts import grpo_forward
 
-BACKENDS = ["generate", "continuous", "static"]
+BACKENDS = ["generate", "continuous", "static", "compact"]
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 13, 14]])  # left-padded
 EOS = 2
 
@@ -73,7 +73,7 @@ def test_sampler_logps_equal_the_training_forward(model, tokenizer, backend):
     torch.testing.assert_close(out["sampling_logps"][mask], logps[mask], atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["generate", "continuous"])
+@pytest.mark.parametrize("backend", ["generate", "continuous", "compact"])
 def test_min_p_is_applied(model, tokenizer, backend):
     """Every sampled token has at least min_p times its position's top probability (the training forward's)."""
     out = rollout(model, tokenizer, backend, temperature=1.0, min_p=0.8)
@@ -141,6 +141,7 @@ def test_backends_sample_the_same_distribution(eos_biased, tokenizer):
     reference = mean_length("generate")
     assert 2 < reference < 8
     assert abs(mean_length("continuous") - reference) < 1.0
+    assert abs(mean_length("compact") - reference) < 1.0
 
 
 # ------------------------------------------------------------------------------------------------ refused knobs
@@ -152,6 +153,10 @@ def test_backends_sample_the_same_distribution(eos_biased, tokenizer):
      "cannot honour cache_implementation"),
     (dict(generation_backend="static", share_prefill=False, cache_implementation="static"),
      "'static' sets the cache itself"),
+    (dict(generation_backend="compact", generation_kwargs={"no_repeat_ngram_size": 2}),
+     "'compact' cannot honour generation_kwargs"),
+    (dict(generation_backend="compact", share_prefill=False, cache_implementation="static"),
+     "'compact' cannot honour cache_implementation"),
     (dict(generation_backend="vllm"), "generation_backend='vllm' is unknown"),
     (dict(generation_backend="static", use_transformers_continuous_batching=True), "set only one of them"),
     (dict(transformers_continuous_batching_config={"page_size": 16}), "set generation_backend: continuous"),

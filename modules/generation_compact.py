@@ -1,0 +1,147 @@
+"""The ``compact`` generation backend: a sampling loop whose finished rows leave the batch.
+
+``generate`` decodes every row until the longest completion ends; on a reasoning workload (completions of geometric
+length, a long budget) most of that work is on rows that already emitted EOS. Here the loop is lightalign's own, on
+a standard ``DynamicCache`` and the model's own attention (sdpa / eager, 2-D padding mask):
+
+1. the prompts' prefill runs once per prompt and its cache is repeated ``num_generations`` times
+   (``generation.prefill_shared_cache``; the full prompts when sharing does not apply);
+2. each decode step feeds the live rows' last token with its position (``cumsum(mask) - 1``, ``generate``'s rule)
+   and samples from the processed logits: the same ``LogitsProcessorList`` ``generate`` builds from the model's
+   generation config updated with the knobs (temperature, top_k, top_p, min_p, repetition_penalty);
+3. a row that emits an EOS is finished; once at least ``COMPACT_FRACTION`` of the live rows are finished, the live
+   rows of every per-row state (tokens so far, attention mask, positions, every layer's keys and values) are
+   gathered (``index_select`` on the batch dimension) and decoding continues on those only. A finished row not yet
+   gathered out gets ``pad_token_id``, as in ``generate``.
+
+A row's tokens depend only on its own cache, mask and positions, so leaving the batch changes no row's completion;
+greedy (``top_k=1``) equals ``model.generate(do_sample=False)`` token for token (tests). Tokens are drawn with
+``torch.multinomial`` from the processed distribution, as ``generate`` does, on the default torch generator: seeded
+runs reproduce, but the draws differ from ``generate``'s once rows have left the batch.
+
+Refused (``check_compact_model``): encoder-decoder models, stateful (recurrent / Mamba) models, and models whose
+``DynamicCache`` holds anything but plain per-layer keys and values (hybrid linear-attention caches).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+
+COMPACT_FRACTION = 0.25  # gather the live rows when at least this share of them has finished
+
+SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def check_compact_model(model: torch.nn.Module) -> None:
+    """Refuse a model whose decode state is not a plain per-layer KV cache, naming the alternative."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    base = _base(model)
+    config = base.config
+    name = getattr(config, "model_type", type(base).__name__)
+    why = None
+    if getattr(config, "is_encoder_decoder", False):
+        why = "it is an encoder-decoder model"
+    elif getattr(base, "_is_stateful", False):
+        why = "it keeps a recurrent state, not a KV cache"
+    else:
+        cache = DynamicCache(config=config)
+        kinds = {type(layer) for layer in getattr(cache, "layers", [])}
+        if any(not issubclass(kind, DynamicLayer) for kind in kinds):
+            why = f"its cache holds {sorted(k.__name__ for k in kinds)}, not only per-layer keys and values"
+    if why:
+        raise ValueError(f"generation_backend 'compact' cannot sample from {name!r}: {why}; use "
+                         "generation_backend: generate.")
+
+
+def logits_processors(model: torch.nn.Module, prompt_length: int, eos: list[int], pad_token_id: int,
+                      **sampling: Any):
+    """``generate``'s logits processors for these sampling knobs: the model's generation config updated with them,
+    built by transformers itself (same classes, same order)."""
+    unknown = set(sampling) - set(SAMPLING_KNOBS)
+    if unknown:
+        raise ValueError(f"generation_backend 'compact' applies only {list(SAMPLING_KNOBS)}; got {sorted(unknown)}: "
+                         "use generation_backend: generate.")
+    base = _base(model)
+    config = copy.deepcopy(base.generation_config)
+    config.update(do_sample=True, num_beams=1, eos_token_id=eos, pad_token_id=pad_token_id, **sampling)
+    config._eos_token_tensor = torch.tensor(eos)
+    config._pad_token_tensor = torch.tensor(pad_token_id)
+    return base._get_logits_processor(generation_config=config, input_ids_seq_length=prompt_length,
+                                      encoder_input_ids=None, prefix_allowed_tokens_fn=None, logits_processor=None,
+                                      device=str(next(base.parameters()).device), model_kwargs={})
+
+
+def _forward_takes(model: torch.nn.Module, name: str) -> bool:
+    return name in inspect.signature(_base(model).forward).parameters
+
+
+@torch.no_grad()
+def compact_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
+                   *, eos_token_ids: list[int], pad_token_id: int, max_new_tokens: int, share_prefill: bool = True,
+                   return_logprobs: bool = False, compact_fraction: float = COMPACT_FRACTION, **sampling: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Completion ids ``[P * G, new]`` (rows grouped by prompt, ``pad_token_id`` after a completion's EOS, ``new`` =
+    the longest completion) and, with ``return_logprobs``, the sampler's log-prob of each token (0 after the end)."""
+    from transformers import DynamicCache
+
+    from lightalign.modules.generation import prefill_shared_cache
+
+    check_compact_model(model)
+    processors = logits_processors(model, prompt_ids.shape[1], eos_token_ids, pad_token_id, **sampling)
+    device = prompt_ids.device
+    rows = prompt_ids.shape[0] * num_generations
+    ids = prompt_ids.repeat_interleave(num_generations, 0)  # each live row's tokens so far (processors read them)
+    mask = prompt_mask.repeat_interleave(num_generations, 0).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    if share_prefill and num_generations > 1 and prompt_ids.shape[1] >= 2:
+        cache = prefill_shared_cache(model, prompt_ids, prompt_mask, num_generations)
+        step_ids, step_positions = ids[:, -1:], positions[:, -1:]
+    else:
+        cache = DynamicCache(config=_base(model).config)
+        step_ids, step_positions = ids, positions
+    extra = {"logits_to_keep": 1} if _forward_takes(model, "logits_to_keep") else {}
+    use_positions = _forward_takes(model, "position_ids")
+    eos = torch.tensor(eos_token_ids, device=device)
+
+    out = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logps = torch.zeros(rows, max_new_tokens, device=device) if return_logprobs else None
+    live = torch.arange(rows, device=device)  # the output row of each live row
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    steps = 0
+    for step in range(max_new_tokens):
+        steps = step + 1
+        if use_positions:
+            extra["position_ids"] = step_positions
+        logits = model(input_ids=step_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                       **extra).logits[:, -1].float()
+        scores = processors(ids, logits)
+        tokens = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
+        tokens = tokens.masked_fill(done, pad_token_id)
+        out[live, step] = tokens
+        if logps is not None:
+            chosen = torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(1)
+            logps[live, step] = chosen.masked_fill(done, 0.0)
+        done = done | torch.isin(tokens, eos)
+        finished = int(done.sum())
+        if finished == done.shape[0]:
+            break
+        ids = torch.cat([ids, tokens[:, None]], 1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        step_ids, step_positions = tokens[:, None], step_positions[:, -1:] + 1
+        if finished and finished >= compact_fraction * done.shape[0]:
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            ids, mask, step_ids, step_positions = ids[keep], mask[keep], step_ids[keep], step_positions[keep]
+            live, done = live[keep], done[keep]
+    out = out[:, :steps]
+    return out, None if logps is None else logps[:, :steps]

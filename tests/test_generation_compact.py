@@ -1,0 +1,195 @@
+"""The ``compact`` generation backend (modules/generation_compact.py): finished rows leave the batch and no row's
+completion changes for it. Greedy equals ``model.generate(do_sample=False)`` token for token on GPT-2 (learned
+positions) and Llama with rows ending at different lengths; each row equals its prompt generated alone; a logits
+processor knob changes the tokens as transformers' processor does; models without a plain KV cache are refused.
+(The contract tests shared with the other backends live in test_generation_backends.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance_models import FAMILIES, build
+from lightalign.modules.generation import sample_groups
+from lightalign.modules.generation_compact import compact_groups
+
+# left-padded prompts of 5, 3 and 4 tokens (pad 0)
+PROMPTS = torch.tensor([[11, 12, 13, 14, 15], [0, 0, 21, 22, 23], [0, 31, 32, 33, 34]])
+MASK = (PROMPTS != 0).long()
+NEW = 16
+NEVER = 10**6  # an EOS id no model emits: rows run to the budget
+
+
+def greedy_generate(model, prompts, mask, eos, **kw):
+    out = model.generate(input_ids=prompts, attention_mask=mask, do_sample=False, max_new_tokens=NEW,
+                         eos_token_id=eos, pad_token_id=0, **kw)
+    return out[:, prompts.shape[1]:]
+
+
+def spread_eos(model):
+    """EOS ids at which the prompts' greedy completions end after different numbers of tokens (one row runs to the
+    budget): chosen from the completions themselves, so the test does not depend on a random model's EOS logit."""
+    free = greedy_generate(model, PROMPTS, MASK, eos=[NEVER])  # no early stop
+    for a in free[0, 2:8].tolist():
+        for b in free[1, 3:12].tolist():
+            ends = []
+            for row in free:
+                hits = torch.isin(row, torch.tensor([a, b])).nonzero().flatten()
+                ends.append(int(hits[0]) + 1 if len(hits) else NEW)
+            if len(set(ends)) == 3 and max(ends) == NEW and min(ends) < NEW:
+                return [a, b], ends
+    return None, [NEW] * len(free)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def family(request):
+    return build(request.param)
+
+
+def test_greedy_equals_generate_with_rows_ending_at_different_lengths(family):
+    eos, ends = spread_eos(family)
+    assert eos is not None, "no token pair spreads the greedy completions' lengths"
+    ids, _ = compact_groups(family, PROMPTS, MASK, 2, eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW,
+                            temperature=1.0, top_k=1, top_p=1.0, min_p=None)
+    reference = greedy_generate(family, PROMPTS, MASK, eos).repeat_interleave(2, 0)
+    assert torch.equal(ids, reference)
+    assert len(set(ends)) == 3  # rows left the batch at different steps
+
+
+def test_a_rows_completion_does_not_depend_on_the_others_finishing(family):
+    """Each prompt generated alone (nothing ever leaves its batch) gives the rows of the batched run, where the
+    other prompts' rows left the batch at other steps."""
+    eos, _ = spread_eos(family)
+    knobs = dict(eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW, temperature=1.0, top_k=1, top_p=1.0)
+    together, _ = compact_groups(family, PROMPTS, MASK, 2, **knobs)
+    for i, (prompt, mask) in enumerate(zip(PROMPTS, MASK)):
+        alone, _ = compact_groups(family, prompt[mask.bool()][None], mask[mask.bool()][None], 2, **knobs)
+        n = alone.shape[1]
+        assert torch.equal(together[2 * i:2 * i + 2, :n], alone), f"prompt {i}"
+        assert (together[2 * i:2 * i + 2, n:] == 0).all()
+
+
+def test_compacting_every_step_or_never_gives_the_same_completions(family):
+    """Rows ending at spread lengths give the same tokens and log-probs whether finished rows leave the batch at
+    once, at a quarter of the live rows, or never (then they decode padding until the longest ends, as generate
+    does). Greedy: sampled draws depend on how many rows are live, so only their distribution is comparable
+    (test_generation_backends.py::test_backends_sample_the_same_distribution)."""
+    eos, _ = spread_eos(family)
+    knobs = dict(eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW, top_k=1, return_logprobs=True)
+    runs = [compact_groups(family, PROMPTS, MASK, 2, compact_fraction=fraction, **knobs)
+            for fraction in (0.0, 0.25, 2.0)]
+    for ids, logps in runs[1:]:
+        assert torch.equal(ids, runs[0][0])
+        torch.testing.assert_close(logps, runs[0][1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("knob", [dict(repetition_penalty=1.5), dict(top_p=0.5, temperature=0.7)])
+def test_a_processor_knob_acts_as_transformers_processor(knob):
+    """Greedy under a processor knob equals generate's greedy under it, and differs from greedy without it."""
+    model = build("llama")
+    eos = [NEVER]
+    plain, _ = compact_groups(model, PROMPTS, MASK, 1, eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW,
+                              top_k=1)
+    # top_k=1 after the knob's processor picks the argmax of the processed logits: do_sample=False under the knob
+    ids, _ = compact_groups(model, PROMPTS, MASK, 1, eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW,
+                            top_k=1, **knob)
+    if "repetition_penalty" in knob:
+        reference = greedy_generate(model, PROMPTS, MASK, eos, **knob)
+        assert torch.equal(ids, reference)
+        assert not torch.equal(ids, plain)
+    else:  # top_p / temperature keep the argmax: greedy unchanged, as transformers' warpers leave it
+        assert torch.equal(ids, plain)
+        torch.manual_seed(0)
+        a, logps = compact_groups(model, PROMPTS, MASK, 4, eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW,
+                                  return_logprobs=True, top_k=0, **knob)
+        # top_p 0.5 keeps the smallest set holding half the mass: each chosen token had probability >= what the
+        # transformers warper keeps, so every sampled token is in the warped support (finite log-prob)
+        assert torch.isfinite(logps).all() and (logps <= 0).all()
+
+
+def test_top_p_matches_transformers_warper_on_the_same_logits():
+    """The processed scores the loop samples from are transformers' TopP(Temperature(logits))."""
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    from lightalign.modules.generation_compact import logits_processors
+
+    model = build("llama")
+    torch.manual_seed(0)
+    logits = torch.randn(3, 1024) * 3
+    ids = PROMPTS
+    ours = logits_processors(model, ids.shape[1], [2], 0, temperature=0.7, top_p=0.5, top_k=0, min_p=None,
+                             repetition_penalty=1.0)(ids, logits.clone())
+    theirs = TopPLogitsWarper(0.5)(ids, TemperatureLogitsWarper(0.7)(ids, logits.clone()))
+    assert torch.equal(ours, theirs) and torch.isinf(ours).any()
+
+
+def test_max_new_tokens_cuts_and_eos_pads(family):
+    eos, ends = spread_eos(family)
+    ids, logps = compact_groups(family, PROMPTS, MASK, 1, eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW,
+                                top_k=1, return_logprobs=True)
+    assert ids.shape == (3, NEW)
+    for row, lp, n in zip(ids, logps, ends):
+        assert (row[n:] == 0).all() and (lp[n:] == 0).all() and (lp[:n] <= 0).all()
+        assert n == NEW or int(row[n - 1]) in eos
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in ("gpt2", "llama")])
+def test_other_families_greedy_equal_generate(name):
+    """Every family of the conformance matrix (sliding windows of 6 tokens, ALiBi, MoE, eager attention included)."""
+    model = build(name)
+    eos = spread_eos(model)[0] or [NEVER]  # opt and bloom's random greedy rows repeat one token: no spread
+    ids, _ = compact_groups(model, PROMPTS, MASK, 1, eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW, top_k=1)
+    assert torch.equal(ids, greedy_generate(model, PROMPTS, MASK, eos))
+
+
+def test_refuses_a_model_without_a_plain_kv_cache():
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    config = AutoConfig.for_model("t5", vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    model = AutoModelForSeq2SeqLM.from_config(config)
+    with pytest.raises(ValueError, match="'compact' cannot sample from 't5': it is an encoder-decoder model; use "
+                                         "generation_backend: generate"):
+        compact_groups(model, PROMPTS, MASK, 2, eos_token_ids=[2], pad_token_id=0, max_new_tokens=4, top_k=1)
+
+
+def test_refuses_several_processes_and_unknown_knobs(monkeypatch):
+    import lightalign.modules.generation_backends as backends
+
+    model = build("llama")
+    with pytest.raises(ValueError, match="applies only .* got \\['no_repeat_ngram_size'\\]"):
+        sample_groups(model, PROMPTS, MASK, 2, backend="compact", eos=[2], pad_token_id=0, max_new_tokens=4,
+                      no_repeat_ngram_size=2)
+    monkeypatch.setattr(backends, "several_processes", lambda: True)
+    with pytest.raises(ValueError, match="'compact' is not verified with several processes"):
+        sample_groups(model, PROMPTS, MASK, 2, backend="compact", eos=[2], pad_token_id=0, max_new_tokens=4)
+
+
+def test_grpo_module_samples_on_compact(grpo_module, prompt_data, monkeypatch):
+    """generation_backend: compact reaches the loop with the module's sampling knobs (repetition_penalty too)."""
+    import lightalign.modules.generation_compact as compact
+
+    seen = {}
+    real = compact.compact_groups
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compact, "compact_groups", spy)
+    data = prompt_data(batch_size=2)
+    data.setup("fit")
+    module = grpo_module(generation_backend="compact", temperature=0.9, top_p=0.95, repetition_penalty=1.1)
+    module.configure_model()
+    module.tokenizer = data.tokenizer
+    out = module.generate(next(iter(data.train_dataloader())), 4)
+    assert out["completion_ids"].shape[0] == 8 and out["completion_ids"].shape[1] <= 6
+    assert seen["temperature"] == 0.9 and seen["top_p"] == 0.95 and seen["repetition_penalty"] == 1.1
+
+
+@pytest.mark.slow
+def test_console_fits_on_compact(repo, tmp_path):
+    """The user path: a 2-step GRPO fit through the console script sampling on compact (about 25 s)."""
+    from test_generation_backends import console
+
+    out = console(repo, tmp_path, "--model.generation_backend", "compact")
+    assert "step 2/2" in out and "Traceback" not in out
