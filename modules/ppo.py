@@ -28,6 +28,7 @@ import inspect
 from typing import Any, Callable
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.entropy_control import token_entropies
@@ -64,6 +65,20 @@ def check_ppo_rollout(num_generations: int, num_iterations: int, steps_per_gener
         check_generation_arithmetic(generation_batch_size, num_generations, None)
 
 
+def reshuffle_rollout(chunks: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The rollout's rows (every per-row tensor of its micro-batches) dealt into as many micro-batches of the same
+    size, in a new random order (``torch.randperm`` on the rows' device)."""
+    full = {}
+    for key in chunks[0]:
+        parts = [mb[key] for mb in chunks]
+        if not all(isinstance(t, torch.Tensor) and t.shape[0] == mb["row"].shape[0] for t, mb in zip(parts, chunks)):
+            raise TypeError(f"PPO's rollout entry {key!r} is not one row per completion: it cannot be reshuffled.")
+        full[key] = torch.cat(parts)
+    order = torch.randperm(full["row"].shape[0], device=full["row"].device)
+    size = chunks[0]["row"].shape[0]
+    return [{k: v[order[i * size:(i + 1) * size]] for k, v in full.items()} for i in range(len(chunks))]
+
+
 class PPOModule(GRPOModule):
     """PPO with a value head on the prompt batches of ``PromptDataModule`` (TRL's PPO knob names).
 
@@ -78,8 +93,9 @@ class PPOModule(GRPOModule):
             generation_kwargs, cache_implementation, mask_truncated_completions, share_prefill: as ``GRPOModule``.
         num_mini_batches: optimizer steps per pass over a rollout; each takes ``generation_batch_size /
             num_mini_batches`` completions (split into ``accumulate_grad_batches`` micro-batches).
-        num_ppo_epochs: passes over each rollout (TRL 1.16's name; old TRL's ``ppo_epochs``). The mini-batches are
-            drawn once per rollout (shuffled) and kept for every pass; TRL reshuffles each pass.
+        num_ppo_epochs: passes over each rollout (TRL 1.16's name; old TRL's ``ppo_epochs``). Each pass deals the
+            rollout's completions into mini-batches anew (a permutation drawn from the torch RNG, as TRL does); the
+            order in progress and the RNG are in the checkpoint.
         kl_coef: coefficient of the per-token KL penalty ``logp - ref_logp`` in the reward (TRL's latest name; old
             TRL's ``init_kl_coef``); the start value of the adaptive controller. 0: no reference model.
         adap_kl_ctrl, target, horizon: the adaptive KL controller (``AdaptiveKLController``); off by default, as
@@ -337,6 +353,15 @@ class PPOModule(GRPOModule):
         return chunks
 
     # ------------------------------------------------------------------------------------- training
+    def next_micro_batch(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+        """GRPO's buffered micro-batch; at the start of every pass over a rollout but the first, the rollout's rows
+        are dealt into new mini-batches first (``reshuffle_rollout``)."""
+        _, steps, _ = self.rollout_shape
+        pos = self._buffer_pos
+        if self._buffer is not None and 0 < pos < steps * self.hparams.num_iterations and pos % steps == 0:
+            self._buffer = reshuffle_rollout([move_data_to_device(mb, self.device) for mb in self._buffer])
+        return super().next_micro_batch(batch)
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         hp = self.hparams
         mb, slot = self.next_micro_batch(batch)

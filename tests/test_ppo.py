@@ -186,13 +186,31 @@ def test_reward_model_folder_scores_the_rollout(tiny_dir, tokenizer, tmp_path, q
     torch.testing.assert_close(returns[torch.arange(len(scores)), last], torch.tensor(scores), atol=1e-5, rtol=1e-5)
 
 
+def test_every_pass_deals_the_rollout_into_new_mini_batches(tiny_dir, quiet_trainer, prompt_data):
+    """num_ppo_epochs 3 x num_mini_batches 2 on one rollout of 8: each pass holds every completion once, with its own
+    data, and the passes split the rollout differently (TRL reshuffles each pass)."""
+    keep = KeepBuffer()
+    torch.manual_seed(0)
+    module = ppo(tiny_dir, num_ppo_epochs=3, num_mini_batches=2)
+    quiet_trainer(max_steps=6, callbacks=[keep]).fit(module, prompt_data())
+    assert module.generation_count == 1 and len(keep.buffers) == 3  # one rollout, a new order per pass
+    splits = []
+    for buffer in keep.buffers:
+        assert len(buffer) == 2 and sorted(torch.cat([mb["row"] for mb in buffer]).tolist()) == list(range(8))
+        splits.append(frozenset(buffer[0]["row"].tolist()))
+        for key in ("advantages", "returns", "old_values", "old_logps", "completion_ids"):  # rows keep their data
+            torch.testing.assert_close(in_rollout_order(buffer, key), in_rollout_order(keep.buffers[0], key),
+                                       atol=0, rtol=0)
+    assert len(set(splits)) > 1, splits
+
+
 def _fit(tiny_dir, prompt_data, max_steps, ckpt_dir=None, ckpt_path=None):
     L.seed_everything(3)
     module = ppo(tiny_dir, kl_coef=0.2, adap_kl_ctrl=True, target=0.01, horizon=20, use_score_scaling=True,
-                 use_score_norm=True, num_ppo_epochs=2, learning_rate=1e-2)
+                 use_score_norm=True, num_ppo_epochs=2, num_mini_batches=2, learning_rate=1e-2)
     callbacks = [PerturbPolicy()] if ckpt_path is None else []
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, max_steps=max_steps, callbacks=callbacks,
                         enable_checkpointing=ckpt_dir is not None)
@@ -201,11 +219,18 @@ def _fit(tiny_dir, prompt_data, max_steps, ckpt_dir=None, ckpt_path=None):
 
 
 def test_resume_inside_a_rollout_equals_uninterrupted(tiny_dir, prompt_data, tmp_path):
-    # two optimizer steps per rollout: the checkpoint at step 3 is inside the second rollout; the third rollout is
-    # made after the resume, with the restored KL coefficient and score statistics
-    full = _fit(tiny_dir, prompt_data, 5, ckpt_dir=tmp_path)
-    resumed = _fit(tiny_dir, prompt_data, 5, ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
-    assert full.generation_count == 3 and full.kl_ctl.value != 0.2
+    # 2 passes x 2 mini-batches: 4 optimizer steps per rollout. The checkpoint at step 2 is between the first
+    # rollout's passes (the resumed run deals the second pass's mini-batches with the restored RNG), the one at step 3
+    # inside its second pass (the dealt order comes back from the checkpoint); the second rollout is made after the
+    # resume, with the restored KL coefficient and score statistics
+    full = _fit(tiny_dir, prompt_data, 6, ckpt_dir=tmp_path)
+    assert full.generation_count == 2 and full.kl_ctl.value != 0.2
+    for step in (2, 3):
+        resumed = _fit(tiny_dir, prompt_data, 6, ckpt_path=str(tmp_path / f"epoch=0-step={step}.ckpt"))
+        _assert_same_run(full, resumed)
+
+
+def _assert_same_run(full, resumed):
     assert resumed.kl_ctl.value == full.kl_ctl.value
     assert resumed.score_processor.state_dict() == full.score_processor.state_dict()
     a, b = full.state_dict(), resumed.state_dict()
