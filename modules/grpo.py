@@ -273,6 +273,7 @@ class GRPOModule(GRPORollout, PolicyModule):
                     self.model, hp.ref_model_name_or_path or self.model_name_or_path,
                     separate=bool(hp.ref_model_name_or_path or hp.ref_model_init_kwargs),
                     init_kwargs=hp.ref_model_init_kwargs, trust_remote_code=hp.trust_remote_code,
+                    num_shared_layers=hp.get("num_shared_layers"),  # PPOModule's knob
                 )
 
     def configure_callbacks(self) -> list:

@@ -116,7 +116,9 @@ class PPOModule(GRPOModule):
             implementations use; trained by the value loss alone, checkpointed, exported to ``hf_model/value_model``.
             Default: the head sits on the policy's own hidden state.
         ref_model_name_or_path, ref_model_init_kwargs, log_entropy: as ``GRPOModule`` (the reference is built when
-            ``kl_coef > 0``: a frozen copy, a separate model, or the base model with LoRA disabled).
+            ``kl_coef > 0``: a frozen copy, a separate (e.g. 8/4-bit) model, or the base model with LoRA disabled).
+        num_shared_layers: the reference shares the policy's first k decoder layers (and everything before them),
+            frozen in both, as TRL's ``create_reference_model``; the rest is a frozen copy.
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule). GRPO's own knobs (``beta``,
             ``epsilon``, ``num_iterations``, ``steps_per_generation``, ``loss_type`` ...) are refused when set to
             anything but their default; use the PPO names above.
@@ -161,6 +163,7 @@ class PPOModule(GRPOModule):
         mask_truncated_completions: bool = False,
         ref_model_name_or_path: str | None = None,
         ref_model_init_kwargs: dict[str, Any] | None = None,
+        num_shared_layers: int | None = None,
         log_entropy: bool = True,
         share_prefill: bool = True,
         **kwargs: Any,
@@ -192,7 +195,18 @@ class PPOModule(GRPOModule):
                    "use_score_norm normalises with the running statistics of use_score_scaling: set use_score_scaling "
                    "true too (as in TRL, where use_score_norm alone does nothing)."),
                   (stop_token == "eos", f"stop_token={stop_token!r} is not supported: generation stops at the EOS "
-                   "token (stop_token: eos); TRL's None (generate to max_completion_length) is not available.")]
+                   "token (stop_token: eos); TRL's None (generate to max_completion_length) is not available."),
+                  (num_shared_layers is None or num_shared_layers >= 1,
+                   f"num_shared_layers must be >= 1 or null, got {num_shared_layers}."),
+                  (num_shared_layers is None or kl_coef > 0,
+                   "num_shared_layers shapes the reference model, and kl_coef 0 uses none: set kl_coef > 0 or drop "
+                   "num_shared_layers."),
+                  (num_shared_layers is None or not (ref_model_name_or_path or ref_model_init_kwargs),
+                   "num_shared_layers shares the policy's own layers; it cannot be combined with a separately loaded "
+                   "reference (ref_model_name_or_path / ref_model_init_kwargs)."),
+                  (num_shared_layers is None or kwargs.get("peft_config") is None,
+                   "num_shared_layers does not apply to a LoRA policy: its reference is the base model with the "
+                   "adapters disabled (no copy at all); drop num_shared_layers.")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -228,7 +242,8 @@ class PPOModule(GRPOModule):
             whiten_rewards=whiten_rewards, cliprange=cliprange, cliprange_value=cliprange_value, vf_coef=vf_coef,
             use_score_scaling=use_score_scaling, use_score_norm=use_score_norm, score_clip=score_clip,
             missing_eos_penalty=missing_eos_penalty, stop_token=stop_token,
-            value_model_name_or_path=value_model_name_or_path, value_model_init_kwargs=value_model_init_kwargs)
+            value_model_name_or_path=value_model_name_or_path, value_model_init_kwargs=value_model_init_kwargs,
+            num_shared_layers=num_shared_layers)
         self.hparams.update(knobs)
         self._hparams_initial.update(knobs)  # what the logger writes to hparams.yaml
         self.kl_ctl = (AdaptiveKLController(kl_coef, target, horizon) if adap_kl_ctrl else FixedKLController(kl_coef))

@@ -204,6 +204,92 @@ def test_every_pass_deals_the_rollout_into_new_mini_batches(tiny_dir, quiet_trai
     assert len(set(splits)) > 1, splits
 
 
+# ------------------------------------------------------------------------------ reference modes (kl_coef > 0)
+def _first_chunk_ref_and_policy(module, keep):
+    """The first rollout's first micro-batch: its stored reference and sampling-policy log-probs, and the reference
+    log-probs recomputed now (the reference is frozen, so they must not have moved with training)."""
+    mb = keep.buffers[0][0]
+    if module.ref_model is not None:
+        again, _ = module.token_logps(module.ref_model, mb)
+    else:
+        with module.model.disable_adapter():
+            again, _ = module.token_logps(module.model, mb)
+    mask = mb["completion_mask"].bool()
+    return mb["ref_logps"][mask], mb["old_logps"][mask], again[mask]
+
+
+def test_shared_layer_reference_shares_and_freezes_the_first_layers(tiny_dir, quiet_trainer, prompt_data):
+    from lightalign.modules.reference import shared_parameter_names
+
+    keep = KeepBuffer()
+    torch.manual_seed(0)
+    module = ppo(tiny_dir, kl_coef=0.1, num_shared_layers=2, num_ppo_epochs=1)
+    quiet_trainer(max_steps=2, callbacks=[PerturbPolicy(), keep]).fit(module, prompt_data())
+    shared = set(shared_parameter_names(module.model, 2))
+    ref = dict(module.ref_model.named_parameters())
+    assert any(".layers.1." in n for n in shared) and not any(".layers.2." in n for n in shared)
+    for name, param in module.model.named_parameters():
+        if name in shared:  # one tensor, frozen in both
+            assert param is ref[name] and not param.requires_grad, name
+        elif name in ref:
+            assert param.data_ptr() != ref[name].data_ptr() and param.requires_grad and not ref[name].requires_grad
+    stored, policy, again = _first_chunk_ref_and_policy(module, keep)
+    torch.testing.assert_close(stored, again, atol=1e-6, rtol=0)
+    assert (stored - policy).abs().max() > 1e-3  # the perturbed policy's own layers differ from the reference's
+
+
+def test_lora_reference_is_the_base_model_with_the_adapters_disabled(tiny_dir, quiet_trainer, prompt_data):
+    class PerturbAdapters(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for name, p in pl_module.model.named_parameters():
+                    if "lora_" in name:
+                        p.add_(torch.randn_like(p) * 0.3)
+
+    keep = KeepBuffer()
+    torch.manual_seed(0)
+    module = ppo(tiny_dir, kl_coef=0.1, num_ppo_epochs=1, peft_config={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    quiet_trainer(max_steps=2, callbacks=[PerturbAdapters(), keep]).fit(module, prompt_data())
+    assert module.ref_model is None  # no copy: the base weights under the adapters are the reference
+    stored, policy, again = _first_chunk_ref_and_policy(module, keep)
+    torch.testing.assert_close(stored, again, atol=1e-6, rtol=0)
+    assert (stored - policy).abs().max() > 1e-3  # the adapters were on for the policy, off for the reference
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_reference_is_a_separate_quantized_copy(bits, tiny_dir, tiny_model, tokenizer, quiet_trainer,
+                                                          prompt_data, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("accelerate")
+    tiny_model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    qc = {"load_in_8bit": True} if bits == 8 else {"load_in_4bit": True, "bnb_4bit_compute_dtype": "float32"}
+    keep = KeepBuffer()
+    torch.manual_seed(0)
+    module = PPOModule(str(tmp_path / "m"), reward_funcs=[varied_reward], max_completion_length=6, learning_rate=1e-3,
+                       generation_batch_size=8, kl_coef=0.1, num_ppo_epochs=1,
+                       ref_model_init_kwargs={"quantization_config": qc})
+    quiet_trainer(max_steps=1, callbacks=[keep]).fit(module, prompt_data())
+    assert getattr(module.ref_model, f"is_loaded_in_{bits}bit")
+    ref_bytes = sum(p.numel() * p.element_size() for p in module.ref_model.parameters())
+    assert ref_bytes < sum(p.numel() * p.element_size() for p in module.model.parameters())
+    stored, policy, again = _first_chunk_ref_and_policy(module, keep)
+    torch.testing.assert_close(stored, again, atol=1e-5, rtol=0)
+    # the same weights, quantized: close to the (unperturbed) policy's log-probs, not equal to them
+    gap = (stored - policy).abs().max()
+    assert 0 < gap < 0.5, gap
+
+
+def test_shared_layers_refused_where_they_cannot_apply(tiny_dir):
+    for kw, message in [({"num_shared_layers": 0}, "num_shared_layers must be >= 1"),
+                        ({"num_shared_layers": 1, "kl_coef": 0.0}, "kl_coef 0 uses none"),
+                        ({"num_shared_layers": 1, "ref_model_init_kwargs": {"dtype": "float32"}}, "separately loaded"),
+                        ({"num_shared_layers": 1, "peft_config": {"r": 4}}, "LoRA policy")]:
+        with pytest.raises(ValueError, match=message):
+            ppo(tiny_dir, **kw)
+
+
 def _fit(tiny_dir, prompt_data, max_steps, ckpt_dir=None, ckpt_path=None):
     L.seed_everything(3)
     module = ppo(tiny_dir, kl_coef=0.2, adap_kl_ctrl=True, target=0.01, horizon=20, use_score_scaling=True,
