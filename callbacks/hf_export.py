@@ -68,9 +68,11 @@ class HFExport(L.Callback):
 
         # sharded (FSDP, FSDP2, ZeRO-3): a collective, so every rank gathers
         state = full_state_dict(pl_module.model, root=trainer.strategy.model)
+        # a module's other exported weights (PPO's value head and value model), gathered on every rank too
+        extra = pl_module.gather_export_extras() if hasattr(pl_module, "gather_export_extras") else None
         if trainer.is_global_zero:
             pl_module.export_hf(output_dir, tokenizer=self._tokenizer(trainer, pl_module), merge_lora=self.merge_lora,
-                                state_dict=state)
+                                state_dict=state, **({} if extra is None else {"extras": extra}))
             self.last_export = output_dir
             rank_zero_info(f"Hugging Face model written to {output_dir}")
         trainer.strategy.barrier("hf_export")

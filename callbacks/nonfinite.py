@@ -26,7 +26,10 @@ def first_nonfinite(named_tensors: Iterable[tuple[str, torch.Tensor | None]]) ->
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Every element of every tensor is finite: one fused max-abs per tensor (it cannot overflow, and a NaN or
     inf anywhere makes it non-finite), one reduction over them."""
-    tensors = [t for t in tensors if t.numel()]  # (ZeRO-3 leaves empty placeholders outside its gather)
+    # this rank's part: an FSDP2 DTensor's local shard (which may be empty: a [1, H] weight over 2 ranks), and ZeRO-3's
+    # empty placeholders outside its gather are left out
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf")))).all())

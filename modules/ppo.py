@@ -292,6 +292,10 @@ class PPOModule(GRPOModule):
         self.value_head.to(next(self.model.parameters()).device)
         self.value_head.requires_grad_(self.hparams.vf_coef > 0)  # vf_coef 0: frozen (DDP then skips it too)
 
+    def sharded_submodules(self) -> list[torch.nn.Module]:
+        """The trained modules beside ``model`` a sharding strategy must shard too (FSDP2Strategy)."""
+        return [m for m in (self.value_model, self.value_head) if m is not None]
+
     def create_optimizer(self) -> torch.optim.Optimizer:
         """The policy's optimizer (``PolicyModule.create_optimizer``) with the value head as one more parameter group
         (the default AdamW: weight decay on its weight, not its bias; factories and presets: their defaults)."""
@@ -370,10 +374,12 @@ class PPOModule(GRPOModule):
     # ------------------------------------------------------------------------------------- training
     def next_micro_batch(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
         """GRPO's buffered micro-batch; at the start of every pass over a rollout but the first, the rollout's rows
-        are dealt into new mini-batches first (``reshuffle_rollout``)."""
+        are dealt into new mini-batches first (``reshuffle_rollout``). A rollout of one micro-batch is not dealt:
+        every pass trains on all of it anyway (and the RNG stream stays the one-pass runs')."""
         _, steps, _ = self.rollout_shape
         pos = self._buffer_pos
-        if self._buffer is not None and 0 < pos < steps * self.hparams.num_iterations and pos % steps == 0:
+        new_pass = 0 < pos < steps * self.hparams.num_iterations and pos % steps == 0
+        if self._buffer is not None and steps > 1 and new_pass:
             self._buffer = reshuffle_rollout([move_data_to_device(mb, self.device) for mb in self._buffer])
         return super().next_micro_batch(batch)
 
@@ -426,12 +432,26 @@ class PPOModule(GRPOModule):
         if "score_moments" in state:
             self.score_processor.load_state_dict(state["score_moments"])
 
-    def export_hf(self, output_dir: Any, tokenizer: Any = None, merge_lora: bool = False,
-                  state_dict: dict[str, torch.Tensor] | None = None):
-        """The policy as an ordinary causal-LM folder, with ``value_head.safetensors`` and ``value_head.json`` beside
-        its weights (``modules/value_head.py``: ``load_value_head``)."""
-        path = super().export_hf(output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict)
-        self.value_head.save(path)
+    def gather_export_extras(self) -> dict[str, Any]:
+        """On every rank (the gathers are collectives under FSDP2 / ZeRO-3): the value head's whole tensors and the
+        value model's full weights (None when it is not sharded)."""
+        from lightalign.strategies.sharding import full_state_dict
+
+        extras: dict[str, Any] = {"value_head": self.value_head.whole_tensors()}
         if self.value_model is not None:
-            self.value_model.save_pretrained(path / "value_model", safe_serialization=True)
+            root = self.trainer.strategy.model if self._trainer is not None else None
+            extras["value_model"] = full_state_dict(self.value_model, root=root)
+        return extras
+
+    def export_hf(self, output_dir: Any, tokenizer: Any = None, merge_lora: bool = False,
+                  state_dict: dict[str, torch.Tensor] | None = None, extras: dict[str, Any] | None = None):
+        """The policy as an ordinary causal-LM folder, with ``value_head.safetensors`` and ``value_head.json`` beside
+        its weights (``modules/value_head.py``: ``load_value_head``). ``extras``: ``gather_export_extras()``'s,
+        required when the module is sharded."""
+        extras = extras if extras is not None else self.gather_export_extras()
+        path = super().export_hf(output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict)
+        self.value_head.save(path, extras["value_head"])
+        if self.value_model is not None:
+            self.value_model.save_pretrained(path / "value_model", safe_serialization=True,
+                                             state_dict=extras.get("value_model"))
         return path

@@ -80,18 +80,34 @@ class ValueHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
 
-    def save(self, folder: str | os.PathLike) -> None:
-        """``value_head.safetensors`` and ``value_head.json`` into ``folder``."""
+    def whole_tensors(self) -> dict[str, torch.Tensor]:
+        """``weight`` and ``bias`` whole, on the CPU in float32 (gathered when sharded: call on every rank)."""
+        return {k: _whole(v).detach().to("cpu", torch.float32).contiguous() for k, v in
+                (("weight", self.summary.weight), ("bias", self.summary.bias))}
+
+    def save(self, folder: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """``value_head.safetensors`` and ``value_head.json`` into ``folder`` (``tensors``: ``whole_tensors()``'s)."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in
-                   (("weight", self.summary.weight), ("bias", self.summary.bias))}
+        tensors = tensors if tensors is not None else self.whole_tensors()
         save_file(tensors, str(folder / VALUE_HEAD_FILE))
         (folder / "value_head.json").write_text(json.dumps({
             "hidden_size": self.hidden_size, "file": VALUE_HEAD_FILE, "written_by": "lightalign.PPOModule",
             "formula": "value = last_hidden_state @ weight.T + bias (the input of the causal LM's output embedding)",
         }, indent=2) + "\n")
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter: FSDP2 shards it (a DTensor), DeepSpeed ZeRO-3 partitions it (``ds_id``)."""
+    if hasattr(param, "full_tensor"):
+        return param.full_tensor()
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.data.clone()
+    return param
 
 
 def load_value_head(folder: str | os.PathLike) -> ValueHead:

@@ -71,8 +71,21 @@ class FSDP2Strategy(ModelParallelStrategy):
         mp = None
         if self.param_dtype or self.reduce_dtype:
             mp = MixedPrecisionPolicy(param_dtype=_dtype(self.param_dtype), reduce_dtype=_dtype(self.reduce_dtype))
+        offload = CPUOffloadPolicy() if self.cpu_offload else None
         shard_decoder_layers(model, self.device_mesh["data_parallel"], self.layer_names, self.reshard_after_forward,
-                             mp_policy=mp, offload_policy=CPUOffloadPolicy() if self.cpu_offload else None)
+                             mp_policy=mp, offload_policy=offload)
+        # other trained modules beside `model` (PPO's value head and value model): sharded too, or their plain
+        # tensors would meet DTensors in the gradient norm and their gradients would not be reduced over ranks
+        for extra in getattr(module, "sharded_submodules", lambda: [])():
+            from torch.distributed.fsdp import fully_shard
+
+            if any(getattr(m, "_no_split_modules", None) for m in extra.modules()):
+                shard_decoder_layers(extra, self.device_mesh["data_parallel"], None, self.reshard_after_forward,
+                                     mp_policy=mp, offload_policy=offload)
+            else:
+                fully_shard(extra, mesh=self.device_mesh["data_parallel"], reshard_after_forward=False,
+                            **({"mp_policy": mp} if mp is not None else {}),
+                            **({"offload_policy": offload} if offload is not None else {}))
         super().setup(trainer)
 
 

@@ -45,17 +45,20 @@ class SaveInitial(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         from lightalign.strategies import full_state_dict
 
-        full = full_state_dict(pl_module.model, root=trainer.strategy.model)
+        weights = trained_weights(pl_module, full_state_dict(pl_module.model, root=trainer.strategy.model))
         if trainer.is_global_zero:
-            torch.save(trained_weights(pl_module, full), self.path)
+            torch.save(weights, self.path)
 
 
 def trained_weights(module, full: dict | None) -> dict:
-    """The policy's full weights, and PPO's value head (plain DDP / one process) under ``value_head.``."""
+    """The policy's full weights, and PPO's value head under ``value_head.`` (whole: gathered when sharded, so every
+    rank calls this)."""
     weights = dict(full if full is not None else module.model.state_dict())
+    if getattr(module, "value_model", None) is not None:  # (replicated strategies only)
+        weights.update({f"value_model.{k}": v.detach().clone() for k, v in module.value_model.state_dict().items()})
     head = getattr(module, "value_head", None)
-    if head is not None and full is None:
-        weights.update({f"value_head.{k}": v.detach().clone() for k, v in head.state_dict().items()})
+    if head is not None:
+        weights.update({f"value_head.summary.{k}": v for k, v in head.whole_tensors().items()})
     return weights
 
 
@@ -119,12 +122,13 @@ def build(method: str, mult: int):
         module = seeded_grpo_class()(TINY, reward_funcs=[completion_chars], num_generations=4, beta=0.1,
                                      generation_batch_size=8 * mult, max_completion_length=MAX_NEW, **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
-    if method == "ppo":  # a reference (kl_coef > 0), the value head, advantages whitened over every rank's tokens
-        from lightalign import PPOModule
+    if method in ("ppo", "ppo_vm"):  # a reference (kl_coef > 0), the value head, advantages whitened over every
+        from lightalign import PPOModule  # rank's tokens; ppo_vm: the head on a separate value model
 
+        separate = {"value_model_name_or_path": TINY} if method == "ppo_vm" else {}
         module = seeded_grpo_class(PPOModule)(TINY, reward_funcs=[completion_chars], num_generations=2, kl_coef=0.1,
                                               generation_batch_size=8 * mult, max_completion_length=MAX_NEW,
-                                              num_ppo_epochs=1, **common)
+                                              num_ppo_epochs=1, **separate, **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
     raise SystemExit(f"unknown method {method}")
 
@@ -217,8 +221,9 @@ def main() -> None:
         full = full_state_dict(module.model, root=trainer.strategy.model)
         torch.save({k: v.detach().cpu() for k, v in module.model.state_dict().items()} if full is None else {},
                    out / f"{method}_rank{trainer.global_rank}.pt")
+        weights = trained_weights(module, full)
         if trainer.is_global_zero:
-            torch.save(trained_weights(module, full), out / f"{method}.pt")
+            torch.save(weights, out / f"{method}.pt")
             ref = getattr(module, "ref_model", None)
             if ref is not None:  # where the frozen reference ended up
                 info = {"trainable": sum(p.requires_grad for p in ref.parameters()),

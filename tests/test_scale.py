@@ -71,7 +71,7 @@ def _check_resumed(out: Path, strategy: str) -> None:
 def single(tmp_path_factory) -> Path:
     """One process, twice the per-device batch: the reference every 2-process run is compared with."""
     out = tmp_path_factory.mktemp("single")
-    _run(_worker(out, "single", "--batch-mult", "2", "--methods", ",".join(METHODS + ("ppo",))))
+    _run(_worker(out, "single", "--batch-mult", "2", "--methods", ",".join(METHODS + ("ppo", "ppo_vm"))))
     return out
 
 
@@ -81,7 +81,18 @@ def _check_export(out: Path, method: str) -> None:
     exported = AutoModelForCausalLM.from_pretrained(out / f"{method}_hf").state_dict()
     full = _load(out / f"{method}.pt")
     for name, value in full.items():
-        assert torch.equal(exported[name], value), f"{method}: exported {name} differs from the trained weights"
+        if not name.startswith("value_head."):  # PPO's head sits beside the policy folder (_check_value_head_export)
+            assert torch.equal(exported[name], value), f"{method}: exported {name} differs from the trained weights"
+
+
+def _check_value_head_export(out: Path) -> None:
+    """PPO's export holds the whole trained value head beside the policy."""
+    from lightalign.modules.value_head import load_value_head
+
+    head, trained = load_value_head(out / "ppo_hf"), _load(out / "ppo.pt")
+    assert torch.equal(head.summary.weight, trained["value_head.summary.weight"])
+    assert torch.equal(head.summary.bias, trained["value_head.summary.bias"])
+    assert _max_diff({"w": trained["value_head.summary.weight"]}, {"w": _load(out / "ppo_init.pt")["value_head.summary.weight"]}) > 1e-3
 
 
 def _check_reference(out: Path, method: str, policy: dict[str, torch.Tensor]) -> None:
@@ -92,9 +103,12 @@ def _check_reference(out: Path, method: str, policy: dict[str, torch.Tensor]) ->
 
 
 def test_ddp_two_processes_equal_single_process(single, tmp_path):
-    """... and PPO: its advantages are whitened over both ranks' tokens, its value head trained like the policy."""
-    _run(_worker(tmp_path, "ddp", "--devices", "2", "--methods", ",".join(METHODS + ("ppo",))))
-    for method in METHODS + ("ppo",):
+    """... and PPO: its advantages are whitened over both ranks' tokens, its value head trained like the policy;
+    ppo_vm: the head on a separate value model, trained (and all-reduced) with it."""
+    _run(_worker(tmp_path, "ddp", "--devices", "2", "--methods", ",".join(METHODS + ("ppo", "ppo_vm"))))
+    vm = {k: v for k, v in _load(single / "ppo_vm.pt").items() if k.startswith("value_model.")}
+    assert _max_diff(vm, {k: _load(single / "ppo_vm_init.pt")[k] for k in vm}) > 1e-3  # the value model trained
+    for method in METHODS + ("ppo", "ppo_vm"):
         ddp, one, init = _load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt"), _load(single / f"{method}_init.pt")
         assert _max_diff(init, _load(tmp_path / f"{method}_init.pt")) == 0.0
         assert _max_diff(one, init) > 1e-2, f"{method} did not train"
@@ -107,11 +121,14 @@ def test_ddp_two_processes_equal_single_process(single, tmp_path):
 
 
 def test_fsdp2_two_processes_equal_single_process_and_resume(single, tmp_path):
-    _run(_worker(tmp_path, "fsdp2", "--devices", "2", "--resume-check"))
-    for method in METHODS:
+    """... and PPO: its value head is sharded beside the policy (FSDP2Strategy shards `sharded_submodules()`), its
+    gradient reduced over ranks, its export gathered on every rank."""
+    _run(_worker(tmp_path, "fsdp2", "--devices", "2", "--resume-check", "--methods", ",".join(METHODS + ("ppo",))))
+    for method in METHODS + ("ppo",):
         fsdp, one = _load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt")
         assert _max_diff(fsdp, one) < 1e-5, method
         _check_export(tmp_path, method)
+    _check_value_head_export(tmp_path)
     # a sharded checkpoint (one folder, a shard per rank) taken at step 1 and resumed to step 2 = uninterrupted
     assert (tmp_path / "ckpt_fsdp2" / "last.ckpt").is_dir()
     _check_resumed(tmp_path, "fsdp2")
@@ -135,10 +152,11 @@ def test_fsdp_v1_two_processes_equal_single_process_and_resume(single, tmp_path)
 
 def test_deepspeed_zero2_equals_single_process_and_resumes(single, tmp_path):
     pytest.importorskip("deepspeed")
-    _run(_worker(tmp_path, "zero2", "--devices", "2", "--resume-check"))
-    for method in METHODS:
+    _run(_worker(tmp_path, "zero2", "--devices", "2", "--resume-check", "--methods", ",".join(METHODS + ("ppo",))))
+    for method in METHODS + ("ppo",):  # PPO: policy and value head
         assert _max_diff(_load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt")) < 1e-5, method
     _check_export(tmp_path, "sft")
+    _check_value_head_export(tmp_path)
     for method in ("dpo", "grpo"):
         _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
     assert (tmp_path / "ckpt_zero2" / "last.ckpt" / "checkpoint").is_dir()  # DeepSpeed's folder, a shard per rank
@@ -149,10 +167,11 @@ def test_deepspeed_zero3_trains_exports_and_resumes(tmp_path):
     pytest.importorskip("deepspeed")
     # ZeRO-3: transformers initialises the partitioned random weights itself (other values than one process),
     # so check training moved them, the export holds the gathered weights, and the references are whole.
-    _run(_worker(tmp_path, "zero3", "--devices", "2", "--resume-check"))
-    for method in METHODS:
+    _run(_worker(tmp_path, "zero3", "--devices", "2", "--resume-check", "--methods", ",".join(METHODS + ("ppo",))))
+    for method in METHODS + ("ppo",):
         assert _max_diff(_load(tmp_path / f"{method}.pt"), _load(tmp_path / f"{method}_init.pt")) > 1e-2, method
         _check_export(tmp_path, method)
+    _check_value_head_export(tmp_path)  # gathered whole from ZeRO-3's partitions
     for method in ("dpo", "grpo"):
         _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
     # the resumed run starts from other random weights too, which the checkpoint overwrites (weights and momentum)
