@@ -86,6 +86,24 @@ def write_jsonl(tmp_path):
 
 
 @pytest.fixture
+def kwargs_spy(monkeypatch):
+    """``spy(owner, name)``: ``owner.name`` still runs, and the returned dict holds the keyword arguments of its
+    latest call (what a module handed a loss or a generation backend)."""
+
+    def spy(owner, name: str) -> dict:
+        seen, real = {}, getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            seen.update(kwargs)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+        return seen
+
+    return spy
+
+
+@pytest.fixture
 def quiet_trainer():
     """A CPU Trainer factory without logger, checkpoints, progress bar, summary or sanity check."""
     import lightning as L

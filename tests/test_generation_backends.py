@@ -173,18 +173,11 @@ def test_knobs_a_backend_cannot_honour_are_refused(tiny_dir, knobs, message):
         GRPOModule(str(tiny_dir), from_config=True, reward_funcs=[digit_fraction_reward], **knobs)
 
 
-def test_grpo_module_samples_on_its_backend(grpo_module, prompt_data, monkeypatch):
+def test_grpo_module_samples_on_its_backend(grpo_module, prompt_data, kwargs_spy):
     """The module's knobs reach the backend: TRL's use_transformers_continuous_batching and its config."""
     import lightalign.modules.generation_continuous as continuous
 
-    seen = {}
-    real = continuous.continuous_batching_groups
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(continuous, "continuous_batching_groups", spy)
+    seen = kwargs_spy(continuous, "continuous_batching_groups")
     data = prompt_data(batch_size=2)
     data.setup("fit")
     module = grpo_module(use_transformers_continuous_batching=True, temperature=0.9, top_p=0.95,

@@ -164,18 +164,11 @@ def test_refuses_several_processes_and_unknown_knobs(monkeypatch):
         sample_groups(model, PROMPTS, MASK, 2, backend="compact", eos=[2], pad_token_id=0, max_new_tokens=4)
 
 
-def test_grpo_module_samples_on_compact(grpo_module, prompt_data, monkeypatch):
+def test_grpo_module_samples_on_compact(grpo_module, prompt_data, kwargs_spy):
     """generation_backend: compact reaches the loop with the module's sampling knobs (repetition_penalty too)."""
     import lightalign.modules.generation_compact as compact
 
-    seen = {}
-    real = compact.compact_groups
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(compact, "compact_groups", spy)
+    seen = kwargs_spy(compact, "compact_groups")
     data = prompt_data(batch_size=2)
     data.setup("fit")
     module = grpo_module(generation_backend="compact", temperature=0.9, top_p=0.95, repetition_penalty=1.1)

@@ -159,16 +159,9 @@ def test_module_knob_errors_at_construction(grpo_module, kwargs, message):
     dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
     dict(loss_type="cispo", epsilon_high=4.0, entropy_coef=0.2),
 ])
-def test_loss_knobs_reach_grpo_loss(grpo_module, tokenizer, monkeypatch, knobs):
+def test_loss_knobs_reach_grpo_loss(grpo_module, tokenizer, kwargs_spy, knobs):
     """Every loss knob of the module is what training_step hands to grpo_loss (a dropped one would be silent)."""
-    seen = {}
-    real = grpo_mod.grpo_loss
-
-    def spy(*args, **kw):
-        seen.update(kw)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(grpo_mod, "grpo_loss", spy)
+    seen = kwargs_spy(grpo_mod, "grpo_loss")
     module = _module(grpo_module, tokenizer, **knobs)
     torch.manual_seed(0)
     module.training_step({"prompts": ["p"]}, 0)
