@@ -77,15 +77,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         # other trained modules beside `model` (PPO's value head and value model): sharded too, or their plain
         # tensors would meet DTensors in the gradient norm and their gradients would not be reduced over ranks
         for extra in getattr(module, "sharded_submodules", lambda: [])():
-            from torch.distributed.fsdp import fully_shard
-
-            if any(getattr(m, "_no_split_modules", None) for m in extra.modules()):
-                shard_decoder_layers(extra, self.device_mesh["data_parallel"], None, self.reshard_after_forward,
-                                     mp_policy=mp, offload_policy=offload)
-            else:
-                fully_shard(extra, mesh=self.device_mesh["data_parallel"], reshard_after_forward=False,
-                            **({"mp_policy": mp} if mp is not None else {}),
-                            **({"offload_policy": offload} if offload is not None else {}))
+            layered = any(getattr(m, "_no_split_modules", None) for m in extra.modules())  # a value model, not a head
+            shard_decoder_layers(extra, self.device_mesh["data_parallel"], None if layered else [],
+                                 self.reshard_after_forward, mp_policy=mp, offload_policy=offload)
         super().setup(trainer)
 
 

@@ -53,10 +53,12 @@ class DecoderLayerPolicy(CustomPolicy):
 
 def shard_decoder_layers(model: torch.nn.Module, mesh: Any = None, layer_names: list[str] | None = None,
                          reshard_after_forward: bool = True, mp_policy: Any = None, offload_policy: Any = None) -> int:
-    """FSDP2: ``fully_shard`` every decoder layer, then the model (embeddings, norm, head). Returns the layer count."""
+    """FSDP2: ``fully_shard`` every decoder layer, then the model (embeddings, norm, head). Returns the layer count.
+    ``layer_names``: the decoder-layer classes (None: the model's ``_no_split_modules``; ``[]``: none, the model is
+    one unit)."""
     from torch.distributed.fsdp import fully_shard
 
-    names = set(layer_names or decoder_layer_names(model))
+    names = set(decoder_layer_names(model) if layer_names is None else layer_names)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
