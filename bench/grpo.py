@@ -121,13 +121,17 @@ def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dic
             super().configure_model()
             add_eos_bias(self.model, self.tokenizer_eos, args.eos_bias)
 
+    backend, _, layout = (args.backend or "").partition("+")  # e.g. compact+padding_free
+    if layout not in ("", "padding_free"):
+        raise SystemExit(f"unknown lightalign layout {layout!r} in variant {args.backend!r} (known: padding_free)")
     TimedGRPOModule.tokenizer_eos = eos_id(args.model_dir)
     L.seed_everything(args.seed, verbose=False)
     module = TimedGRPOModule(
         args.model_dir, reward_funcs=[digit_fraction_reward], num_generations=args.num_generations,
         generation_batch_size=args.generation_batch, max_completion_length=args.max_completion_length,
         temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=args.lr, lr_scheduler_type="constant",
-        prompt_sharing=args.prompt_sharing == "on", generation_backend=args.backend or None)
+        prompt_sharing=args.prompt_sharing == "on" and not layout, padding_free=layout == "padding_free",
+        generation_backend=backend or None)
     data = PromptDataModule(args.data, tokenizer=args.model_dir, max_prompt_length=args.max_prompt_length,
                             num_workers=0, seed=args.seed)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,

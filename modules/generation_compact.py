@@ -25,6 +25,7 @@ Refused (``check_compact_model``): encoder-decoder models, stateful (recurrent /
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import Any
@@ -88,15 +89,25 @@ def _forward_takes(model: torch.nn.Module, name: str) -> bool:
 @torch.no_grad()
 def compact_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
                    *, eos_token_ids: list[int], pad_token_id: int, max_new_tokens: int, share_prefill: bool = True,
-                   return_logprobs: bool = False, compact_fraction: float = COMPACT_FRACTION, **sampling: Any
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   return_logprobs: bool = False, compact_fraction: float = COMPACT_FRACTION,
+                   prepack: bool = True, **sampling: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Completion ids ``[P * G, new]`` (rows grouped by prompt, ``pad_token_id`` after a completion's EOS, ``new`` =
-    the longest completion) and, with ``return_logprobs``, the sampler's log-prob of each token (0 after the end)."""
+    the longest completion) and, with ``return_logprobs``, the sampler's log-prob of each token (0 after the end).
+    ``prepack``: on the CPU in float32, the linears run on oneDNN-prepacked weights (``packed_linear``)."""
+    from lightalign.modules.packed_linear import packed_linears
+
+    check_compact_model(model)
+    with packed_linears(model) if prepack else contextlib.nullcontext():
+        return _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_token_id, max_new_tokens,
+                       share_prefill, return_logprobs, compact_fraction, sampling)
+
+
+def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_token_id, max_new_tokens,
+            share_prefill, return_logprobs, compact_fraction, sampling):
     from transformers import DynamicCache
 
     from lightalign.modules.generation import prefill_shared_cache
 
-    check_compact_model(model)
     processors = logits_processors(model, prompt_ids.shape[1], eos_token_ids, pad_token_id, **sampling)
     device = prompt_ids.device
     rows = prompt_ids.shape[0] * num_generations
