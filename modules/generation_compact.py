@@ -82,6 +82,57 @@ def logits_processors(model: torch.nn.Module, prompt_length: int, eos: list[int]
                                       device=str(next(base.parameters()).device), model_kwargs={})
 
 
+def _growing_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose keys and values live in a buffer with room for the whole completion: a decode step
+        writes its token in place instead of copying the whole cache (``torch.cat``). ``keys`` / ``values`` stay
+        what ``DynamicLayer`` exposes: ``[B, heads, length, dim]`` (views of the buffer)."""
+
+        capacity = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            n, new = self.keys.shape[-2], key_states.shape[-2]
+            if n + new > self._k.shape[-2]:  # (never on the sampling loop: sized for the prompt + max_new_tokens)
+                keys, values = super().update(key_states, value_states, *args, **kwargs)
+                self._k, self._v = keys, values
+                return keys, values
+            self._k[..., n:n + new, :] = key_states
+            self._v[..., n:n + new, :] = value_states
+            self.keys, self.values = self._k[..., :n + new, :], self._v[..., :n + new, :]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices):
+            n = self.keys.shape[-2]
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
+
+    return GrowingLayer
+
+
+def grow_in_place(cache, room: int) -> int:
+    """Give every plain ``DynamicLayer`` of ``cache`` (already holding the prompt) a buffer with ``room`` more
+    positions; returns how many layers were converted (sliding-window and other layer types are left as they are)."""
+    from transformers.cache_utils import DynamicLayer
+
+    growing = _growing_layer_class()
+    converted = 0
+    for layer in getattr(cache, "layers", []):
+        if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.dim() != 4:
+            continue
+        keys, values = layer.keys, layer.values
+        shape = list(keys.shape)
+        shape[-2] += room
+        layer._k, layer._v = keys.new_empty(shape), values.new_empty(shape[:-1] + [values.shape[-1]])
+        layer._k[..., : keys.shape[-2], :] = keys
+        layer._v[..., : values.shape[-2], :] = values
+        layer.__class__ = growing
+        layer.keys, layer.values = layer._k[..., : keys.shape[-2], :], layer._v[..., : values.shape[-2], :]
+        converted += 1
+    return converted
+
+
 def _forward_takes(model: torch.nn.Module, name: str) -> bool:
     return name in inspect.signature(_base(model).forward).parameters
 
@@ -90,20 +141,22 @@ def _forward_takes(model: torch.nn.Module, name: str) -> bool:
 def compact_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
                    *, eos_token_ids: list[int], pad_token_id: int, max_new_tokens: int, share_prefill: bool = True,
                    return_logprobs: bool = False, compact_fraction: float = COMPACT_FRACTION,
-                   prepack: bool = True, **sampling: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   prepack: bool = True, grow_cache: bool = True, **sampling: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Completion ids ``[P * G, new]`` (rows grouped by prompt, ``pad_token_id`` after a completion's EOS, ``new`` =
     the longest completion) and, with ``return_logprobs``, the sampler's log-prob of each token (0 after the end).
-    ``prepack``: on the CPU in float32, the linears run on oneDNN-prepacked weights (``packed_linear``)."""
+    ``prepack``: on the CPU in float32, the linears run on oneDNN-prepacked weights (``packed_linear``).
+    ``grow_cache``: the cache's plain layers get room for the whole completion up front (``grow_in_place``)."""
     from lightalign.modules.packed_linear import packed_linears
 
     check_compact_model(model)
     with packed_linears(model) if prepack else contextlib.nullcontext():
         return _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_token_id, max_new_tokens,
-                       share_prefill, return_logprobs, compact_fraction, sampling)
+                       share_prefill, return_logprobs, compact_fraction, grow_cache, sampling)
 
 
 def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_token_id, max_new_tokens,
-            share_prefill, return_logprobs, compact_fraction, sampling):
+            share_prefill, return_logprobs, compact_fraction, grow_cache, sampling):
     from transformers import DynamicCache
 
     from lightalign.modules.generation import prefill_shared_cache
@@ -122,6 +175,7 @@ def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_
         step_ids, step_positions = ids, positions
     extra = {"logits_to_keep": 1} if _forward_takes(model, "logits_to_keep") else {}
     use_positions = _forward_takes(model, "position_ids")
+    grown = not grow_cache
     eos = torch.tensor(eos_token_ids, device=device)
 
     out = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -133,6 +187,9 @@ def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_
         steps = step + 1
         if use_positions:
             extra["position_ids"] = step_positions
+        if not grown and cache.get_seq_length() > 0:  # (without the shared prefill: after the first step)
+            grow_in_place(cache, max_new_tokens - step)  # the tokens this and every later step may still write
+            grown = True
         logits = model(input_ids=step_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                        **extra).logits[:, -1].float()
         scores = processors(ids, logits)

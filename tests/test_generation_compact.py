@@ -83,6 +83,35 @@ def test_compacting_every_step_or_never_gives_the_same_completions(family):
         torch.testing.assert_close(logps, runs[0][1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2-sliding", "gpt2"])
+@pytest.mark.parametrize("share_prefill", [True, False])
+def test_the_in_place_cache_samples_exactly_what_the_growing_one_does(name, share_prefill):
+    """Greedy and sampled (the same seed): the cache whose plain layers have room for the completion up front gives
+    the very tokens and log-probs of the ``torch.cat`` cache, with rows leaving the batch as soon as they end; a
+    sliding-window layer keeps its own cache type."""
+    from transformers import DynamicCache
+
+    from lightalign.modules.generation_compact import grow_in_place
+
+    model = build(name)
+    eos, ends = spread_eos(model)
+    assert eos is not None and len(set(ends)) == 3  # greedy rows leave the batch at three different steps
+    for knobs in (dict(top_k=1), dict(temperature=1.0)):
+        runs = []
+        for grow in (True, False):
+            torch.manual_seed(7)
+            runs.append(compact_groups(model, PROMPTS, MASK, 3, eos_token_ids=eos, pad_token_id=0, max_new_tokens=NEW,
+                                       share_prefill=share_prefill, grow_cache=grow, return_logprobs=True,
+                                       compact_fraction=0.0, **knobs))
+        assert torch.equal(runs[0][0], runs[1][0]), knobs
+        assert torch.equal(runs[0][1], runs[1][1]), knobs
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=PROMPTS, attention_mask=MASK, past_key_values=cache, use_cache=True)
+    plain = sum(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+    assert grow_in_place(cache, NEW) == plain == (1 if name == "qwen2-sliding" else 2)
+
+
 @pytest.mark.parametrize("knob", [dict(repetition_penalty=1.5), dict(top_p=0.5, temperature=0.7)])
 def test_a_processor_knob_acts_as_transformers_processor(knob):
     """Greedy under a processor knob equals generate's greedy under it, and differs from greedy without it."""
