@@ -25,12 +25,11 @@ from typing import Any
 GENERATION_BACKENDS = ("generate", "continuous", "static", "compact")
 
 # The default when generation_backend is unset, by device type (missing: generate). On the project's 2-core CPU,
-# bench/grpo.py --shape reasoning measured continuous at 4.7x generate's completions/s (contended; docs/
-# performance.md), so CPUs should default to continuous: {"cpu": "continuous"}. Not flipped yet: it changes the
-# samples of every GRPO/RLOO/PPO test that patches model.generate or relies on the rewards generate happened to
-# sample (test_grpo.py::test_accumulation_4x2_equals_1x8 got all-zero advantages under it); the flip needs a
-# full-suite run. GPUs keep generate until measured there.
-DEFAULT_BACKEND: dict[str, str] = {}
+# bench/grpo.py --shape reasoning (docs/performance.md, 2026-11-24) measured compact ahead of generate and continuous
+# on the whole GRPO step; GPUs keep generate until measured there. A model compact cannot sample from (an
+# encoder-decoder, a recurrent state, a hybrid cache), a knob only generate honours, or several processes make the
+# default generate (effective_backend, GRPOModule.generate).
+DEFAULT_BACKEND: dict[str, str] = {"cpu": "compact"}
 
 # ContinuousBatchingConfig fields the rollout sets itself, with what to use instead.
 OWNED_CONTINUOUS_KEYS = {
@@ -117,7 +116,7 @@ def effective_backend(backend: str | None, device_type: str, *, repetition_penal
     if backend is not None:
         return backend
     chosen = default_backend(device_type)
-    if chosen != "generate" and (repetition_penalty != 1.0 or generation_kwargs or cache_implementation is not None
-                                 or several_processes()):
-        return "generate"
-    return chosen
+    only_generate = generation_kwargs or cache_implementation is not None or several_processes()
+    if chosen == "continuous" and repetition_penalty != 1.0:  # (compact applies repetition_penalty)
+        only_generate = True
+    return "generate" if only_generate else chosen

@@ -64,9 +64,9 @@ class GRPOModule(GRPORollout, PolicyModule):
             ``generation_kwargs``, ``cache_implementation``), ``static`` (static KV cache, compiled decode step) or
             ``compact`` (lightalign's loop: finished completions leave the batch; refuses ``generation_kwargs``,
             ``cache_implementation``; one process).
-            Unset: ``generate`` (``generation_backends.DEFAULT_BACKEND``; on a CPU ``continuous`` measured faster on
-            short prompts with long completions, docs/performance.md; GPUs not measured), and always ``generate``
-            when a knob only it honours is set.
+            Unset: ``compact`` on a CPU (measured fastest there, docs/performance.md), ``generate`` elsewhere (GPUs
+            not measured; ``generation_backends.DEFAULT_BACKEND``), and ``generate`` whenever ``compact`` cannot
+            serve: a knob only ``generate`` honours, several processes, or a model without a plain KV cache.
         use_transformers_continuous_batching: TRL's name for ``generation_backend: continuous``.
         transformers_continuous_batching_config: ``ContinuousBatchingConfig`` fields for ``continuous`` (e.g.
             ``page_size``, ``num_blocks``; by default the paged cache is sized from the rollout).

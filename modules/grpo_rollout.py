@@ -44,6 +44,13 @@ class GRPORollout:
                                     cache_implementation=hp.cache_implementation)
         if asked is None and getattr(self, "_default_backend_failed", False):
             backend = "generate"
+        if asked is None and backend == "compact":
+            from lightalign.modules.generation_compact import check_compact_model
+
+            try:
+                check_compact_model(self.model)
+            except ValueError:  # the default is generate for a model compact cannot sample from
+                backend = "generate"
         try:
             return self._sample(batch, num_generations, backend, return_logprobs)
         except (RuntimeError, ValueError) as error:

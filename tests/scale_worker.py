@@ -112,6 +112,8 @@ def build(method: str, mult: int):
     # must restore (and FSDP v1's sharded checkpoint cannot reload a stateless optimizer: no "state" is written).
     common = dict(from_config=True, optimizer=lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
                   lr_scheduler_type="constant")
+    # one process vs two: the default backend is compact alone and generate with several processes, so both name one
+    sampled = dict(generation_backend="generate")
     if method == "sft":
         return SFTModule(TINY, **common), SFTDataModule(rows("arithmetic_sft.jsonl", 32), tokenizer=TINY,
                                                         batch_size=4 * mult, max_length=32)
@@ -120,7 +122,8 @@ def build(method: str, mult: int):
                                                                batch_size=4 * mult)
     if method == "grpo":  # beta > 0: a frozen reference next to the policy
         module = seeded_grpo_class()(TINY, reward_funcs=[completion_chars], num_generations=4, beta=0.1,
-                                     generation_batch_size=8 * mult, max_completion_length=MAX_NEW, **common)
+                                     generation_batch_size=8 * mult, max_completion_length=MAX_NEW, **sampled,
+                                     **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
     if method in ("ppo", "ppo_vm"):  # a reference (kl_coef > 0), the value head, advantages whitened over every
         from lightalign import PPOModule  # rank's tokens; ppo_vm: the head on a separate value model
@@ -128,7 +131,7 @@ def build(method: str, mult: int):
         separate = {"value_model_name_or_path": TINY} if method == "ppo_vm" else {}
         module = seeded_grpo_class(PPOModule)(TINY, reward_funcs=[completion_chars], num_generations=2, kl_coef=0.1,
                                               generation_batch_size=8 * mult, max_completion_length=MAX_NEW,
-                                              num_ppo_epochs=1, **separate, **common)
+                                              num_ppo_epochs=1, **separate, **sampled, **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
     raise SystemExit(f"unknown method {method}")
 

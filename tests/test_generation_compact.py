@@ -215,3 +215,56 @@ def test_console_fits_on_compact(repo, tmp_path):
 
     out = console(repo, tmp_path, "--model.generation_backend", "compact")
     assert "step 2/2" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("knobs, backend", [
+    (dict(), "compact"),
+    (dict(repetition_penalty=1.1), "compact"),  # compact applies it: no reason to leave the default
+    (dict(generation_kwargs={"no_repeat_ngram_size": 2}), "generate"),  # only generate honours it
+    (dict(cache_implementation="static", share_prefill=False), "generate"),
+])
+def test_the_cpu_default_is_compact_unless_only_generate_can_serve(grpo_module, prompt_data, knobs, backend,
+                                                                   monkeypatch, recwarn):
+    import lightalign.modules.generation as generation
+
+    seen = {}
+    real = generation.sample_groups
+    monkeypatch.setattr(generation, "sample_groups", lambda *a, **kw: seen.update(kw) or real(*a, **kw))
+    data = prompt_data(batch_size=2)
+    data.setup("fit")
+    module = grpo_module(**knobs)  # generation_backend unset
+    module.configure_model()
+    module.tokenizer = data.tokenizer
+    module.generate(next(iter(data.train_dataloader())), 4)
+    assert seen["backend"] == backend
+    assert not [w for w in recwarn if "generation backend" in str(w.message)]
+
+
+def test_the_default_is_generate_for_a_model_compact_cannot_sample_from(grpo_module, prompt_data, monkeypatch,
+                                                                        recwarn):
+    """(A recurrent or hybrid-cache model: compact's check refuses it; the default then picks generate, silently,
+    while an explicit generation_backend: compact is refused, naming the alternative.)"""
+    import lightalign.modules.generation as generation
+    import lightalign.modules.generation_compact as compact
+
+    def refuse(model):
+        raise ValueError("generation_backend 'compact' cannot sample from 'x': it keeps a recurrent state, not a KV "
+                         "cache; use generation_backend: generate.")
+
+    monkeypatch.setattr(compact, "check_compact_model", refuse)
+    seen = {}
+    real = generation.sample_groups
+    monkeypatch.setattr(generation, "sample_groups", lambda *a, **kw: seen.update(kw) or real(*a, **kw))
+    data = prompt_data(batch_size=2)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    module = grpo_module()
+    module.configure_model()
+    module.tokenizer = data.tokenizer
+    module.generate(batch, 4)
+    assert seen["backend"] == "generate" and not [w for w in recwarn if "generation backend" in str(w.message)]
+    module = grpo_module(generation_backend="compact")
+    module.configure_model()
+    module.tokenizer = data.tokenizer
+    with pytest.raises(ValueError, match="use generation_backend: generate"):
+        module.generate(batch, 4)

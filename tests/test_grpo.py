@@ -62,7 +62,7 @@ def test_accumulation_4x2_equals_1x8(loss_type, quiet_trainer, grpo_module, prom
 
 
 def test_completion_mask_ends_at_first_eos(tiny_dir, data_dir, grpo_module, prompt_data):
-    module = grpo_module()
+    module = grpo_module(generation_backend="generate")  # (it stands in for model.generate)
     module.configure_model()
     dm = prompt_data()
     dm.setup("fit")
