@@ -14,8 +14,9 @@ current weights.
   runs on every copy (``share_prefill`` does not apply); the first rollout pays the compilation.
 - ``compact``: lightalign's own sampling loop on a ``DynamicCache`` with the shared prefill; a completion that emits
   EOS leaves the batch (its rows of the cache, mask and positions are gathered out), so no step decodes finished
-  rows (``generation_compact``). Sampling knobs: temperature, top_k, top_p, min_p, repetition_penalty (transformers'
-  own processors); one process.
+  rows (``generation_compact``); on the CPU its linears run on oneDNN-prepacked weights. Sampling knobs:
+  temperature, top_k, top_p, min_p, repetition_penalty (transformers' own processors); one process. The CPU
+  default.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A decode step multiplies a handful of rows (the live completions) by every weigh
 short, wide products PyTorch's default CPU path (MKL ``sgemm`` on the ``[out, in]`` weight) is far from the memory
 bound; oneDNN on a weight reordered once into its blocked layout is not. Measured on the project's 2-core CPU
 (docs/performance.md, ``bench/packed_linear.py``): the 8-layer ``small`` model's 24 MLP matrices, 4 rows, 2 threads:
-12.7 ms plain, 4.8 ms prepacked; 1 row 7.0 vs 4.1 ms; 32 rows 17.7 vs 12.9 ms.
+12.4 ms plain, 5.2 ms prepacked; 1 row 7.0 vs 4.5 ms; 32 rows 16.6 vs 13.2 ms (1 thread: 0.98x to 1.40x).
 
 ``packed_linears(model)`` is a context manager: inside it, every module whose type is exactly ``torch.nn.Linear``
 (not a subclass: quantized, LoRA-merged or parametrized linears keep their own forward), on the CPU, with a plain
