@@ -13,8 +13,9 @@ and an EOS logit bias (`--eos-bias`, default 2.3 there) added to the model's out
 output embedding in both frameworks (generation and training alike: it is part of the benchmark model), so the
 random-weight model's completions end at geometric, varied lengths (EOS probability about 1% per token: mean about
 95 tokens, some hit 256). It runs each `--variants` entry: `lightalign:<generation_backend>` (generate, continuous,
-static, compact) and `trl:generate` / `trl:continuous` (TRL's `use_transformers_continuous_batching`, its paged
-cache sized like lightalign's instead of from half the machine's RAM, which is TRL's CPU default).
+static, compact; a `+padding_free` suffix trains that variant padding-free instead of with --prompt-sharing)
+and `trl:generate` / `trl:continuous` (TRL's `use_transformers_continuous_batching`, its paged cache sized like
+lightalign's instead of from half the machine's RAM, which is TRL's CPU default).
 
 The `small` config (~30M params) is built once under a fixed seed and saved with the tokenizer to a temporary folder
 that both frameworks load. Prompts: examples/data/arithmetic_prompts.jsonl; reward: `digit_fraction_reward` (TRL's
@@ -276,8 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eos-bias", type=float, default=None, help="added to the EOS logit in both frameworks "
                         "(default: 2.3 with --shape reasoning, else none)")
     parser.add_argument("--variants", nargs="+", default=None, help="framework:backend entries, e.g. "
-                        "lightalign:continuous trl:continuous (default: --frameworks with their default generation; "
-                        "with --shape reasoning every backend but static, and TRL with and without continuous batching)")
+                        "lightalign:compact+padding_free trl:continuous (default: --frameworks with their default "
+                        "generation; with --shape reasoning lightalign compact+padding_free and generate, and TRL with and without "
+                        "continuous batching)")
     parser.add_argument("--mean-length", type=int, default=24, help="mean words per generated prompt")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--generation-batch", type=int, default=32, help="completions per rollout (= per step)")
@@ -311,7 +313,7 @@ def check(args: argparse.Namespace) -> None:
     if args.eos_bias is None and reasoning and not args.one:
         args.eos_bias = 2.3
     if args.variants is None:
-        args.variants = (["lightalign:generate", "lightalign:continuous", "trl:generate", "trl:continuous"]
+        args.variants = (["lightalign:compact+padding_free", "lightalign:generate", "trl:generate", "trl:continuous"]
                          if reasoning else [f"{fw}:" for fw in args.frameworks])
     if args.warmup < 1:
         raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")

@@ -44,7 +44,8 @@ def main() -> None:
     weights = [torch.randn(1920, 512) if i % 3 < 2 else torch.randn(512, 1920) for i in range(24)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT) for w in weights]
     print(f"torch {torch.__version__}; 24 matrices, {sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB float32\n")
-    print("| threads | rows | F.linear ms | prepacked oneDNN ms | speed-up | max abs difference |\n|---|---|---|---|---|---|")
+    print("| threads | rows | F.linear ms | prepacked oneDNN ms | speed-up | max abs difference |")
+    print("|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for rows in args.rows:
