@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 from typing import Any
 
@@ -90,6 +91,7 @@ def logits_processors(model: torch.nn.Module, prompt_length: int, eos: list[int]
                                       device=str(next(base.parameters()).device), model_kwargs={})
 
 
+@functools.cache
 def _growing_layer_class():
     from transformers.cache_utils import DynamicLayer
 
@@ -97,8 +99,6 @@ def _growing_layer_class():
         """A ``DynamicLayer`` whose keys and values live in a buffer with room for the whole completion: a decode step
         writes its token in place instead of copying the whole cache (``torch.cat``). ``keys`` / ``values`` stay
         what ``DynamicLayer`` exposes: ``[B, heads, length, dim]`` (views of the buffer)."""
-
-        capacity = 0
 
         def update(self, key_states, value_states, *args, **kwargs):
             n, new = self.keys.shape[-2], key_states.shape[-2]
