@@ -125,7 +125,8 @@ class LightalignCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         # The StepProgressBar steps aside when the progress bar is off or the config brings its own (Lightning
-        # refuses both situations otherwise); the ModelCheckpoint when checkpointing is off.
+        # refuses both situations otherwise); the ModelCheckpoint when checkpointing is off; the learning-rate
+        # monitor when there is no logger.
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         own = config.get("callbacks") or []
         own = own if isinstance(own, list) else [own]
@@ -134,6 +135,8 @@ class LightalignCLI(LightningCLI):
             skip.add("progress_bar")
         if config.get("enable_checkpointing") is False:
             skip.add("checkpoint")
+        if config.get("logger") is False:  # Lightning's LearningRateMonitor refuses a Trainer without a logger
+            skip.add("lr_monitor")
         keys = [k for k in self._parser(self.subcommand).callback_keys if k not in skip]
         return self._instantiate_trainer(config, [self.run_folder] + [self._get(self.config_init, k) for k in keys])
 

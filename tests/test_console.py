@@ -103,6 +103,16 @@ def test_max_steps_zero_says_there_is_nothing_to_train(repo, tmp_path):
     assert not list(tmp_path.rglob("metrics.csv"))
 
 
+def test_logger_false_trains_checkpoints_and_exports(repo, tmp_path):
+    """trainer.logger: false (a common way to silence a run) trains, checkpoints and exports under default_root_dir
+    (Lightning's LearningRateMonitor refuses a Trainer without a logger: it steps aside)."""
+    out = lightalign(repo, "fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "2",
+                     "--trainer.limit_val_batches", "0", "--plot.enabled", "false", "--trainer.logger", "false",
+                     "--trainer.default_root_dir", str(tmp_path))
+    assert "step 2/2" in out and "LearningRateMonitor" not in out
+    assert list(tmp_path.rglob("last.ckpt")) and list(tmp_path.rglob("hf_model/model.safetensors"))
+
+
 def test_checkpointing_off_progress_lr_once_and_export_permissions(repo, tmp_path):
     """enable_checkpointing false is honoured (no ModelCheckpoint, no checkpoints/); the progress lines show the
     learning rate once, as `lr`; the export has the umask's permissions (not the temp folder's 0700/0600)."""
