@@ -100,6 +100,8 @@ def validate_messages(messages: Any, row: int, column: str, require_assistant: b
 
 
 def validate_text(value: Any, row: int, column: str) -> None:
+    if value is None:  # (a JSONL row without the column reads as None, like an explicit null)
+        raise DataFormatError(f"row {row}, column '{column}': missing or null; every row needs a string there.")
     if not isinstance(value, str):
         raise DataFormatError(f"row {row}, column '{column}': expected a string, got {type(value).__name__} {value!r:.80}.")
     if not value.strip():

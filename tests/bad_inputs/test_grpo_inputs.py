@@ -64,3 +64,7 @@ def test_prompt_data_errors(tiny_dir, write_jsonl):
     dm = PromptDataModule(write_jsonl([{"prompt": "a"}, {"prompt": ""}]), tokenizer=str(tiny_dir))
     with pytest.raises(DataFormatError, match="row 1, column 'prompt': the text is empty"):
         dm.setup("fit")
+    dm = PromptDataModule(write_jsonl([{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}]),
+                          tokenizer=str(tiny_dir))
+    with pytest.raises(DataFormatError, match="row 1, column 'prompt': missing or null; every row needs a string"):
+        dm.setup("fit")
