@@ -110,14 +110,24 @@ def several_processes() -> bool:
             and torch.distributed.get_world_size() > 1)
 
 
-def effective_backend(backend: str | None, device_type: str, *, repetition_penalty: float,
+def effective_backend(backend: str | None, model: Any, *, repetition_penalty: float,
                       generation_kwargs: dict[str, Any] | None, cache_implementation: str | None) -> str:
-    """The backend a rollout runs on: the asked one, else the device's default unless a knob only ``generate``
-    honours is set or several processes train (then ``generate``)."""
+    """The backend a rollout of ``model`` runs on: the asked one, else the device's default, unless that default would
+    refuse a knob (``check_backend_knobs``) or the model (``compact``), or several processes train: then
+    ``generate``."""
     if backend is not None:
         return backend
-    chosen = default_backend(device_type)
-    only_generate = generation_kwargs or cache_implementation is not None or several_processes()
-    if chosen == "continuous" and repetition_penalty != 1.0:  # (compact applies repetition_penalty)
-        only_generate = True
-    return "generate" if only_generate else chosen
+    chosen = default_backend(model.device.type)
+    if chosen == "generate" or several_processes():
+        return "generate"
+    try:
+        check_backend_knobs(chosen, transformers_continuous_batching_config=None,
+                            repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
+                            cache_implementation=cache_implementation)
+        if chosen == "compact":
+            from lightalign.modules.generation_compact import check_compact_model
+
+            check_compact_model(model)
+    except ValueError:
+        return "generate"
+    return chosen

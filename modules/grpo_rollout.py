@@ -39,18 +39,11 @@ class GRPORollout:
         if getattr(self, "vllm_generation", None) is not None:
             return self.vllm_generation.sample_completions(self, batch, num_generations)
         asked = resolve_backend(hp.get("generation_backend"), hp.get("use_transformers_continuous_batching", False))
-        backend = effective_backend(asked, self.model.device.type, repetition_penalty=hp.repetition_penalty,
+        backend = effective_backend(asked, self.model, repetition_penalty=hp.repetition_penalty,
                                     generation_kwargs=hp.generation_kwargs,
                                     cache_implementation=hp.cache_implementation)
         if asked is None and getattr(self, "_default_backend_failed", False):
             backend = "generate"
-        if asked is None and backend == "compact":
-            from lightalign.modules.generation_compact import check_compact_model
-
-            try:
-                check_compact_model(self.model)
-            except ValueError:  # the default is generate for a model compact cannot sample from
-                backend = "generate"
         try:
             return self._sample(batch, num_generations, backend, return_logprobs)
         except (RuntimeError, ValueError) as error:

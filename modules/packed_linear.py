@@ -10,9 +10,9 @@ bound; oneDNN on a weight reordered once into its blocked layout is not. Measure
 (not a subclass: quantized, LoRA-merged or parametrized linears keep their own forward), on the CPU, with a plain
 float32 weight and no forward pre-hooks, computes ``x @ W.T + b`` with ``torch.ops.mkldnn._linear_pointwise`` on a
 prepacked copy of ``W`` made on entry. On exit every module gets its own forward back and the copies are freed: while
-a rollout samples, the linear weights are held twice (the small model: 120 MB more). The
-weights must not change inside the context (generation runs under ``no_grad`` between optimizer steps); a call that
-needs what the copy cannot give (a gradient, autocast, another dtype or device) runs the module's own ``F.linear``.
+a rollout samples, the linear weights are held twice (the small model: 120 MB more). The weights must not change
+inside the context (generation runs under ``no_grad`` between optimizer steps); a call that needs what the copy
+cannot give (a gradient, autocast, another dtype or device) runs the module's own ``F.linear``.
 
 The result is the same product as ``F.linear``'s up to float32 rounding (another summation order; tests bound the
 difference), so a sampled completion's distribution is unchanged. It is entered only where it was measured: CPU,
@@ -34,8 +34,10 @@ def available() -> bool:
 
 
 def _eligible(module: torch.nn.Module) -> bool:
+    if type(module) is not torch.nn.Linear:
+        return False
     weight = module.weight
-    return (type(module) is torch.nn.Linear and not module._forward_pre_hooks
+    return (not module._forward_pre_hooks
             and type(weight.data) is torch.Tensor and weight.device.type == "cpu" and weight.dtype == torch.float32
             and weight.layout == torch.strided and (module.bias is None or module.bias.dtype == torch.float32)
             and "forward" not in vars(module))
@@ -72,7 +74,7 @@ def packed_linears(model: torch.nn.Module, rows_hint: int = ROWS_HINT) -> Iterat
     patched = []
     try:
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and _eligible(module):
+            if _eligible(module):
                 module.forward = _PackedForward(module, rows_hint)
                 patched.append(module)
         yield len(patched)
