@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine (README.md):
 #   make quickstart   -> venv, CPU torch, lightalign, then the offline quickstart run
-#   make test         -> venv, CPU torch, lightalign[dev], then the test suite
+#   make test         -> venv, CPU torch, lightalign[dev] at the versions of constraints.txt, then the test suite
+#   make test-latest  -> a separate venv (.venv-latest) on the newest releases (torch stays 2.13.0, the CPU wheel),
+#                        then the same suite; `make lock` then writes those versions into constraints.txt
 #   make bench        -> a separate venv (.venv-bench: CPU torch, lightalign[bench] = TRL + matplotlib), then the
 #                        benchmark suite (bench/suite.py; BENCH_ARGS="--quick --models tiny" for a smoke run)
 PYTHON ?= python3
@@ -14,15 +16,16 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install quickstart test bench
+.PHONY: install quickstart test test-latest lock bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The CPU wheel of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+# constraints.txt: the exact versions of the last green run, so a fresh clone tests what was tested.
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q torch==2.13.0 -c constraints.txt
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -32,6 +35,23 @@ quickstart: install
 
 test: install
 	$(BIN)/pytest -q -n 2
+
+LATEST_VENV ?= .venv-latest
+LATEST_BIN := $(LATEST_VENV)/bin
+
+# The suite on the newest releases of every dependency (torch stays the CPU wheel 2.13.0: a newer one is a CUDA build).
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_BIN)/python -m pip install -q torch==2.13.0
+	$(LATEST_BIN)/python -m pip install -q --upgrade -e '.[dev]'
+	$(LATEST_BIN)/python -m pip freeze --exclude-editable | grep -v '^torch==' | diff constraints.txt - || true
+	$(LATEST_BIN)/pytest -q -n 2 -p no:cacheprovider
+
+# After a green `make test-latest`: its versions become the lock (commit it with the run's result).
+lock:
+	{ sed -n '1,2p' constraints.txt; $(LATEST_BIN)/python -m pip freeze --exclude-editable | grep -v -e '^torch==' -e '^lightalign'; \
+	  echo 'torch==2.13.0'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 $(BENCH_BIN)/python:
 	$(PYTHON) -m venv $(BENCH_VENV)
