@@ -97,7 +97,8 @@ class PolicyModule(L.LightningModule):
         max_consecutive_nonfinite_steps: with ``nonfinite: skip``, stop with an error after this many skipped
             steps in a row; null: never.
         disable_dropout: set every dropout probability of the policy to 0 (``modules/dropout.py``; TRL's default:
-            on for DPO, off for GRPO and SFT).
+            on for DPO, off for GRPO and SFT): ``nn.Dropout`` modules, the rates modules and configs keep (read at
+            forward time), layer drop and MoE router jitter. The export's ``config.json`` keeps the user's values.
         router_aux_loss_coef: Mixture-of-Experts policies: weight of the router load-balancing loss added to the
             training loss (``modules/router_aux_loss.py``); null takes the model config's value, 0 turns it off; an
             error on a dense model. Padded layouts only (off, and said so at fit start, in the others).
@@ -206,6 +207,7 @@ class PolicyModule(L.LightningModule):
         self.lean_mlps = 0  # MLPs switched by recompute_mlp_activation
         self.adaptations = AdaptationReport()
         self.router_aux = None  # the MoE load-balancing loss collector, attached at fit start when in force
+        self.dropout_report = None  # what disable_dropout zeroed (modules/dropout.py), said at fit start
         if model is not None:
             self._prepare_model()
 
@@ -230,7 +232,7 @@ class PolicyModule(L.LightningModule):
         if hp.get("disable_dropout"):
             from lightalign.modules.dropout import disable_dropout_in_model
 
-            disable_dropout_in_model(self.model)
+            self.dropout_report = disable_dropout_in_model(self.model)
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         # model adaptations (modules/adaptations/): Liger or MLP recompute, sdpa -> sdpa_varlen; each is exact where
@@ -274,11 +276,35 @@ class PolicyModule(L.LightningModule):
             self.router_aux.remove()
         self.router_aux, aux_note = attach_router_aux_loss(self.model, hp.get("router_aux_loss_coef"), layout)
         notes = [f"NEFTune alpha {neftune}"] if neftune else []
+        if self.dropout_report is not None:
+            notes.append(self.dropout_report.describe() + self.check_train_determinism())
         notes += [n for n in (aux_note, activation_offload_note(hp.get("activation_offloading", False), self.device)) if n]
+        notes += self.fit_start_notes()
         if hp.get("sync_ref_model"):
             notes.append(f"reference synced every {hp.ref_model_sync_steps} steps (alpha {hp.ref_model_mixup_alpha})")
         check_run(self.model, getattr(self, "ref_model", None), layout, longest, self.adaptations, self.device,
                   self.logger if self._trainer is not None else None, notes=notes)
+
+    def check_train_determinism(self) -> str:
+        """With ``disable_dropout``: two train-mode forwards of the model's probe must agree (measured, cached).
+        Randomness the model keeps by design (``DropoutReport.kept``) is said with its size; any other is refused."""
+        from lightalign.modules.adaptations.probe import TRAIN_DETERMINISM
+        from lightalign.modules.adaptations.support import measured, model_traits
+
+        verdict = measured(self.model, TRAIN_DETERMINISM)
+        if verdict.exact:
+            return "; train-mode forward deterministic (" + ("cached verdict" if verdict.cached else "measured") + ")"
+        if self.dropout_report.kept and verdict.error is None:
+            return f"; train-mode forwards still differ by up to {verdict.difference:.1e} (measured)"
+        raise ValueError(
+            f"disable_dropout is on, but {model_traits(self.model).name} is still random in train mode: two "
+            f"train-mode forwards of its probe differ ({verdict.describe()}; zeroed: "
+            f"{self.dropout_report.describe()}). Some randomness of this model is not switched off by lightalign; "
+            "set disable_dropout: false to train with it knowingly, or report the model.")
+
+    def fit_start_notes(self) -> list[str]:
+        """Facts a method adds to the fit-start line (e.g. GRPO's generation backend and how it was chosen)."""
+        return []
 
     def training_forward_context(self):
         """The context of a training forward of the policy (``activation_offloading``)."""
@@ -455,9 +481,13 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the policy as a Hugging Face model folder, atomically (``modules/export.py``: ``export_hf``)."""
-        return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict,
-                         random_base=bool(self.hparams.get("from_config")))
+        """Write the policy as a Hugging Face model folder, atomically (``modules/export.py``: ``export_hf``). Its
+        ``config.json`` holds the user's dropout values, also when ``disable_dropout`` zeroed them for training."""
+        from lightalign.modules.dropout import user_dropout_config
+
+        with user_dropout_config(self.model):
+            return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora,
+                             state_dict=state_dict, random_base=bool(self.hparams.get("from_config")))
 
 
 def _has_weights(name_or_path: str) -> bool:

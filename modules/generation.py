@@ -9,10 +9,33 @@ the cache holds exactly what ``generate`` would have computed: the completions a
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+
+
+def forward_cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword ``model``'s forward takes its KV cache under: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` still works but is deprecated, with a FutureWarning), ``past_key_values`` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a PEFT forward takes **kwargs)
+    try:
+        return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    except (TypeError, ValueError):
+        return "past_key_values"
+
+
+@functools.cache
+def generate_cache_kwarg() -> str:
+    """The keyword ``generate`` takes a prefilled KV cache under: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before. Read from the signature of
+    ``GenerationMixin.prepare_inputs_for_generation``, which names the cache it hands to the model."""
+    from transformers import GenerationMixin
+
+    parameters = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def prefill_shared_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -22,7 +45,7 @@ def prefill_shared_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, promp
     cache = DynamicCache(config=config)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
     model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[:, :-1],
-          past_key_values=cache, use_cache=True, logits_to_keep=1)
+          use_cache=True, logits_to_keep=1, **{forward_cache_kwarg(model): cache})
     cache.batch_repeat_interleave(repeats)
     return cache
 
@@ -47,7 +70,7 @@ def generate_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
         out = model.generate(
             input_ids=prompt_ids.repeat_interleave(num_generations, 0),
             attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
-            past_key_values=cache, **generate_kwargs,
+            **{generate_cache_kwarg(): cache}, **generate_kwargs,
         )
     if not return_logprobs:
         return out
@@ -229,7 +252,7 @@ OWNED_GENERATION_KEYS = {
     "cache_implementation": "cache_implementation", "do_sample": "nothing: GRPO always samples",
     "num_beams": "nothing: GRPO trains on samples of the policy, beam search is not one",
     "eos_token_id": "the model's generation config or the tokenizer", "pad_token_id": "the tokenizer",
-    "use_cache": "nothing (always on)", "past_key_values": "share_prefill",
+    "use_cache": "nothing (always on)", "past_key_values": "share_prefill", "cache": "share_prefill",
     "return_dict_in_generate": "nothing: the rollout reads the generated ids",
 }
 

@@ -111,15 +111,18 @@ def several_processes() -> bool:
 
 
 def effective_backend(backend: str | None, model: Any, *, repetition_penalty: float,
-                      generation_kwargs: dict[str, Any] | None, cache_implementation: str | None) -> str:
-    """The backend a rollout of ``model`` runs on: the asked one, else the device's default, unless that default would
-    refuse a knob (``check_backend_knobs``) or the model (``compact``), or several processes train: then
-    ``generate``."""
+                      generation_kwargs: dict[str, Any] | None, cache_implementation: str | None
+                      ) -> tuple[str, str | None]:
+    """The backend a rollout of ``model`` runs on, and why the device's default was not taken (None when it was, or
+    when a backend was asked): the asked one, else the device's default, unless that default would refuse a knob
+    (``check_backend_knobs``) or the model (``compact``), or several processes train: then ``generate``."""
     if backend is not None:
-        return backend
+        return backend, None
     chosen = default_backend(model.device.type)
-    if chosen == "generate" or several_processes():
-        return "generate"
+    if chosen == "generate":
+        return "generate", None
+    if several_processes():
+        return "generate", f"the default {chosen} runs in one process only"
     try:
         check_backend_knobs(chosen, transformers_continuous_batching_config=None,
                             repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
@@ -128,6 +131,6 @@ def effective_backend(backend: str | None, model: Any, *, repetition_penalty: fl
             from lightalign.modules.generation_compact import check_compact_model
 
             check_compact_model(model)
-    except ValueError:
-        return "generate"
-    return chosen
+    except ValueError as refused:  # the default's own refusal, said in the fit-start line
+        return "generate", str(refused)
+    return chosen, None

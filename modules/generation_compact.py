@@ -167,7 +167,7 @@ def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_
             share_prefill, return_logprobs, compact_fraction, grow_cache, sampling):
     from transformers import DynamicCache
 
-    from lightalign.modules.generation import prefill_shared_cache
+    from lightalign.modules.generation import forward_cache_kwarg, prefill_shared_cache
 
     processors = logits_processors(model, prompt_ids.shape[1], eos_token_ids, pad_token_id, **sampling)
     device = prompt_ids.device
@@ -182,6 +182,7 @@ def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_
         cache = DynamicCache(config=_base(model).config)
         step_ids, step_positions = ids, positions
     extra = {"logits_to_keep": 1} if _forward_takes(model, "logits_to_keep") else {}
+    cache_kwarg = forward_cache_kwarg(model)  # `cache` from transformers 5.24 on, `past_key_values` before
     use_positions = _forward_takes(model, "position_ids")
     grown = not grow_cache
     eos = torch.tensor(eos_token_ids, device=device)
@@ -198,7 +199,7 @@ def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_
         if not grown and cache.get_seq_length() > 0:  # (without the shared prefill: after the first step)
             grow_in_place(cache, max_new_tokens - step)  # the tokens this and every later step may still write
             grown = True
-        logits = model(input_ids=step_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+        logits = model(input_ids=step_ids, attention_mask=mask, use_cache=True, **{cache_kwarg: cache},
                        **extra).logits[:, -1].float()
         scores = processors(ids, logits)
         tokens = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)

@@ -285,8 +285,17 @@ class GRPOModule(GRPORollout, PolicyModule):
         return callbacks
 
     def on_fit_start(self) -> None:
+        self._sampling_backend = None  # decided again in fit_start_notes (the model may have changed)
         super().on_fit_start()  # the layout check, NEFTune when asked
         move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
+
+    def fit_start_notes(self) -> list[str]:
+        """The generation backend, decided (and measured) here, before any rollout: an inexact asked backend or
+        shared prefill is refused at fit start."""
+        if self.hparams.get("use_vllm"):
+            return []
+        self.sampling_backend()
+        return [self.sampling_note]
 
     def batch_layout(self) -> tuple[str, int | None]:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None

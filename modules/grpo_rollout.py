@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.utilities import rank_zero_warn
 
 from lightalign.modules.entropy_control import token_entropies
 from lightalign.modules.generation import sample_completions, split_rollout
@@ -35,24 +34,42 @@ class GRPORollout:
         """Sample ``num_generations`` completions per prompt (``generation.sample_completions``) on the module's
         generation backend (``generation_backends``); ``return_logprobs`` adds the sampler's ``sampling_logps``. With
         ``use_vllm``: the vLLM engine set up by ``vllm_engines.VLLMRollouts``."""
-        hp = self.hparams
         if getattr(self, "vllm_generation", None) is not None:
             return self.vllm_generation.sample_completions(self, batch, num_generations)
+        return self._sample(batch, num_generations, self.sampling_backend(), return_logprobs)
+
+    def sampling_backend(self) -> str:
+        """The generation backend of this run, decided once (at fit start, before any rollout): the asked one, or
+        the device's default (``effective_backend``), each measured on a probe of the policy
+        (``adaptations.check_layout``: greedy completions equal ``generate`` on each prompt alone). An asked backend,
+        or the shared prefill, that is not exact is refused naming the knob; a default that is not exact steps back
+        to ``generate``, and the fit-start line says so and why."""
+        if getattr(self, "_sampling_backend", None) is not None:
+            return self._sampling_backend
+        from lightalign.modules.adaptations import describe_decision
+        from lightalign.modules.adaptations.support import LayoutRefused, check_layout
+
+        hp = self.hparams
         asked = resolve_backend(hp.get("generation_backend"), hp.get("use_transformers_continuous_batching", False))
-        backend = effective_backend(asked, self.model, repetition_penalty=hp.repetition_penalty,
-                                    generation_kwargs=hp.generation_kwargs,
-                                    cache_implementation=hp.cache_implementation)
-        if asked is None and getattr(self, "_default_backend_failed", False):
-            backend = "generate"
-        try:
-            return self._sample(batch, num_generations, backend, return_logprobs)
-        except (RuntimeError, ValueError) as error:
-            if asked is not None or backend == "generate":
-                raise
-            rank_zero_warn(f"The default generation backend ({backend!r}) failed on this model ({error}); sampling "
-                           "with generation_backend 'generate' from now on. Set generation_backend to choose.")
-            self._default_backend_failed = True
-            return self._sample(batch, num_generations, "generate", return_logprobs)
+        backend, why_not_default = effective_backend(asked, self.model, repetition_penalty=hp.repetition_penalty,
+                                                     generation_kwargs=hp.generation_kwargs,
+                                                     cache_implementation=hp.cache_implementation)
+        note = f"generation {backend} ({'asked' if asked else 'default'}"
+        if why_not_default:
+            note = f"generation generate (not the device's default: {why_not_default}"
+        if backend != "generate":
+            try:
+                verdict = check_layout(self.model, backend)
+                note += ", " + describe_decision(verdict)
+            except LayoutRefused as refused:
+                if asked is not None:
+                    raise
+                note = f"generation generate (the default {backend} is not exact on this model: {refused})"
+                backend = "generate"
+        if hp.share_prefill and backend == "generate":
+            check_layout(self.model, "shared_prefill")  # refused naming model.share_prefill
+        self._sampling_backend, self.sampling_note = backend, note if note.endswith(")") else note + ")"
+        return backend
 
     def _sample(self, batch: dict[str, Any], num_generations: int, backend: str, return_logprobs: bool
                 ) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import torch
 
 from lightalign.datamodules.shared_prefix import prompt_group_segments, shared_prefix_batch
 from lightalign.modules.adaptations.attention import VARLEN_SDPA, sequence_sizes
-from lightalign.modules.adaptations.support import PACKED_MASK_FAMILIES
 from lightalign.modules.logprobs import (forward_accepts, scatter_to_sequences, selective_log_softmax,
                                          shared_prefix_token_logps)
 
@@ -26,11 +25,14 @@ def is_packed_row(batch: dict[str, Any]) -> bool:
 
 def split_packed_attention(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a packed row's sequences attend one SDPA call each (``sdpa_varlen``). On CPU it is the faster way
-    (measured); elsewhere only where the family's own mask would let attention cross sequences."""
+    (measured); elsewhere only where the model's own ``sdpa`` mask would let attention cross sequences (measured on
+    its probe, ``support.native_packing_exact``)."""
+    from lightalign.modules.adaptations.support import native_packing_exact
+
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != VARLEN_SDPA:
         return False
-    return device.type == "cpu" or getattr(config, "model_type", None) not in PACKED_MASK_FAMILIES
+    return device.type == "cpu" or not native_packing_exact(model)
 
 
 def sft_logits(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # then slows every tiny-model step several times over.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Probe verdicts (modules/adaptations/probe.py) shared by every test and subprocess of this run (both xdist workers
+# see the same run id), measured afresh in each run, and never written to the user's own cache.
+os.environ.setdefault("LIGHTALIGN_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"lightalign-test-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
 
 import console_script  # noqa: E402  (snapshots the environment above for the console-script tests)
 

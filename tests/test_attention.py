@@ -191,35 +191,38 @@ def test_no_device_reads_inside_the_layers(tiny_model, monkeypatch):
 @pytest.mark.parametrize("device_type, family, split", [("cpu", "qwen2", True), ("cuda", "qwen2", False),
                                                        ("cuda", "opt", True)])
 def test_per_sequence_split_is_cpu_tuned_and_kept_on_gpus_only_where_needed(device_type, family, split):
-    """sdpa_varlen's per-sequence calls were measured faster on CPU only: on a GPU a packed row of a family whose
-    own mask sees position_ids runs transformers' sdpa as is; OPT's mask does not, so it stays split there."""
-    from types import SimpleNamespace
-
+    """sdpa_varlen's per-sequence calls were measured faster on CPU only: on a GPU a packed row runs transformers'
+    sdpa as is where the model's own sdpa mask keeps packed sequences apart, as measured on its probe (Qwen2: its
+    mask is built from position_ids); OPT's mask ignores position_ids (measured), so it stays split there.
+    Mutation: native_packing_exact returning True always -> the OPT case fails."""
+    from conformance_models import build
     from lightalign.modules.layouts import split_packed_attention
 
-    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=VARLEN_SDPA, model_type=family))
+    model = build(family)
+    assert use_varlen_sdpa(model)
     assert split_packed_attention(model, torch.device(device_type)) is split
 
 
-def test_packed_rows_use_flash_attention_varlen_on_a_gpu_when_installed(monkeypatch, tiny_model):
-    """Up to the GPU boundary: the choice (flash-attn installed, CUDA device, half precision, a family whose packed
-    sequences transformers finds from position_ids) and nothing on CPU, in float32, or for ALiBi/OPT."""
+def test_packed_rows_use_flash_attention_varlen_on_a_gpu_when_installed(monkeypatch):
+    """Up to the GPU boundary: the choice (flash-attn installed, CUDA device, half precision, a model whose own
+    masks keep packed sequences apart, measured on its probe) and nothing on CPU, in float32, or for OPT."""
     import importlib.util
 
+    from conformance_models import build
     from lightalign.modules.adaptations.support import packed_gpu_attention
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
-    use_varlen_sdpa(tiny_model)
-    assert packed_gpu_attention(tiny_model, torch.device("cpu")) is None
-    assert packed_gpu_attention(tiny_model, torch.device("cuda")) is None  # float32: flash attention needs half
-    tiny_model.to(torch.bfloat16)
-    assert packed_gpu_attention(tiny_model, torch.device("cuda")) == "flash_attention_2"
-    tiny_model.config.model_type = "opt"
-    assert packed_gpu_attention(tiny_model, torch.device("cuda")) is None
+    qwen, opt = build("qwen2"), build("opt")
+    for model in (qwen, opt):
+        use_varlen_sdpa(model)
+    assert packed_gpu_attention(qwen, torch.device("cpu")) is None
+    assert packed_gpu_attention(qwen, torch.device("cuda")) is None  # float32: flash attention needs half
+    qwen.to(torch.bfloat16), opt.to(torch.bfloat16)
+    assert packed_gpu_attention(qwen, torch.device("cuda")) == "flash_attention_2"
+    assert packed_gpu_attention(opt, torch.device("cuda")) is None  # its own mask lets packed sequences mix
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
-    tiny_model.config.model_type = "qwen2"
-    assert packed_gpu_attention(tiny_model, torch.device("cuda")) is None  # not installed
+    assert packed_gpu_attention(qwen, torch.device("cuda")) is None  # not installed
 
 
 @pytest.mark.gpu

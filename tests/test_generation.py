@@ -36,7 +36,8 @@ def test_shared_cache_holds_each_prompt_once_then_repeats(tiny_model):
     with torch.no_grad():
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         full = tiny_model(input_ids=PROMPTS, attention_mask=mask, position_ids=positions, use_cache=True)
-    ref = full.past_key_values.layers[0].keys[:, :, :-1]
+    cached = full["cache"] if "cache" in full else full["past_key_values"]  # (`cache` from transformers 5.24)
+    ref = cached.layers[0].keys[:, :, :-1]
     real = mask[:, :-1].bool()
     for row in range(3):
         torch.testing.assert_close(keys[4 * row][:, real[row]], ref[row][:, real[row]], atol=1e-5, rtol=0)

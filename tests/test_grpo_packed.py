@@ -137,13 +137,17 @@ def test_padding_free_knob(grpo_module):
 
 
 def test_padding_free_refused_on_alibi_at_fit_start(quiet_trainer, grpo_module, prompt_data, monkeypatch):
-    """check_run refuses the layout before any rollout, naming the model, the knob and the alternative."""
+    """check_run refuses the layout before any rollout, naming the model, the knob, the measured difference and
+    the alternative (the tiny model's verdict replaced by an inexact one: what the probe says of an ALiBi model)."""
     from lightalign.modules.adaptations import support
+    from lightalign.modules.adaptations.probe import Verdict
 
     module = grpo_module(padding_free=True)
     module.generate = lambda *a, **kw: pytest.fail("generated before refusing")
-    monkeypatch.setattr(support, "uses_alibi", lambda config: True)  # the tiny model as if it were an ALiBi model
-    with pytest.raises(ValueError, match=r"model\.padding_free .*cannot run exactly on .*ALiBi.*"
+    real = support.measured
+    monkeypatch.setattr(support, "measured", lambda model, layout, *a, **kw: Verdict(layout, False, 0.7) if layout
+                        == "grpo_packed" else real(model, layout, *a, **kw))
+    with pytest.raises(ValueError, match=r"model\.padding_free .*cannot run exactly on .*7\.0e-01 nats.*"
                                          r"model\.padding_free: false"):
         quiet_trainer(max_steps=1).fit(module, prompt_data())
 

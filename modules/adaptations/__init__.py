@@ -3,8 +3,9 @@
 * ``attention.py``: ``sdpa_varlen``, per-sequence / per-segment SDPA for packed and shared-prefix rows, sliding
   windows kept;
 * ``mlp_memory.py``: ``recompute_mlp_activation``, gated SiLU MLPs that keep one activation tensor less;
-* ``support.py``: what each batch layout needs from a model, and ``check_layout``, which refuses a layout a model
-  cannot run exactly (called at fit start by every module).
+* ``support.py``: ``check_layout``, which refuses a layout (or generation backend) a model does not run exactly,
+  as measured by ``probe.py`` on a shrunk copy of the model (``shrink.py``, ``probe_layouts.py``; verdicts cached
+  on disk), called at fit start by every module.
 
 ``adapt_model`` applies the adaptations a ``PolicyModule`` asks for and returns an ``AdaptationReport``; its
 ``describe()`` is the fit-start line, and its ``as_dict()`` goes into the saved run config.
@@ -41,6 +42,7 @@ class AdaptationReport:
     mlps: MLPReport = field(default_factory=MLPReport)
     mlp_recompute: str = "off"  # off | on | liger
     layout: str | None = None
+    layout_decided: str = ""  # how the layout's exactness was decided (measured on a probe, or a cached verdict)
     sliding_window: int | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -61,12 +63,13 @@ class AdaptationReport:
         if self.sliding_window is not None:
             attention += f", sliding window {self.sliding_window} kept"
         mlp = {"off": "off", "liger": "Liger SwiGLU"}.get(self.mlp_recompute, self.mlps.describe())
-        parts = [f"model {self.family}", f"attention {attention}", f"layout {self.layout or '-'}",
+        layout = f"{self.layout or '-'}{f' ({self.layout_decided})' if self.layout_decided else ''}"
+        parts = [f"model {self.family}", f"attention {attention}", f"layout {layout}",
                  f"recompute_mlp_activation {mlp}"] + self.notes
         return "lightalign adaptations: " + ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"family": self.family, "attention": self.attention, "layout": self.layout,
+        return {"family": self.family, "attention": self.attention, "layout": self.layout, "layout_decided": self.layout_decided,
                 "recompute_mlp_activation": self.mlp_recompute, "mlps_switched": self.mlps.switched,
                 "mlps_total": self.mlps.total, "sliding_window": self.sliding_window, "mlps_skipped": dict(self.mlps.skipped), "notes": list(self.notes)}
 
@@ -98,18 +101,31 @@ def check_run(model: torch.nn.Module, ref_model: torch.nn.Module | None, layout:
     """Fit start, before any batch: packed rows on a GPU take flash-attention varlen when installed; the layout
     is refused (``LayoutRefused``) if the policy or a separate reference cannot compute it exactly; the fit-start
     line says what was adapted, and the same facts go to the logger's hyperparameters (``hparams.yaml``)."""
-    from lightning.pytorch.utilities import rank_zero_info
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
     from lightalign.modules.adaptations.support import packed_gpu_attention
 
+    from lightalign.modules.adaptations.support import batch_dependence_note
+
+    verdicts = [check_layout(m, layout, max_tokens=longest) for m in (model, ref_model) if m is not None]
     if layout in PACKED_LAYOUTS and (choice := packed_gpu_attention(model, device)) is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.set_attn_implementation(choice)
         report.attention = choice
-    for m in (model, ref_model):
-        if m is not None:
-            check_layout(m, layout, max_tokens=longest)
     report.layout, report.notes = layout, list(notes)
+    report.layout_decided = describe_decision(verdicts[0])
+    for m, verdict in zip((model, ref_model), verdicts):
+        if (note := batch_dependence_note(m, verdict)) is not None:
+            rank_zero_warn(note)
+            report.notes.append(f"batch-dependent model (up to {verdict.batch_dependence:.1e} nats, warned)")
     rank_zero_info(report.describe())
     if logger is not None:
         logger.log_hyperparams({"lightalign_adaptations": report.as_dict()})
+
+
+def describe_decision(verdict) -> str:
+    """How a layout's exactness was decided, for the fit-start line."""
+    if verdict.not_measured:
+        return f"not measured: {verdict.not_measured}"
+    how = "cached verdict" if verdict.cached else f"measured on a probe in {verdict.seconds:.2f} s"
+    return f"exact, {how}"

@@ -1,53 +1,38 @@
-"""What each batch layout needs from a model, and the check that refuses a layout a model cannot run exactly.
+"""Which batch layouts and generation backends a model can run exactly: decided by measurement, then explained.
 
 A *layout* is how lightalign lays sequences out for one forward: ``padded`` rows (SFT), ``padding_free`` and
 ``packed`` rows (several sequences in one row, ``position_ids`` restarting), the DPO pair layouts
 ``dpo_shared`` (one ``[prompt, chosen, rejected]`` segment per pair under a 4D mask) and ``dpo_classic``
 (padded rows), the GRPO layouts ``grpo_padded`` (left-padded prompts) and ``grpo_shared`` (one segment per
 prompt group), ``grpo_packed`` (every ``[prompt, completion]`` one after the other in one row, no padding),
-and ``shared_prefill`` (generation with the prompt's KV cache computed once per group).
+and ``shared_prefill`` (generation with the prompt's KV cache computed once per group); the generation backends
+``compact``, ``continuous`` and ``static`` are checked the same way.
 
-The requirements, read off the model's structure (``ModelTraits``):
-
-* positions from ``position_ids``: packed and shared-prefix rows restart positions inside a row. ALiBi models
-  (Bloom, Falcon with ``alibi``, MPT) compute positions from the 2D attention mask and cannot.
-* attention that never crosses a sequence of a packed row: either lightalign's ``sdpa_varlen`` runs the model's
-  attention (each sequence on its own, ``attention.py``), or the family builds its masks from ``position_ids``
-  (``PACKED_MASK_FAMILIES``, checked family by family in tests/test_conformance.py; Falcon and OPT do not).
-* a custom 4D mask that reaches every layer unchanged: the shared-prefix layouts need ``sdpa``/``sdpa_varlen``/
-  ``eager`` attention in a family of the conformance matrix (``MATRIX_FAMILIES``) or one whose attention goes
-  through transformers' attention interface.
-* sliding windows: a shared-prefix mask replaces the model's own, so the window must be put back into it.
-  ``sdpa_varlen`` does so for every layer that announces its window (``WINDOW_KWARG_FAMILIES``); with other
-  attention the layout is refused when sequences can be longer than the window.
-
-``check_layout`` raises ``LayoutRefused`` naming the model, the knob and the alternative; nothing here changes a
-model.
+``check_layout`` runs the layout on a shrunk copy of the model (``probe.measure``: same class, config shrunk in
+size only, verdict cached on disk) against each sequence's own forward, and raises ``LayoutRefused`` naming the
+model, the knob, the measured difference, the likely cause (read off the config: ALiBi, token mixers that are not
+attention, chunked attention, sliding windows, an attention implementation without 4D masks) and the setting
+that avoids it. Nothing is accepted or refused by a list of families; nothing here changes a model.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from lightalign.modules.adaptations.attention import VARLEN_SDPA
+from lightalign.modules.adaptations.probe import GENERATION_BACKENDS, Verdict, measure
 from lightalign.modules.logprobs import forward_accepts
 
 LAYOUTS = ("padded", "padding_free", "packed", "dpo_shared", "dpo_classic", "grpo_padded", "grpo_shared",
            "grpo_packed", "shared_prefill")
 SHARED_LAYOUTS = ("dpo_shared", "grpo_shared")
 PACKED_LAYOUTS = ("padding_free", "packed", "grpo_packed")
-
-# Families whose masks come from transformers' masking_utils given position_ids (packed sequences detected).
-PACKED_MASK_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
-                                  "gemma3_text", "phi3", "gpt2", "gpt_neox"})
-# Every family of the conformance matrix (tests/conformance_models.py).
-MATRIX_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
-                             "phi3", "gpt2", "gpt_neox", "opt", "falcon", "bloom"})
-# Families whose sliding-window layers pass their window to the attention function (``sliding_window=``).
-WINDOW_KWARG_FAMILIES = frozenset({"mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
-                                   "phi3"})
+PADDED_LAYOUTS = ("padded", "dpo_classic", "grpo_padded")
+ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local",
+                   "hybrid"}
 _KNOBS = {  # the knob as YAML / the command line names it, and the setting that avoids the layout
     "padding_free": ("data.padding_free / data.packing (SFTDataModule; data.padding_free of PreferenceDataModule)",
                      "data.padding_free: false and data.packing: false"),
@@ -55,7 +40,14 @@ _KNOBS = {  # the knob as YAML / the command line names it, and the setting that
     "dpo_shared": ("data.prompt_sharing (PreferenceDataModule, on by default)", "data.prompt_sharing: false"),
     "grpo_shared": ("model.prompt_sharing (GRPOModule)", "model.prompt_sharing: false"),
     "grpo_packed": ("model.padding_free (GRPOModule / RLOOModule)", "model.padding_free: false"),
+    "shared_prefill": ("model.share_prefill (GRPOModule / RLOOModule / PPOModule, on by default)",
+                       "model.share_prefill: false"),
+    "compact": ("model.generation_backend: compact", "model.generation_backend: generate"),
+    "continuous": ("model.generation_backend: continuous", "model.generation_backend: generate"),
+    "static": ("model.generation_backend: static", "model.generation_backend: generate"),
 }
+for _padded in PADDED_LAYOUTS:
+    _KNOBS[_padded] = ("padded batches", "per-device batch size 1")
 
 
 class LayoutRefused(ValueError):
@@ -64,6 +56,8 @@ class LayoutRefused(ValueError):
 
 @dataclass(frozen=True)
 class ModelTraits:
+    """What the config says about a model's token mixing (used to explain a measured verdict, never to decide)."""
+
     family: str  # config.model_type
     class_name: str
     attn: str  # the attention implementation the model runs
@@ -71,6 +65,8 @@ class ModelTraits:
     takes_position_ids: bool
     attention_interface: bool  # attention goes through transformers' AttentionInterface
     sliding_window: int | None  # the window of its sliding-window layers; None: no such layer
+    chunk: int | None = None  # attention_chunk_size
+    other_mixers: tuple[str, ...] = ()  # layer kinds that are not attention (conv, mamba, linear_attention, ...)
 
     @property
     def name(self) -> str:
@@ -89,13 +85,25 @@ def uses_alibi(config) -> bool:
 
 
 def sliding_window_of(config) -> int | None:
-    window = getattr(config, "sliding_window", None)
+    window = getattr(config, "sliding_window", None) or getattr(config, "window_size", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return int(window)
+
+
+def _other_mixers(config) -> tuple[str, ...]:
+    kinds: set[str] = set()
+    for field in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
+        value = getattr(config, field, None)
+        if isinstance(value, (list, tuple)):
+            kinds |= {str(k) for k in value}
+        elif isinstance(value, str) and field == "hybrid_override_pattern":
+            kinds |= {{"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}.get(c, c) for c in value}
+    kinds -= ATTENTION_KINDS | {"mlp", "moe"}
+    return tuple(sorted(kinds))
 
 
 def model_traits(model: torch.nn.Module) -> ModelTraits:
@@ -105,6 +113,7 @@ def model_traits(model: torch.nn.Module) -> ModelTraits:
         takes_position_ids = forward_accepts(base, "position_ids")
     except (TypeError, ValueError):
         takes_position_ids = False
+    chunk = getattr(config, "attention_chunk_size", None)
     return ModelTraits(
         family=str(getattr(config, "model_type", "?")),
         class_name=type(base).__name__,
@@ -113,61 +122,101 @@ def model_traits(model: torch.nn.Module) -> ModelTraits:
         takes_position_ids=takes_position_ids,
         attention_interface=bool(getattr(type(base), "_supports_attention_backend", False)),
         sliding_window=sliding_window_of(config),
+        chunk=int(chunk) if chunk else None,
+        other_mixers=_other_mixers(config),
     )
 
 
-def check_layout(model: torch.nn.Module, layout: str, max_tokens: int | None = None) -> ModelTraits:
-    """Refuse (``LayoutRefused``) a layout the model cannot compute exactly; return the model's traits.
+_MEMO: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
-    ``max_tokens``: the longest sequence (prompt + completion) the run can have, when known; a sliding window
-    at least that long never binds."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"Unknown layout '{layout}'; one of {LAYOUTS}.")
+
+def measured(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
+             attn_implementation: str | None = None) -> Verdict:
+    """``probe.measure`` remembered per model object for this process (per-batch callers pay once)."""
+    base = _base(model)
+    memo = _MEMO.setdefault(base, {})
+    key = (layout, max_tokens, attn_implementation, getattr(base.config, "_attn_implementation", None))
+    if key not in memo:
+        memo[key] = measure(base, layout, max_tokens, attn_implementation=attn_implementation)
+    return memo[key]
+
+
+def check_layout(model: torch.nn.Module, layout: str, max_tokens: int | None = None) -> Verdict:
+    """Refuse (``LayoutRefused``) a layout or generation backend the model does not compute exactly, as measured
+    on its probe; return the verdict. ``max_tokens``: the longest sequence (prompt + completion) the run can have,
+    when known (a sliding window, chunk or rope threshold at least that long never binds)."""
+    if layout not in LAYOUTS + GENERATION_BACKENDS:
+        raise ValueError(f"Unknown layout '{layout}'; one of {LAYOUTS + GENERATION_BACKENDS}.")
     t = model_traits(model)
-    if layout in PACKED_LAYOUTS + SHARED_LAYOUTS:
-        knob, alternative = _KNOBS[layout]
-        if t.alibi or not t.takes_position_ids:
-            why = ("uses ALiBi: its positions come from the 2D attention mask, not from position_ids"
-                   if t.alibi else "takes no position_ids")
-            _refuse(t, knob, alternative, f"it {why}, and this layout restarts positions inside a row")
-        window_binds = t.sliding_window is not None and (max_tokens is None or max_tokens > t.sliding_window)
-        if window_binds and t.family not in WINDOW_KWARG_FAMILIES:
-            _refuse(t, knob, alternative, f"it has sliding-window attention (window {t.sliding_window}) and is not "
-                    "in lightalign's conformance matrix, so the window cannot be kept exactly")
-        if layout in PACKED_LAYOUTS:
-            varlen = t.attn == VARLEN_SDPA and t.attention_interface
-            if not varlen and t.family not in PACKED_MASK_FAMILIES:
-                _refuse(t, knob, alternative,
-                        f"with attn_implementation '{t.attn}' its attention mask is not built from position_ids, so "
-                        "attention would cross the sequences of a packed row (lightalign's sdpa_varlen keeps them "
-                        "apart on models that route attention through transformers' attention interface)")
-        else:
-            if t.attn not in ("sdpa", VARLEN_SDPA, "eager"):
-                _refuse(t, knob, alternative,
-                        f"this layout needs a custom 4D attention mask to reach every layer, which "
-                        f"attn_implementation '{t.attn}' does not take (use sdpa or eager)")
-            if t.family not in MATRIX_FAMILIES and not t.attention_interface:
-                _refuse(t, knob, alternative,
-                        "its code neither routes attention through transformers' attention interface nor is in "
-                        "lightalign's conformance matrix, so a custom 4D mask may not reach every layer")
-            if window_binds and t.attn != VARLEN_SDPA:
-                _refuse(t, knob, alternative,
-                        f"it has sliding-window attention (window {t.sliding_window} tokens, shorter than the "
-                        f"sequences{'' if max_tokens is None else f' of up to {max_tokens} tokens'}) and runs "
-                        f"attn_implementation '{t.attn}', where the shared-prefix mask would replace the window "
-                        "(lightalign keeps the window under sdpa, which it runs as sdpa_varlen)")
-    return t
+    knob, alternative = _KNOBS[layout]
+    if gpu_only_attention(t.attn):
+        if layout in SHARED_LAYOUTS:
+            raise LayoutRefused(f"{knob} cannot run on {t.name}: this layout needs a custom 4D attention mask to reach "
+                                f"every layer, which attn_implementation '{t.attn}' does not take (use sdpa or eager). "
+                                f"Set {alternative}.")
+        return Verdict(layout, True, float("nan"), not_measured=f"attn_implementation '{t.attn}' does not run on the "
+                       "CPU probe")
+    verdict = measured(model, layout, max_tokens)
+    if not verdict.exact:
+        cause = likely_cause(t, layout)
+        raise LayoutRefused(
+            f"{knob} cannot run exactly on {t.name}: measured on a shrunk copy of its config, the {layout} layout "
+            f"{verdict.describe(with_error=not cause)}{f' ({cause})' if cause else ''}. Set {alternative} to train "
+            "this model exactly.")
+    return verdict
 
 
-def _refuse(t: ModelTraits, knob: str, alternative: str, why: str) -> None:
-    raise LayoutRefused(f"{knob} cannot run exactly on {t.name}: {why}. Set {alternative} to train this model "
-                        "with padded rows.")
+def gpu_only_attention(attn: str) -> bool:
+    """Attention implementations the CPU probe cannot run (flash attention, hub kernels)."""
+    return attn.startswith(("flash_attention", "kernels-", "paged|")) or "/" in attn
+
+
+def likely_cause(t: ModelTraits, layout: str) -> str:
+    """What in the config explains a refused layout (only an explanation: the measurement decided)."""
+    restarts = layout in PACKED_LAYOUTS + SHARED_LAYOUTS
+    if restarts and t.alibi:
+        return "it uses ALiBi: its positions come from the 2D attention mask, not from position_ids"
+    if restarts and not t.takes_position_ids:
+        return "it takes no position_ids"
+    if t.other_mixers and (restarts or layout in ("shared_prefill", *GENERATION_BACKENDS)):
+        return (f"its token mixers {list(t.other_mixers)} are not attention, so no attention mask keeps sequences "
+                "apart in them" if restarts else f"its cache holds state of {list(t.other_mixers)} layers")
+    if t.chunk and restarts:
+        return f"it attends in chunks of {t.chunk} tokens, which this layout's mask does not keep"
+    if t.sliding_window and layout in SHARED_LAYOUTS and t.attn != VARLEN_SDPA:
+        return (f"its sliding window ({t.sliding_window} tokens) is replaced by the shared-prefix mask under "
+                f"attn_implementation '{t.attn}'")
+    if restarts and t.attn not in ("sdpa", VARLEN_SDPA, "eager"):
+        return f"attn_implementation '{t.attn}' does not take lightalign's masks"
+    if restarts and t.attn != VARLEN_SDPA:
+        return f"with attn_implementation '{t.attn}' its own mask lets attention cross the sequences of a row"
+    return ""
+
+
+def batch_dependence_note(model: torch.nn.Module, verdict: Verdict) -> str | None:
+    """One line when the model's own batching is not exact whatever the layout (e.g. LongRoPE), else None."""
+    if verdict.batch_dependence <= 0:
+        return None
+    t = model_traits(model)
+    limits = ", ".join(f"{name} {fact['value']}" for name, fact in verdict.thresholds.items()
+                       if isinstance(fact, dict) and fact.get("binds"))
+    return (f"{t.name} computes a sequence differently when its batch holds longer ones, whatever the layout "
+            f"(measured on its probe: up to {verdict.batch_dependence:.1e} nats per token in a plain padded batch; "
+            f"the layouts themselves are exact). Exact only when no batch mixes sequences across its threshold"
+            f"{f' ({limits})' if limits else ''}: keep max_length at or under it, or train with batch size 1.")
+
+
+def native_packing_exact(model: torch.nn.Module) -> bool:
+    """Whether the model's own ``sdpa`` masks keep the sequences of a packed row apart (measured on its probe):
+    then a GPU run may hand packed rows to the model's own attention (or flash-attention's varlen path)."""
+    return measured(model, "padding_free", attn_implementation="sdpa").exact
 
 
 def packed_gpu_attention(model: torch.nn.Module, device: torch.device) -> str | None:
-    """``flash_attention_2`` for packed rows on a CUDA device when flash-attn is installed, the model supports it
-    and runs in half precision: transformers' own varlen path, sequences found from ``position_ids``. None
-    otherwise (CPU runs keep ``sdpa_varlen``, measured here; a user's explicit attention choice is kept)."""
+    """``flash_attention_2`` for packed rows on a CUDA device when flash-attn is installed, the model supports it,
+    runs in half precision and its own masks keep packed sequences apart (measured, ``native_packing_exact``):
+    transformers' own varlen path, sequences found from ``position_ids``. None otherwise (CPU runs keep
+    ``sdpa_varlen``, measured here; a user's explicit attention choice is kept)."""
     import importlib.util
 
     if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
@@ -176,7 +225,7 @@ def packed_gpu_attention(model: torch.nn.Module, device: torch.device) -> str | 
     traits = model_traits(model)
     if traits.attn not in ("sdpa", VARLEN_SDPA) or not getattr(base, "_supports_flash_attn", False):
         return None
-    if traits.alibi or traits.family not in PACKED_MASK_FAMILIES:
+    if traits.alibi or not native_packing_exact(model):
         return None
     dtype = next(base.parameters()).dtype
     return "flash_attention_2" if dtype in (torch.float16, torch.bfloat16) else None

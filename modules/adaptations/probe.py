@@ -1,0 +1,216 @@
+"""Whether a batch layout or a generation backend is exact on a model, decided by measuring it.
+
+A *probe* is the user's own model class built from the user's config shrunk in size only
+(``shrink.shrink_config``: every field that shapes attention, positions, token mixing or routing kept, token-count
+thresholds such as sliding windows, attention chunks and LongRoPE's original context put where the probe's
+sequences cross them exactly when the run's can). On it, the layout's per-token log-probs are compared with each
+sequence's own plain forward (``probe_layouts``); a generation backend's greedy completions with ``generate`` on
+each prompt alone. A layout that raises is not exact either (the error is part of the verdict).
+
+The verdict is cached on disk (``cache_dir()``), keyed by the model class, the transformers and torch versions, the
+layout and the shrunk config with its threshold facts, so a model pays once; ``LIGHTALIGN_CACHE_DIR`` moves the
+cache, ``LIGHTALIGN_PROBE_CACHE=0`` turns it off.
+
+Some models compute a sequence differently depending on what else is in its forward, whatever the layout
+(Phi-3's LongRoPE picks its rope factors from the longest position of the forward). The probe measures that on
+the plain ``padded`` layout too (``Verdict.batch_dependence``); the other layouts are then judged on sequences
+that stay under the model's thresholds, and the run is told once how large the effect is and what avoids it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from lightalign.modules.adaptations import probe_layouts as pl
+
+PROBE_VERSION = 1  # bump when what the probe measures changes: old verdicts are then not reused
+TOLERANCE = 1e-4  # nats per token (float32)
+GENERATION_BACKENDS = ("shared_prefill", "compact", "continuous", "static")
+TRAIN_DETERMINISM = "train_determinism"  # not a layout: with disable_dropout, two train-mode forwards agree
+# (prompt, chosen, rejected) lengths: long ones crossing the probe's thresholds (shrink.PROBE_THRESHOLD, 12),
+# short ones under them (what LongRoPE-like models compute differently when batched with long ones)
+LONG = ((14, 18, 9), (5, 4, 3), (22, 12, 20))
+SHORT = ((4, 5, 2), (3, 2, 4), (6, 3, 5))
+NEW_TOKENS = 24
+SHORT_NEW_TOKENS = 5  # short prompts + 5 new tokens stay under the probe's thresholds
+
+
+@dataclass(frozen=True)
+class Verdict:
+    layout: str
+    exact: bool
+    difference: float  # max |Δ log-prob| (layouts, nats) or the number of differing tokens (backends)
+    error: str | None = None  # what the layout raised on the probe, if it did
+    batch_dependence: float = 0.0  # the plain padded batch's own difference on sequences crossing the thresholds
+    seconds: float = 0.0
+    cached: bool = False
+    thresholds: dict = field(default_factory=dict)  # shrink_config's facts: each token-count threshold, binds or not
+    not_measured: str = ""  # why no measurement could be made (e.g. a GPU-only attention implementation)
+
+    def describe(self, with_error: bool = True) -> str:
+        if self.error:
+            return f"fails on the probe ({self.error})" if with_error else "fails on the probe"
+        if self.layout == TRAIN_DETERMINISM:
+            return f"logits of two train-mode forwards differ by up to {self.difference:.1e}"
+        if self.layout in GENERATION_BACKENDS:
+            return f"{int(self.difference)} greedy tokens differ from generate on each prompt alone"
+        return f"log-probs differ from each sequence's own forward by up to {self.difference:.1e} nats"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LIGHTALIGN_CACHE_DIR")
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lightalign")
+    return Path(root) / "probes"
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _key(model_class: type, config, layout: str, facts: dict) -> str:
+    import transformers
+
+    cfg = config.to_dict()
+    cfg.pop("transformers_version", None)
+    cfg.pop("_name_or_path", None)
+    material = {"class": f"{model_class.__module__}.{model_class.__qualname__}", "layout": layout,
+                "transformers": transformers.__version__, "torch": torch.__version__, "probe": PROBE_VERSION,
+                "attn": getattr(config, "_attn_implementation", None), "config": cfg, "facts": facts}
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _read(key: str) -> Verdict | None:
+    if os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") == "0":
+        return None
+    try:
+        data = json.loads((cache_dir() / f"{key}.json").read_text())
+        return Verdict(**{**data, "cached": True})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write(key: str, verdict: Verdict) -> None:
+    if os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") == "0":
+        return
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+            json.dump(asdict(verdict), f)
+        os.replace(f.name, folder / f"{key}.json")  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # a read-only cache only costs the next run another measurement
+
+
+def measure(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
+            attn_implementation: str | None = None) -> Verdict:
+    """The verdict for ``layout`` (a batch layout of ``support.LAYOUTS`` or a backend of ``GENERATION_BACKENDS``)
+    on ``model``'s class and config (``attn_implementation``: another attention implementation than the model's),
+    from the disk cache or measured on a probe."""
+    from lightalign.modules.adaptations.shrink import shrink_config
+
+    base = _base(model)
+    shrunk, facts = shrink_config(base.config, max_tokens, model_class=type(base))
+    if attn_implementation is not None:
+        shrunk._attn_implementation = attn_implementation
+    key = _key(type(base), shrunk, layout, facts)
+    cached = _read(key)
+    if cached is not None:
+        return cached
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):  # the probe seeds its own weights; the run's random stream is untouched
+        verdict = _measure(type(base), shrunk, layout)
+    verdict = Verdict(**{**asdict(verdict), "seconds": round(time.perf_counter() - start, 3), "thresholds": facts})
+    _write(key, verdict)
+    return verdict
+
+
+def _build(model_class: type, shrunk, seed: int = 0):
+    """The probe with weights of unit scale (``N(0, 1/fan_in)`` for every matrix, norms and biases as built): with
+    a family's own small initialisation a token mixer that leaks across sequences can move log-probs by less than
+    float32's noise; at unit scale a leak moves them by O(1) nats (measured: 0.8-2 on Falcon, LFM2, GPT-Neo) while
+    exact layouts stay within ~1e-6."""
+    from lightalign.modules.adaptations.shrink import probe_model
+
+    probe = probe_model(model_class, shrunk, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in probe.parameters():
+            if p.dim() >= 2 and p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) / math.sqrt(p.shape[-1]))
+    return probe.eval()
+
+
+def _measure(model_class: type, shrunk, layout: str) -> Verdict:
+    probe = _build(model_class, shrunk)
+    if layout == TRAIN_DETERMINISM:
+        return _measure_determinism(probe)
+    vocab = _vocab(probe)
+    long = pl.probe_sequences(vocab, LONG, NEW_TOKENS)
+    padded = _run(probe, "padded", long)
+    if padded.error or padded.difference <= TOLERANCE:
+        return _run_any(probe, layout, long) if layout != "padded" else padded
+    # The model's own batching is not exact on sequences crossing its thresholds: every layout (padded included)
+    # and backend is judged on sequences under them, and the verdict carries the size of the model's own effect.
+    verdict = _run_any(probe, layout, pl.probe_sequences(vocab, SHORT, SHORT_NEW_TOKENS, seed=1))
+    return Verdict(layout, verdict.exact, verdict.difference, verdict.error, batch_dependence=padded.difference)
+
+
+def _run_any(probe, layout: str, seqs: pl.ProbeSequences) -> Verdict:
+    return _measure_backend(probe, layout, seqs) if layout in GENERATION_BACKENDS else _run(probe, layout, seqs)
+
+
+def _run(probe, layout: str, seqs: pl.ProbeSequences) -> Verdict:
+    causal = pl.is_causal_lm(probe)
+    if not causal and layout != "padded":
+        return Verdict(layout, False, float("inf"), error="a sequence classifier reads whole padded sequences only")
+    try:
+        got = pl.layout_logps(layout, probe, seqs) if causal else pl.padded_scores(probe, seqs)
+    except Exception as error:  # noqa: BLE001 - any failure of the layout on this model is its verdict
+        return Verdict(layout, False, float("inf"), error=f"{type(error).__name__}: {str(error)[:300]}")
+    want = pl.alone_logps(layout, probe, seqs) if causal else pl.alone_scores(probe, seqs)
+    diff = pl.max_difference(got, want)
+    return Verdict(layout, diff <= TOLERANCE, diff)
+
+
+def _measure_backend(probe, backend: str, seqs: pl.ProbeSequences) -> Verdict:
+    try:
+        want = pl.greedy_alone(probe, seqs)
+    except Exception as error:  # noqa: BLE001 - generate itself fails: no backend can be shown exact
+        return Verdict(backend, False, float("inf"), error=f"generate itself fails: {type(error).__name__}: "
+                       f"{str(error)[:300]}")
+    try:
+        got = pl.greedy_tokens(probe, backend, seqs)
+    except Exception as error:  # noqa: BLE001 - any failure of the backend on this model is its verdict
+        return Verdict(backend, False, float("inf"), error=f"{type(error).__name__}: {str(error)[:300]}")
+    differing = sum(sum(a != b for a, b in zip(g, w)) + abs(len(g) - len(w)) for g, w in zip(got, want))
+    return Verdict(backend, differing == 0, float(differing))
+
+
+def _measure_determinism(probe) -> Verdict:
+    """``disable_dropout`` on the probe (built from the run's config, whose rates it already zeroed), then two
+    train-mode forwards of the same tokens: the largest logit difference."""
+    from lightalign.modules.dropout import disable_dropout_in_model, train_mode_nondeterminism
+
+    disable_dropout_in_model(probe)
+    vocab = _vocab(probe)
+    ids = torch.tensor([pl.probe_sequences(vocab, LONG, NEW_TOKENS).pairs[0][0] * 2])
+    try:
+        diff = train_mode_nondeterminism(probe, ids)
+    except Exception as error:  # noqa: BLE001 - reported as the verdict; the run's own forward will say more
+        return Verdict(TRAIN_DETERMINISM, False, float("inf"), error=f"{type(error).__name__}: {str(error)[:300]}")
+    return Verdict(TRAIN_DETERMINISM, diff == 0.0, diff)
+
+
+def _vocab(probe) -> int:
+    return int(probe.get_input_embeddings().weight.shape[0])
