@@ -145,6 +145,24 @@ def load_causal_lm(
     return load_model(AutoModelForCausalLM, name_or_path, from_config, init_kwargs, trust_remote_code)
 
 
+def meta_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False):
+    """The ``AutoModelForCausalLM`` that ``load_causal_lm`` would build, on the meta device: its class, config and
+    attention implementation, no weights read or allocated (what the layout probe needs before the real load).
+    None for models that ship their own code (their classes may not build on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if trust_remote_code:
+        return None
+    kwargs = normalize_init_kwargs(init_kwargs)
+    _check_local_folder(name_or_path, "Model")
+    config = AutoConfig.from_pretrained(name_or_path, **_hub_kwargs(name_or_path),
+                                        **{k: kwargs[k] for k in ("revision",) if k in kwargs})
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        return None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=kwargs.get("attn_implementation"))
+
+
 def load_model(
     auto_class: Any,
     name_or_path: str,

@@ -217,6 +217,7 @@ class PolicyModule(L.LightningModule):
         if self.model is not None:
             return
         hp = self.hparams
+        self.check_layout_before_loading()
         with torch.inference_mode(False):  # validate() before fit() calls this under inference mode
             self.model = load_causal_lm(
                 self.model_name_or_path,
@@ -225,6 +226,27 @@ class PolicyModule(L.LightningModule):
                 trust_remote_code=hp.trust_remote_code,
             )
             self._prepare_model()
+
+    def check_layout_before_loading(self) -> None:
+        """Fitting a batch layout other than plain padded rows: measure it on the model's class and config (built
+        on the meta device: no weights) before the weights load, so a refusal costs seconds, not a model load. The
+        same check runs again at fit start on the loaded model (``check_model_layout``; its verdict is then read
+        from the cache)."""
+        from lightalign.hub import meta_causal_lm
+        from lightalign.modules.adaptations import check_layout
+        from lightalign.modules.adaptations.attention import use_varlen_sdpa
+        from lightalign.modules.adaptations.support import PADDED_LAYOUTS
+
+        if self._trainer is None or getattr(self.trainer, "datamodule", None) is None:
+            return
+        layout, longest = self.batch_layout()
+        if layout in PADDED_LAYOUTS:
+            return
+        hp = self.hparams
+        meta = meta_causal_lm(self.model_name_or_path, hp.model_init_kwargs, hp.trust_remote_code)
+        if meta is not None:
+            use_varlen_sdpa(meta)  # as adapt_model does for the real model
+            check_layout(meta, layout, max_tokens=longest)
 
     def _prepare_model(self) -> None:
         hp = self.hparams

@@ -157,3 +157,22 @@ def test_train_mode_randomness_left_on_is_caught_by_the_measurement(model_type, 
     assert "deterministic" in PolicyModule.check_train_determinism(holder)
     if mutation == "config":
         assert real_configs is dropout._configs
+
+
+def test_a_refused_layout_is_refused_before_the_weights_load(tmp_path, tiny_dir, data_dir, quiet_trainer, monkeypatch):
+    """DPO's default prompt sharing on LFM2: refused from the model's class and config (built on the meta device),
+    before load_causal_lm reads any weight. Mutation: drop check_layout_before_loading -> the weights load first."""
+    import lightalign.modules.base as base
+    from lightalign import DPOModule, PreferenceDataModule
+    from lightalign.hub import load_tokenizer
+
+    folder = tmp_path / "lfm2"
+    tiny("lfm2", layer_types=["conv", "full_attention"]).save_pretrained(folder)
+    load_tokenizer(str(tiny_dir)).save_pretrained(folder)
+    monkeypatch.setattr(base, "load_causal_lm", lambda *a, **kw: pytest.fail("weights loaded before the refusal"))
+    module = DPOModule(str(folder))
+    data = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(folder), max_length=64,
+                                batch_size=4)
+    with pytest.raises(LayoutRefused, match=r"data\.prompt_sharing .*Lfm2ForCausalLM.*prompt_sharing: false"):
+        quiet_trainer(max_steps=1).fit(module, data)
+    assert module.model is None
