@@ -66,7 +66,9 @@ class GRPOModule(GRPORollout, PolicyModule):
             ``cache_implementation``; one process).
             Unset: ``compact`` on a CPU (measured fastest there, docs/performance.md), ``generate`` elsewhere (GPUs
             not measured; ``generation_backends.DEFAULT_BACKEND``), and ``generate`` whenever ``compact`` cannot
-            serve: a knob only ``generate`` honours, several processes, or a model without a plain KV cache.
+            serve: a knob only ``generate`` honours, several processes, a model without a plain KV cache, or greedy
+            tokens that differ from ``generate``'s on the model's probe (``adaptations.check_layout``); the
+            fit-start line says which and why. An asked backend that the probe measures not exact is refused.
         use_transformers_continuous_batching: TRL's name for ``generation_backend: continuous``.
         transformers_continuous_batching_config: ``ContinuousBatchingConfig`` fields for ``continuous`` (e.g.
             ``page_size``, ``num_blocks``; by default the paged cache is sized from the rollout).
