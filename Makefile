@@ -45,12 +45,13 @@ test-latest:
 	$(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_BIN)/python -m pip install -q torch==2.13.0
 	$(LATEST_BIN)/python -m pip install -q --upgrade -e '.[dev]'
-	$(LATEST_BIN)/python -m pip freeze --exclude-editable | grep -v '^torch==' | diff constraints.txt - || true
+	@echo 'versions that differ from constraints.txt (< newest, > locked):'
+	$(LATEST_BIN)/python -m pip freeze --exclude-editable | diff - constraints.txt | grep -v -e '^[<>] #' -e 'torch==' | grep '^[<>]' || true
 	$(LATEST_BIN)/pytest -q -n 2 -p no:cacheprovider
 
 # After a green `make test-latest`: its versions become the lock (commit it with the run's result).
 lock:
-	{ sed -n '1,2p' constraints.txt; $(LATEST_BIN)/python -m pip freeze --exclude-editable | grep -v -e '^torch==' -e '^lightalign'; \
+	{ sed -n '1,2p' constraints.txt; $(LATEST_BIN)/python -m pip freeze --exclude-editable | grep -v -e '^torch==' -e '^lightalign' -e '^#'; \
 	  echo 'torch==2.13.0'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 $(BENCH_BIN)/python:

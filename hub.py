@@ -148,10 +148,13 @@ def load_causal_lm(
 def meta_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False):
     """The ``AutoModelForCausalLM`` that ``load_causal_lm`` would build, on the meta device: its class, config and
     attention implementation, no weights read or allocated (what the layout probe needs before the real load).
-    None for models that ship their own code (their classes may not build on the meta device)."""
+    None for models that ship their own code (their classes may not build on the meta device), under DeepSpeed
+    ZeRO-3, and when the model cannot run the asked attention implementation (the real load then says so in one
+    line)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
-    if trust_remote_code:
+    if trust_remote_code or is_deepspeed_zero3_enabled():  # ZeRO-3 would partition (and initialise) it as it is built
         return None
     kwargs = normalize_init_kwargs(init_kwargs)
     _check_local_folder(name_or_path, "Model")
@@ -159,8 +162,13 @@ def meta_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None,
                                         **{k: kwargs[k] for k in ("revision",) if k in kwargs})
     if type(config) not in AutoModelForCausalLM._model_mapping:
         return None
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=kwargs.get("attn_implementation"))
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, attn_implementation=kwargs.get("attn_implementation"))
+    except ValueError as err:
+        if "does not support an attention implementation" in str(err):
+            return None  # load_causal_lm raises the one-line error naming the knob
+        raise
 
 
 def load_model(

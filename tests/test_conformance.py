@@ -98,14 +98,16 @@ def test_generation_verdict_is_the_truth(family, backend):
         verdict, refused = None, err
     long = pl.probe_sequences(vocab, LONG, 10, seed=11)
     seqs = pl.probe_sequences(vocab, SHORT, 4, seed=11) if verdict is not None and verdict.batch_dependence else long
+    reference = pl.greedy_alone(plain, seqs)
     try:
-        same = pl.greedy_tokens(adapted, backend, seqs) == pl.greedy_alone(plain, seqs)
+        same = pl.greedy_tokens(adapted, backend, seqs) == reference
     except Exception:  # noqa: BLE001 - a backend that fails on this model is not exact on it
         same = False
     if refused is None:
         assert same, f"{name}/{backend} accepted but its greedy tokens differ from generate on each prompt"
-    else:
-        assert not same, f"{name}/{backend} refused but gives generate's tokens: {refused}"
+    elif same:  # refused, yet equal here: only where these greedy completions are too uniform to show decoding
+        degenerate = min(len(set(tokens)) for tokens in reference) < 3
+        assert degenerate, f"{name}/{backend} refused but gives generate's varied tokens: {refused}"
 
 
 def test_mlp_recompute_is_bitwise_where_applied(family):

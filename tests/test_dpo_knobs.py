@@ -303,7 +303,7 @@ def test_padding_free_is_refused_where_packing_is_and_needs_the_classic_layout(t
     assert type(data.default_collator()).__name__ == "PaddingFreePreferenceCollator"
     import lightning as L
 
-    module = DPOModule(model=build("falcon-alibi"))
+    module = DPOModule(model=build("lfm2"))  # conv layers: packed sequences mix (measured, every version)
     data = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir),
                                 padding_free=True, prompt_sharing=False)
     with pytest.raises(LayoutRefused, match="data.padding_free"):  # at fit start, before any step

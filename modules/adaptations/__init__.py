@@ -114,10 +114,9 @@ def check_run(model: torch.nn.Module, ref_model: torch.nn.Module | None, layout:
         report.attention = choice
     report.layout, report.notes = layout, list(notes)
     report.layout_decided = describe_decision(verdicts[0])
-    for m, verdict in zip((model, ref_model), verdicts):
-        if (note := batch_dependence_note(m, verdict)) is not None:
-            rank_zero_warn(note)
-            report.notes.append(f"batch-dependent model (up to {verdict.batch_dependence:.1e} nats, warned)")
+    if (note := batch_dependence_note(model, verdicts[0])) is not None:  # the reference shares the policy's class
+        rank_zero_warn(note)
+        report.notes.append(f"batch-dependent model (up to {verdicts[0].batch_dependence:.1e} nats, warned)")
     rank_zero_info(report.describe())
     if logger is not None:
         logger.log_hyperparams({"lightalign_adaptations": report.as_dict()})

@@ -19,6 +19,8 @@ that stay under the model's thresholds, and the run is told once how large the e
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -32,7 +34,7 @@ import torch
 
 from lightalign.modules.adaptations import probe_layouts as pl
 
-PROBE_VERSION = 1  # bump when what the probe measures changes: old verdicts are then not reused
+PROBE_VERSION = 2  # bump when what the probe measures changes: old verdicts are then not reused
 TOLERANCE = 1e-4  # nats per token (float32)
 GENERATION_BACKENDS = ("shared_prefill", "compact", "continuous", "static")
 TRAIN_DETERMINISM = "train_determinism"  # not a layout: with disable_dropout, two train-mode forwards agree
@@ -128,14 +130,14 @@ def measure(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
     if cached is not None:
         return cached
     start = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):  # the probe seeds its own weights; the run's random stream is untouched
+    with torch.random.fork_rng(devices=[]), _plain_construction():  # the run's random stream is untouched
         verdict = _measure(type(base), shrunk, layout)
     verdict = Verdict(**{**asdict(verdict), "seconds": round(time.perf_counter() - start, 3), "thresholds": facts})
     _write(key, verdict)
     return verdict
 
 
-def _build(model_class: type, shrunk, seed: int = 0):
+def _build(model_class: type, shrunk, seed: int = 0, random_norms: bool = False):
     """The probe with weights of unit scale (``N(0, 1/fan_in)`` for every matrix, norms and biases as built): with
     a family's own small initialisation a token mixer that leaks across sequences can move log-probs by less than
     float32's noise; at unit scale a leak moves them by O(1) nats (measured: 0.8-2 on Falcon, LFM2, GPT-Neo) while
@@ -145,18 +147,27 @@ def _build(model_class: type, shrunk, seed: int = 0):
     probe = probe_model(model_class, shrunk, seed=seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in probe.parameters():
+        for name, p in probe.named_parameters():
             if p.dim() >= 2 and p.is_floating_point():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) / math.sqrt(p.shape[-1]))
+            elif random_norms and p.dim() == 1 and "norm" in name.lower() and p.is_floating_point():
+                # norm weights of random sign and size (generation probes that otherwise repeat one token)
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32))
     return probe.eval()
 
 
 def _measure(model_class: type, shrunk, layout: str) -> Verdict:
-    probe = _build(model_class, shrunk)
+    if layout in GENERATION_BACKENDS:
+        probe, long = _diverse_generator(model_class, shrunk)
+        if probe is None:
+            return Verdict(layout, False, float("inf"), error="its probe's greedy completions repeat one or two tokens "
+                           "whatever the seed, so a backend's decoding cannot be shown exact")
+    else:
+        probe = _build(model_class, shrunk)
+        long = pl.probe_sequences(_vocab(probe), LONG, NEW_TOKENS)
     if layout == TRAIN_DETERMINISM:
         return _measure_determinism(probe)
     vocab = _vocab(probe)
-    long = pl.probe_sequences(vocab, LONG, NEW_TOKENS)
     padded = _run(probe, "padded", long)
     if padded.error or padded.difference <= TOLERANCE:
         return _run_any(probe, layout, long) if layout != "padded" else padded
@@ -214,3 +225,39 @@ def _measure_determinism(probe) -> Verdict:
 
 def _vocab(probe) -> int:
     return int(probe.get_input_embeddings().weight.shape[0])
+
+
+def _diverse_generator(model_class: type, shrunk, seeds: int = 8, distinct: int = 3):
+    """A probe whose greedy completions are varied enough to show a backend's decode steps: the output head untied
+    from the embeddings (tied, at unit scale, greedy decoding tends to repeat the input token, and broken decode
+    steps then still agree), the first of ``seeds`` weight draws whose every reference completion has at least
+    ``distinct`` different tokens (every other draw with norm weights of random sign and size). (None, None) if
+    none has."""
+    shrunk = copy.deepcopy(shrunk)
+    for config in {id(c): c for c in (shrunk, shrunk.get_text_config())}.values():
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
+    for seed in range(seeds):
+        probe = _build(model_class, shrunk, seed=seed // 2, random_norms=bool(seed % 2))
+        seqs = pl.probe_sequences(_vocab(probe), LONG, NEW_TOKENS, seed=seed)
+        try:
+            reference = pl.greedy_alone(probe, seqs)
+        except Exception:  # noqa: BLE001 - measured again (and reported) by _measure_backend
+            return probe, seqs
+        if min(len(set(tokens)) for tokens in reference) >= distinct:
+            return probe, seqs
+    return None, None
+
+
+@contextlib.contextmanager
+def _plain_construction():
+    """Build the probe as a plain CPU model even under DeepSpeed ZeRO-3, whose live config makes transformers
+    partition (and initialise through DeepSpeed) every model built meanwhile; the run's config is put back after."""
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
