@@ -310,12 +310,13 @@ class PolicyModule(L.LightningModule):
     def check_train_determinism(self) -> str:
         """With ``disable_dropout``: two train-mode forwards of the model's probe must agree (measured, cached).
         Randomness the model keeps by design (``DropoutReport.kept``) is said with its size; any other is refused."""
+        from lightalign.modules.adaptations import describe_decision
         from lightalign.modules.adaptations.probe import TRAIN_DETERMINISM
         from lightalign.modules.adaptations.support import measured, model_traits
 
         verdict = measured(self.model, TRAIN_DETERMINISM)
         if verdict.exact:
-            return "; train-mode forward deterministic (" + ("cached verdict" if verdict.cached else "measured") + ")"
+            return f"; train-mode forward deterministic ({describe_decision(verdict)})"
         if self.dropout_report.kept and verdict.error is None:
             return f"; train-mode forwards still differ by up to {verdict.difference:.1e} (measured)"
         raise ValueError(
@@ -503,13 +504,9 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the policy as a Hugging Face model folder, atomically (``modules/export.py``: ``export_hf``). Its
-        ``config.json`` holds the user's dropout values, also when ``disable_dropout`` zeroed them for training."""
-        from lightalign.modules.dropout import user_dropout_config
-
-        with user_dropout_config(self.model):
-            return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora,
-                             state_dict=state_dict, random_base=bool(self.hparams.get("from_config")))
+        """Write the policy as a Hugging Face model folder, atomically (``modules/export.py``: ``export_hf``)."""
+        return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict,
+                         random_base=bool(self.hparams.get("from_config")))
 
 
 def _has_weights(name_or_path: str) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lightalign.modules.dropout import user_dropout_config
 from lightalign.modules.lora import is_peft_model
 
 
@@ -51,8 +52,9 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: 
         use_cache = getattr(config, "use_cache", None)
         if config is not None:
             config.use_cache = True  # generation from the export should use the KV cache
-        try:
-            model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
+        try:  # the user's dropout values in config.json, also when disable_dropout zeroed them for training
+            with user_dropout_config(model):
+                model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
         finally:
             if config is not None and use_cache is not None:
                 config.use_cache = use_cache

@@ -54,21 +54,17 @@ class GRPORollout:
         backend, why_not_default = effective_backend(asked, self.model, repetition_penalty=hp.repetition_penalty,
                                                      generation_kwargs=hp.generation_kwargs,
                                                      cache_implementation=hp.cache_implementation)
-        note = f"generation {backend} ({'asked' if asked else 'default'}"
-        if why_not_default:
-            note = f"generation generate (not the device's default: {why_not_default}"
+        how = f"not the device's default: {why_not_default}" if why_not_default else "asked" if asked else "default"
         if backend != "generate":
             try:
-                verdict = check_layout(self.model, backend)
-                note += ", " + describe_decision(verdict)
+                how += ", " + describe_decision(check_layout(self.model, backend))
             except LayoutRefused as refused:
                 if asked is not None:
                     raise
-                note = f"generation generate (the default {backend} is not exact on this model: {refused})"
-                backend = "generate"
+                how, backend = f"the default {backend} is not exact on this model: {refused}", "generate"
         if hp.share_prefill and backend == "generate":
             check_layout(self.model, "shared_prefill")  # refused naming model.share_prefill
-        self._sampling_backend, self.sampling_note = backend, note if note.endswith(")") else note + ")"
+        self._sampling_backend, self.sampling_note = backend, f"generation {backend} ({how})"
         return backend
 
     def _sample(self, batch: dict[str, Any], num_generations: int, backend: str, return_logprobs: bool

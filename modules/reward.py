@@ -248,9 +248,5 @@ class RewardModule(StatHooks, PolicyModule):
     # ------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """The sequence-classification folder; LoRA adapters are always merged into it (``merge_lora`` implied).
-        Its ``config.json`` holds the user's dropout values, also when ``disable_dropout`` zeroed them for training."""
-        from lightalign.modules.dropout import user_dropout_config
-
-        with user_dropout_config(self.model):
-            return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=True, state_dict=state_dict)
+        """The sequence-classification folder; LoRA adapters are always merged into it (``merge_lora`` implied)."""
+        return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=True, state_dict=state_dict)

@@ -25,6 +25,7 @@ import torch
 from conformance_models import FAMILIES, build
 from lightalign.modules.adaptations import LAYOUTS, LayoutRefused, check_layout
 from lightalign.modules.adaptations import probe_layouts as pl
+from lightalign.modules.adaptations.probe import unit_scale
 
 TOL = 1e-4
 # The test's own (prompt, chosen, rejected) lengths and seed: other sequences than the probe's
@@ -34,24 +35,15 @@ LONGEST = max(p + max(c, r) for p, c, r in LONG)  # the run's max_tokens: a wind
 BACKENDS = ("shared_prefill", "compact", "continuous")
 
 
-def unit_scale(model: torch.nn.Module, seed: int = 7) -> torch.nn.Module:
-    """Every matrix ~ N(0, 1/fan_in): a layout that leaks across sequences moves log-probs by O(1) nats, not by
-    float32 noise (the families' own 0.02-std init can hide a leak under 1e-4)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2 and p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    return model
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
     """(name, plain model, the same weights adapted as lightalign trains them, the adaptation report)."""
     from lightalign.modules.adaptations import adapt_model
 
     name = request.param
-    plain = unit_scale(build(name))
+    # every matrix ~ N(0, 1/fan_in), other draws than the probe's: a layout that leaks across sequences moves
+    # log-probs by O(1) nats, not by float32 noise (the families' own 0.02-std init can hide a leak under 1e-4)
+    plain = unit_scale(build(name), seed=7)
     adapted = copy.deepcopy(plain)
     report = adapt_model(adapted)
     return name, plain, adapted, report

@@ -9,13 +9,13 @@ that fails every test here: ``probe._measure`` returning an exact verdict withou
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 
 from lightalign.modules.adaptations import LayoutRefused, adapt_model, check_layout
 from lightalign.modules.adaptations import probe_layouts as pl
+from lightalign.modules.adaptations.probe import unit_scale
 
 LONG = ((9, 13, 7), (4, 3, 5), (15, 6, 11))
 
@@ -29,12 +29,7 @@ def tiny(model_type: str, **kwargs) -> torch.nn.Module:
     config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # unit-scale weights: a leak moves log-probs by O(1)
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    return model
+    return unit_scale(model, seed=3)  # unit-scale weights: a leak moves log-probs by O(1)
 
 
 def off_by(layout: str, model, lengths=LONG) -> float:

@@ -103,9 +103,7 @@ def check_run(model: torch.nn.Module, ref_model: torch.nn.Module | None, layout:
     line says what was adapted, and the same facts go to the logger's hyperparameters (``hparams.yaml``)."""
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-    from lightalign.modules.adaptations.support import packed_gpu_attention
-
-    from lightalign.modules.adaptations.support import batch_dependence_note
+    from lightalign.modules.adaptations.support import batch_dependence_note, packed_gpu_attention
 
     verdicts = [check_layout(m, layout, max_tokens=longest) for m in (model, ref_model) if m is not None]
     if layout in PACKED_LAYOUTS and (choice := packed_gpu_attention(model, device)) is not None:

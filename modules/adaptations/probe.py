@@ -144,41 +144,47 @@ def _build(model_class: type, shrunk, seed: int = 0, random_norms: bool = False)
     exact layouts stay within ~1e-6."""
     from lightalign.modules.adaptations.shrink import probe_model
 
-    probe = probe_model(model_class, shrunk, seed=seed)
+    return unit_scale(probe_model(model_class, shrunk, seed=seed), seed, random_norms).eval()
+
+
+def unit_scale(model: torch.nn.Module, seed: int, random_norms: bool = False) -> torch.nn.Module:
+    """Every floating matrix of ``model`` redrawn as ``N(0, 1/fan_in)`` from ``seed`` (in place); with
+    ``random_norms`` also the norm weights, as ``N(0, 1)`` (generation probes that otherwise repeat one token)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in probe.named_parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2 and p.is_floating_point():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) / math.sqrt(p.shape[-1]))
             elif random_norms and p.dim() == 1 and "norm" in name.lower() and p.is_floating_point():
-                # norm weights of random sign and size (generation probes that otherwise repeat one token)
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32))
-    return probe.eval()
+    return model
 
 
 def _measure(model_class: type, shrunk, layout: str) -> Verdict:
+    if layout == TRAIN_DETERMINISM:
+        return _measure_determinism(_build(model_class, shrunk))
+    reference = None  # generate's greedy completions of ``long``, when already computed
     if layout in GENERATION_BACKENDS:
-        probe, long = _diverse_generator(model_class, shrunk)
+        probe, long, reference = _diverse_generator(model_class, shrunk)
         if probe is None:
             return Verdict(layout, False, float("inf"), error="its probe's greedy completions repeat one or two tokens "
                            "whatever the seed, so a backend's decoding cannot be shown exact")
     else:
         probe = _build(model_class, shrunk)
         long = pl.probe_sequences(_vocab(probe), LONG, NEW_TOKENS)
-    if layout == TRAIN_DETERMINISM:
-        return _measure_determinism(probe)
-    vocab = _vocab(probe)
     padded = _run(probe, "padded", long)
     if padded.error or padded.difference <= TOLERANCE:
-        return _run_any(probe, layout, long) if layout != "padded" else padded
+        return _run_any(probe, layout, long, reference) if layout != "padded" else padded
     # The model's own batching is not exact on sequences crossing its thresholds: every layout (padded included)
     # and backend is judged on sequences under them, and the verdict carries the size of the model's own effect.
-    verdict = _run_any(probe, layout, pl.probe_sequences(vocab, SHORT, SHORT_NEW_TOKENS, seed=1))
+    verdict = _run_any(probe, layout, pl.probe_sequences(_vocab(probe), SHORT, SHORT_NEW_TOKENS, seed=1))
     return Verdict(layout, verdict.exact, verdict.difference, verdict.error, batch_dependence=padded.difference)
 
 
-def _run_any(probe, layout: str, seqs: pl.ProbeSequences) -> Verdict:
-    return _measure_backend(probe, layout, seqs) if layout in GENERATION_BACKENDS else _run(probe, layout, seqs)
+def _run_any(probe, layout: str, seqs: pl.ProbeSequences, reference: list[list[int]] | None = None) -> Verdict:
+    if layout in GENERATION_BACKENDS:
+        return _measure_backend(probe, layout, seqs, reference)
+    return _run(probe, layout, seqs)
 
 
 def _run(probe, layout: str, seqs: pl.ProbeSequences) -> Verdict:
@@ -194,9 +200,11 @@ def _run(probe, layout: str, seqs: pl.ProbeSequences) -> Verdict:
     return Verdict(layout, diff <= TOLERANCE, diff)
 
 
-def _measure_backend(probe, backend: str, seqs: pl.ProbeSequences) -> Verdict:
+def _measure_backend(probe, backend: str, seqs: pl.ProbeSequences, want: list[list[int]] | None = None
+                     ) -> Verdict:
+    """``want``: ``generate``'s greedy completions of ``seqs`` on each prompt alone, if already computed."""
     try:
-        want = pl.greedy_alone(probe, seqs)
+        want = pl.greedy_alone(probe, seqs) if want is None else want
     except Exception as error:  # noqa: BLE001 - generate itself fails: no backend can be shown exact
         return Verdict(backend, False, float("inf"), error=f"generate itself fails: {type(error).__name__}: "
                        f"{str(error)[:300]}")
@@ -231,8 +239,8 @@ def _diverse_generator(model_class: type, shrunk, seeds: int = 8, distinct: int 
     """A probe whose greedy completions are varied enough to show a backend's decode steps: the output head untied
     from the embeddings (tied, at unit scale, greedy decoding tends to repeat the input token, and broken decode
     steps then still agree), the first of ``seeds`` weight draws whose every reference completion has at least
-    ``distinct`` different tokens (every other draw with norm weights of random sign and size). (None, None) if
-    none has."""
+    ``distinct`` different tokens (every other draw with norm weights of random sign and size), with its sequences
+    and those reference completions. (None, None, None) if none has."""
     shrunk = copy.deepcopy(shrunk)
     for config in {id(c): c for c in (shrunk, shrunk.get_text_config())}.values():
         if getattr(config, "tie_word_embeddings", False):
@@ -243,10 +251,10 @@ def _diverse_generator(model_class: type, shrunk, seeds: int = 8, distinct: int 
         try:
             reference = pl.greedy_alone(probe, seqs)
         except Exception:  # noqa: BLE001 - measured again (and reported) by _measure_backend
-            return probe, seqs
+            return probe, seqs, None
         if min(len(set(tokens)) for tokens in reference) >= distinct:
-            return probe, seqs
-    return None, None
+            return probe, seqs, reference
+    return None, None, None
 
 
 @contextlib.contextmanager

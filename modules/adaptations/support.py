@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from lightalign.modules.adaptations.attention import VARLEN_SDPA
-from lightalign.modules.adaptations.probe import GENERATION_BACKENDS, Verdict, measure
+from lightalign.modules.adaptations.probe import GENERATION_BACKENDS, Verdict, _base, measure
 from lightalign.modules.logprobs import forward_accepts
 
 LAYOUTS = ("padded", "padding_free", "packed", "dpo_shared", "dpo_classic", "grpo_padded", "grpo_shared",
@@ -71,10 +71,6 @@ class ModelTraits:
     @property
     def name(self) -> str:
         return f"{self.class_name} (model_type '{self.family}')"
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def uses_alibi(config) -> bool:
