@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightalign.callbacks import (CompletionSamples, HFExport, PlotCurves, RunFolder, RunSummary, SaveRunConfig,
                                   StepProgressBar, TokenThroughput)
-from lightalign.modules.base import PolicyModule
+from lightalign.modules.training.policy import PolicyModule
 from lightalign.runs import ResumeError, RunError, check_resume, continue_logs, latest_run, pin_version, read_checkpoint, \
     run_of_checkpoint, runs_root, version_of
 from lightalign.strategies.launch import RankLogging, check_multinode_env

@@ -113,7 +113,7 @@ def run_trl(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: P
     from trl import DPOConfig, DPOTrainer
 
     if args.trl_config == "best_malloc":  # TRL's best settings plus the allocator setting lightalign makes on CPU
-        from lightalign.modules.acceleration import retain_freed_cpu_memory
+        from lightalign.modules.training.acceleration import retain_freed_cpu_memory
 
         assert retain_freed_cpu_memory(), "mallopt refused the thresholds"
 

@@ -52,7 +52,7 @@ def micro_batch(args) -> dict[str, torch.Tensor]:
 
 
 def with_layout(mb: dict, layout: str) -> tuple[dict, float]:
-    from lightalign.modules.layouts import packed_completion_batch, prompt_group_batch
+    from lightalign.modules.adaptations.layouts import packed_completion_batch, prompt_group_batch
 
     start = time.perf_counter()
     out = dict(mb)
@@ -73,8 +73,8 @@ def tokens_computed(mb: dict) -> int:
 
 def step(model, mb: dict) -> tuple[float, int]:
     """Forward + dapo loss + backward: seconds and the bytes autograd saved for the backward."""
-    from lightalign.modules.grpo_loss import grpo_loss
-    from lightalign.modules.layouts import grpo_forward
+    from lightalign.modules.losses.grpo import grpo_loss
+    from lightalign.modules.adaptations.layouts import grpo_forward
 
     seen: dict[int, int] = {}
 

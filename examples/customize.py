@@ -1,4 +1,4 @@
-"""Customization examples referenced by docs/customize.md (each one is exercised by tests/test_customize.py).
+"""Customization examples referenced by docs/customize.md (each one is exercised by tests/training/test_customize.py).
 
 From YAML, name them by import path with this folder on PYTHONPATH, e.g.
 ``PYTHONPATH=examples lightalign fit ... --trainer.callbacks+=customize.StopAfterSteps``.

@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.base import PolicyModule, is_peft_model
-from lightalign.modules.dpo_batches import (  # noqa: F401  (re-exported: they were defined here)
+from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.adaptations.dpo_batches import (  # noqa: F401  (re-exported: they were defined here)
     completion_lengths,
     completion_token_logps,
     completion_token_logps_and_alignment,
@@ -23,7 +23,7 @@ from lightalign.modules.dpo_batches import (  # noqa: F401  (re-exported: they w
     real_token_count,
     shared_prompt_layout,
 )
-from lightalign.modules.dpo_loss import (  # noqa: F401  (re-exported: the public names of the DPO loss)
+from lightalign.modules.losses.dpo import (  # noqa: F401  (re-exported: the public names of the DPO loss)
     F_DIVERGENCE_TYPES,
     LOSS_TYPES,
     SMOOTHED_LOSS_TYPES,
@@ -33,9 +33,9 @@ from lightalign.modules.dpo_loss import (  # noqa: F401  (re-exported: the publi
     validate_loss_config,
     wpo_weights,
 )
-from lightalign.modules.reference import build_reference, model_fingerprint, move_reference
-from lightalign.modules.reference_precompute import precompute_reference_logps
-from lightalign.modules.stat_hooks import StatHooks
+from lightalign.modules.reference.model import build_reference, model_fingerprint, move_reference
+from lightalign.modules.reference.precompute import precompute_reference_logps
+from lightalign.modules.training.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
 TOKENIZED_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "index")
@@ -325,5 +325,5 @@ class DPOModule(StatHooks, PolicyModule):
 
     def precompute_reference(self, datamodule: Any) -> None:
         """Give the datamodule the reference log-probs of every split (chosen, rejected), cached on disk and sharded
-        over the ranks (``modules/reference_precompute.py``); the reference model is released afterwards."""
+        over the ranks (``modules/reference/precompute.py``); the reference model is released afterwards."""
         precompute_reference_logps(self, datamodule, TOKENIZED_COLUMNS, ("chosen", "rejected"))

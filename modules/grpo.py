@@ -1,8 +1,8 @@
 """Group relative policy optimisation: ``GRPOModule`` (rollouts, rewards, advantages, the clipped loss).
 
-The loss itself is the pure function ``grpo_loss`` (``modules/grpo_loss.py``), re-exported here; sampling,
-scoring and buffering a rollout are ``GRPORollout`` (``modules/grpo_rollout.py``), the entropy coefficient and
-token mask ``modules/entropy_control.py``.
+The loss itself is the pure function ``grpo_loss`` (``modules/losses/grpo.py``), re-exported here; sampling,
+scoring and buffering a rollout are ``GRPORollout`` (``modules/rollout/grpo_rollout.py``), the entropy coefficient and
+token mask ``modules/losses/entropy.py``.
 
 Rollout reuse under automatic optimisation: ``PromptDataModule`` hands each generation batch of prompts to
 ``steps_per_generation x num_iterations`` consecutive ``training_step`` calls; the first generates
@@ -19,14 +19,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.base import PolicyModule, is_peft_model
-from lightalign.modules.entropy_control import SENTINEL, EntropyController, high_entropy_mask
-from lightalign.modules.generation import check_generation_arithmetic, check_rollout_config
-from lightalign.modules.grpo_knobs import check_grpo_knobs
-from lightalign.modules.grpo_loss import GLOBAL_TOKEN_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_loss
-from lightalign.modules.grpo_rollout import GRPORollout, _key
-from lightalign.modules.rng_state import gather_per_rank, to_cpu
-from lightalign.modules.reference import build_reference, move_reference
+from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.losses.entropy import SENTINEL, EntropyController, high_entropy_mask
+from lightalign.modules.generation.sampling import check_generation_arithmetic, check_rollout_config
+from lightalign.modules.rollout.grpo_knobs import check_grpo_knobs
+from lightalign.modules.losses.grpo import GLOBAL_TOKEN_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_loss
+from lightalign.modules.rollout.grpo_rollout import GRPORollout, _key
+from lightalign.modules.training.rng_state import gather_per_rank, to_cpu
+from lightalign.modules.reference.model import build_reference, move_reference
 from lightalign.rewards import RunningRewardNormalizer, check_reward_weights, reward_func_names, resolve_reward_funcs
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPOModule", "grpo_loss"]
@@ -58,7 +58,7 @@ class GRPOModule(GRPORollout, PolicyModule):
             ``temperature``, ``top_p`` ...) are refused with the knob to use. (TRL lets them override its knobs.)
         cache_implementation: ``generate``'s KV-cache implementation (e.g. ``static``); needs ``share_prefill:
             false`` and the ``generate`` backend.
-        generation_backend: what samples the rollouts (``modules/generation_backends.py``): ``generate``
+        generation_backend: what samples the rollouts (``modules/generation/backends.py``): ``generate``
             (``model.generate``, prompt prefill shared; any knob), ``continuous`` (transformers' continuous
             batching, paged KV cache: finished completions leave the batch; refuses ``repetition_penalty``,
             ``generation_kwargs``, ``cache_implementation``), ``static`` (static KV cache, compiled decode step) or
@@ -125,7 +125,7 @@ class GRPOModule(GRPORollout, PolicyModule):
         use_vllm, vllm_mode, vllm_server_base_url, vllm_server_host, vllm_server_port, vllm_server_timeout,
             vllm_group_port, vllm_gpu_memory_utilization, vllm_tensor_parallel_size, vllm_max_model_length,
             vllm_enable_sleep_mode, vllm_model_impl: sample rollouts with vLLM on a GPU (TRL's names and
-            defaults; ``modules/vllm_generation.py``, docs/vllm.md). Refused without CUDA.
+            defaults; ``modules/generation/vllm.py``, docs/vllm.md). Refused without CUDA.
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
@@ -280,8 +280,8 @@ class GRPOModule(GRPORollout, PolicyModule):
 
     def configure_callbacks(self) -> list:
         callbacks = super().configure_callbacks()
-        if self.hparams.get("use_vllm"):  # the engine, its weight pushes and the sampler (modules/vllm_engines.py)
-            from lightalign.modules.vllm_engines import VLLMRollouts
+        if self.hparams.get("use_vllm"):  # the engine, its weight pushes and the sampler (modules/generation/vllm_engines.py)
+            from lightalign.modules.generation.vllm_engines import VLLMRollouts
 
             callbacks.append(VLLMRollouts())
         return callbacks

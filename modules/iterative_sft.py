@@ -84,7 +84,7 @@ class IterativeSFT:
         self.global_step = 0
         self.cache_cleanups = 0
         if self.module.hparams.get("neftune_noise_alpha"):
-            from lightalign.modules.neftune import NEFTune
+            from lightalign.modules.training.neftune import NEFTune
 
             self.module.neftune = NEFTune(self.module.model, self.module.hparams.neftune_noise_alpha).attach()
 

@@ -10,12 +10,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.base import PolicyModule, is_peft_model
-from lightalign.modules.kto_loss import LOSS_TYPES, kl_estimate, kto_loss, validate_kto_config  # noqa: F401
-from lightalign.modules.logprobs import completion_logps
-from lightalign.modules.reference import build_reference, model_fingerprint, move_reference
-from lightalign.modules.reference_precompute import precompute_reference_logps
-from lightalign.modules.stat_hooks import StatHooks
+from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.losses.kto import LOSS_TYPES, kl_estimate, kto_loss, validate_kto_config  # noqa: F401
+from lightalign.modules.training.logprobs import completion_logps
+from lightalign.modules.reference.model import build_reference, model_fingerprint, move_reference
+from lightalign.modules.reference.precompute import precompute_reference_logps
+from lightalign.modules.training.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
 TOKENIZED_COLUMNS = ("prompt_input_ids", "completion_input_ids", "kl_completion_input_ids", "index")
@@ -265,6 +265,6 @@ class KTOModule(StatHooks, PolicyModule):
 
     def precompute_reference(self, datamodule: Any) -> None:
         """Give the datamodule the reference log-probs of every row and of its mismatched sequence, per split,
-        cached on disk and sharded over the ranks (``modules/reference_precompute.py``); the reference model is
+        cached on disk and sharded over the ranks (``modules/reference/precompute.py``); the reference model is
         released afterwards."""
         precompute_reference_logps(self, datamodule, TOKENIZED_COLUMNS, ("logps", "kl_logps"))

@@ -6,12 +6,12 @@ reward-model folders), the rollout buffer reused across ``training_step`` calls,
 Per rollout (``_make_rollout``): sample, score (``missing_eos_penalty``, ``use_score_scaling``/``use_score_norm``,
 ``score_clip``), one no-grad forward for the sampling policy's log-probs and values, the reference's log-probs,
 per-token rewards (``-kl_coef * (logp - ref_logp)`` on every token, the score on the last), GAE and whitened
-advantages (``modules/ppo_loss.py``). Then ``num_ppo_epochs`` passes over the rollout's ``num_mini_batches``
+advantages (``modules/losses/ppo.py``). Then ``num_ppo_epochs`` passes over the rollout's ``num_mini_batches``
 mini-batches (one optimizer step each; with ``accumulate_grad_batches`` = k a mini-batch is k micro-batches, i.e.
 ``training_step`` calls), each with the clipped policy loss plus ``vf_coef`` times the clipped value loss, both
 averaged over the mini-batch's completion tokens.
 
-The value head (``modules/value_head.py``) is a linear map of the policy's last hidden state from the same forward
+The value head (``modules/training/value_head.py``) is a linear map of the policy's last hidden state from the same forward
 as the log-probs; it is trained with the policy (its gradient also reaches the shared trunk, as with TRL's
 ``AutoModelForCausalLMWithValueHead``), checkpointed, and saved beside the export (``value_head.safetensors``).
 
@@ -31,13 +31,13 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.entropy_control import token_entropies
-from lightalign.modules.generation import check_generation_arithmetic, eos_token_ids
+from lightalign.modules.losses.entropy import token_entropies
+from lightalign.modules.generation.sampling import check_generation_arithmetic, eos_token_ids
 from lightalign.modules.grpo import GRPOModule
-from lightalign.modules.grpo_rollout import _key
-from lightalign.modules.ppo_loss import (AdaptiveKLController, FixedKLController, ScoreProcessor, clipped_policy_loss,
+from lightalign.modules.rollout.grpo_rollout import _key
+from lightalign.modules.losses.ppo import (AdaptiveKLController, FixedKLController, ScoreProcessor, clipped_policy_loss,
                                          clipped_value_loss, explained_variance, gae, masked_mean, token_rewards, whiten)
-from lightalign.modules.value_head import (ValueHead, find_hidden_size, hidden_size_from_folder, policy_forward,
+from lightalign.modules.training.value_head import (ValueHead, find_hidden_size, hidden_size_from_folder, policy_forward,
                                            unknown_architecture)
 
 __all__ = ["PPOModule"]
@@ -446,7 +446,7 @@ class PPOModule(GRPOModule):
     def export_hf(self, output_dir: Any, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None, extras: dict[str, Any] | None = None):
         """The policy as an ordinary causal-LM folder, with ``value_head.safetensors`` and ``value_head.json`` beside
-        its weights (``modules/value_head.py``: ``load_value_head``). ``extras``: ``gather_export_extras()``'s,
+        its weights (``modules/training/value_head.py``: ``load_value_head``). ``extras``: ``gather_export_extras()``'s,
         required when the module is sharded."""
         extras = extras if extras is not None else self.gather_export_extras()
         path = super().export_hf(output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict)

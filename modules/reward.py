@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.base import PolicyModule, is_peft_model
-from lightalign.modules.export import export_hf
-from lightalign.modules.stat_hooks import StatHooks
+from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.training.export import export_hf
+from lightalign.modules.training.stat_hooks import StatHooks
 
 PAIR_STATS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
 SCORE_HEADS = ("score", "classifier")  # the head's attribute name in transformers' sequence classifiers

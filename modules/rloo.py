@@ -2,7 +2,7 @@
 
 RLOO shares GRPO's machinery: ``PromptDataModule`` prompts, generation (shared prefill, sampling knobs), the reward
 functions, the rollout buffer reused across ``training_step`` calls, exact resume and every strategy. What differs is
-the advantage and the loss (the pure functions of ``modules/rloo_loss.py``):
+the advantage and the loss (the pure functions of ``modules/losses/rloo.py``):
 
 * the KL penalty goes into the reward, per sequence (``beta``, first-order log-ratio summed over the completion);
 * each completion's baseline is the mean reward of the other completions of its prompt;
@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from lightalign.modules.grpo import GRPOModule
-from lightalign.modules.grpo_rollout import _key
-from lightalign.modules.rloo_loss import kl_penalized_rewards, rloo_advantages, rloo_loss
+from lightalign.modules.rollout.grpo_rollout import _key
+from lightalign.modules.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
 
 __all__ = ["RLOOModule"]
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
-from lightalign.modules.base import PolicyModule
-from lightalign.modules.layouts import sft_logits
+from lightalign.modules.training.policy import PolicyModule
+from lightalign.modules.adaptations.layouts import sft_logits
 
 IGNORE_INDEX = -100
 

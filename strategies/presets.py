@@ -120,7 +120,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     Lightning builds the model inside ``deepspeed.zero.Init``, where ``from_pretrained``/``from_config`` write
     into already-partitioned (empty) tensors and fail. Registering the config with transformers
     (``HfDeepSpeedConfig``) instead makes transformers create the model under ``zero.Init`` itself and load or
-    initialise each weight gathered. Reference copies are then made from gathered weights (modules/reference.py).
+    initialise each weight gathered. Reference copies are then made from gathered weights (modules/reference/model.py).
     Args are ``DeepSpeedStrategy``'s; ``timeout_s`` bounds every collective.
     """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,7 +26,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("LIGHTALIGN_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"lightalign-test-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
 
-import console_script  # noqa: E402  (snapshots the environment above for the console-script tests)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: `from helpers import ...` in every folder
+from helpers import console_script  # noqa: E402  (snapshots the environment above for the console-script tests)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "assets" / "models" / "tiny"

@@ -78,10 +78,10 @@ def adapt_model(model: torch.nn.Module, recompute_mlp: bool = True, liger: bool 
                 varlen_attention: bool = True) -> AdaptationReport:
     """Apply lightalign's adaptations to ``model`` in place (before LoRA wrapping and ``torch.compile``):
     Liger kernels or ``recompute_mlp_activation``, then ``sdpa -> sdpa_varlen``. Each is exact where it is applied
-    (tests/test_conformance.py); the report says what was done."""
+    (tests/adaptations/test_conformance.py); the report says what was done."""
     report = AdaptationReport()
     if liger:
-        from lightalign.modules.acceleration import apply_liger_kernel
+        from lightalign.modules.training.acceleration import apply_liger_kernel
 
         apply_liger_kernel(model)
         report.mlp_recompute = "liger"

@@ -219,7 +219,7 @@ def _measure_backend(probe, backend: str, seqs: pl.ProbeSequences, want: list[li
 def _measure_determinism(probe) -> Verdict:
     """``disable_dropout`` on the probe (built from the run's config, whose rates it already zeroed), then two
     train-mode forwards of the same tokens: the largest logit difference."""
-    from lightalign.modules.dropout import disable_dropout_in_model, train_mode_nondeterminism
+    from lightalign.modules.training.dropout import disable_dropout_in_model, train_mode_nondeterminism
 
     disable_dropout_in_model(probe)
     vocab = _vocab(probe)

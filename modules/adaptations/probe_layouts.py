@@ -6,7 +6,7 @@ forward functions: ``PaddingCollator``, ``PaddingFreeCollator``, ``SharedPromptC
 on, one tensor per sequence. ``alone_logps`` is the same tokens, one unpadded sequence per forward.
 ``greedy_tokens`` does the same for generation: a backend's greedy completions, and ``generate`` on each prompt
 alone. The probe (``probe.py``) compares the two on a shrunk copy of the user's model; the conformance matrix
-(tests/test_conformance.py) runs the same functions on its catalogue of models.
+(tests/adaptations/test_conformance.py) runs the same functions on its catalogue of models.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def layout_logps(layout: str, model: torch.nn.Module, seqs: ProbeSequences) -> l
     from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator
     from lightalign.datamodules.preference import PreferenceCollator
     from lightalign.datamodules.shared_prefix import SharedPromptCollator
-    from lightalign.modules.dpo_batches import completion_token_logps
-    from lightalign.modules.layouts import grpo_token_logps, packed_completion_batch, prompt_group_batch, sft_logits
+    from lightalign.modules.adaptations.dpo_batches import completion_token_logps
+    from lightalign.modules.adaptations.layouts import grpo_token_logps, packed_completion_batch, prompt_group_batch, sft_logits
 
     if layout in ("padded", "padding_free", "packed"):
         rows = _sft_rows(seqs)
@@ -166,7 +166,7 @@ def greedy_tokens(model: torch.nn.Module, backend: str, seqs: ProbeSequences, sh
     """Greedy completions of ``seqs.prompts`` (two per prompt, rows grouped by prompt) on ``backend``
     (``generation.sample_groups``; ``shared_prefill``: ``generate`` with the shared prompt prefill), each cut
     after its first EOS."""
-    from lightalign.modules.generation import sample_groups
+    from lightalign.modules.generation.sampling import sample_groups
 
     width = max(map(len, seqs.prompts))
     ids = torch.zeros(len(seqs.prompts), width, dtype=torch.long)

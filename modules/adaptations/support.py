@@ -24,7 +24,7 @@ import torch
 
 from lightalign.modules.adaptations.attention import VARLEN_SDPA
 from lightalign.modules.adaptations.probe import GENERATION_BACKENDS, Verdict, _base, measure
-from lightalign.modules.logprobs import forward_accepts
+from lightalign.modules.training.logprobs import forward_accepts
 
 LAYOUTS = ("padded", "padding_free", "packed", "dpo_shared", "dpo_classic", "grpo_padded", "grpo_shared",
            "grpo_packed", "shared_prefill")

@@ -14,10 +14,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import console_script
+from helpers import console_script
 from lightalign import AtomicCheckpointIO, CheckpointError, DPOModule, PreferenceDataModule, SFTDataModule, SFTModule
 
-WORKER = Path(__file__).resolve().parent.parent / "resume_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "resume_worker.py"
 
 
 def _sft(tiny_dir, data_dir, **kw):

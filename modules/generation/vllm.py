@@ -1,0 +1,205 @@
+"""Rollouts sampled by vLLM (``use_vllm``), for GPU users: a colocated ``vllm.LLM`` in the training process, or a
+``vllm serve`` server reached over HTTP, with the policy's weights pushed to the engine after each optimizer step.
+
+Knob names and defaults are TRL 1.16's (``GRPOConfig``): ``use_vllm``, ``vllm_mode`` (``colocate`` | ``server``),
+``vllm_server_base_url`` / ``vllm_server_host`` / ``vllm_server_port`` / ``vllm_server_timeout`` /
+``vllm_group_port`` (server), ``vllm_gpu_memory_utilization`` / ``vllm_tensor_parallel_size`` /
+``vllm_max_model_length`` / ``vllm_enable_sleep_mode`` / ``vllm_model_impl`` (colocate). The code is ours.
+
+The pieces, each usable alone:
+
+* ``check_vllm_knobs``: construction-time validation (a CPU machine is refused with the CPU alternative);
+* ``vllm_sampling_params``: our sampling knobs as vLLM ``SamplingParams`` fields (a pure function);
+* ``vllm_weight_name`` / ``vllm_weights``: the policy's parameters under the names vLLM's ``load_weights``
+  expects (LoRA deltas added to their base weights, wrapper prefixes dropped, sharded parameters gathered);
+* ``rollout_from_token_ids``: the engine's completions as the rollout dict ``generation.sample_completions``
+  returns;
+* ``ColocatedEngine`` / ``ServerEngine``: the two ways to reach vLLM; ``VLLMRollouts``: the Lightning callback
+  that builds the engine at fit start, pushes weights after each optimizer step and hands the module the
+  sampler its rollouts go through.
+
+vllm is an optional extra (``pip install 'lightalign[vllm]'``), imported only when ``use_vllm`` is on. Nothing here
+has run against a real engine on this project's CPU machines: see docs/vllm.md for what was and was not run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Iterable, Iterator
+
+import torch
+
+VLLM_MODES = ("colocate", "server")
+VLLM_MODEL_IMPLS = ("vllm", "transformers")
+# TRL 1.16's defaults (GRPOConfig)
+VLLM_DEFAULTS: dict[str, Any] = {
+    "use_vllm": False, "vllm_mode": "colocate", "vllm_model_impl": "vllm", "vllm_enable_sleep_mode": False,
+    "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000,
+    "vllm_server_timeout": 240.0, "vllm_group_port": 51216, "vllm_gpu_memory_utilization": 0.3,
+    "vllm_max_model_length": None, "vllm_tensor_parallel_size": 1,
+}
+# transformers GenerationConfig fields (our generation_kwargs) with a vLLM SamplingParams equivalent
+GENERATION_KWARGS_TO_VLLM = {"min_new_tokens": "min_tokens", "presence_penalty": "presence_penalty",
+                             "frequency_penalty": "frequency_penalty"}
+INSTALL_HINT = "pip install 'lightalign[vllm]' (on a machine with a CUDA GPU)"
+
+
+def check_vllm_knobs(use_vllm: bool = False, vllm_mode: str = "colocate", vllm_model_impl: str = "vllm",
+                     vllm_gpu_memory_utilization: float = 0.3, vllm_tensor_parallel_size: int = 1,
+                     vllm_max_model_length: int | None = None, vllm_server_port: int = 8000,
+                     vllm_group_port: int = 51216, vllm_server_timeout: float = 240.0,
+                     generation_kwargs: dict[str, Any] | None = None, cache_implementation: str | None = None,
+                     cuda_available: bool | None = None, **_: Any) -> None:
+    """The vLLM knobs of GRPOModule / RLOOModule, checked at construction (before any model is loaded)."""
+    if vllm_mode not in VLLM_MODES:
+        raise ValueError(f"vllm_mode={vllm_mode!r} is unknown; use one of {list(VLLM_MODES)}.")
+    if vllm_model_impl not in VLLM_MODEL_IMPLS:
+        raise ValueError(f"vllm_model_impl={vllm_model_impl!r} is unknown; use one of {list(VLLM_MODEL_IMPLS)}.")
+    if not 0.0 < vllm_gpu_memory_utilization <= 1.0:
+        raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {vllm_gpu_memory_utilization}.")
+    if vllm_tensor_parallel_size < 1:
+        raise ValueError(f"vllm_tensor_parallel_size must be >= 1, got {vllm_tensor_parallel_size}.")
+    if vllm_max_model_length is not None and vllm_max_model_length < 1:
+        raise ValueError(f"vllm_max_model_length must be >= 1 or null, got {vllm_max_model_length}.")
+    for name, port in (("vllm_server_port", vllm_server_port), ("vllm_group_port", vllm_group_port)):
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"{name} must be a TCP port (1-65535), got {port}.")
+    if vllm_server_timeout < 0:
+        raise ValueError(f"vllm_server_timeout must be >= 0 seconds, got {vllm_server_timeout}.")
+    if not use_vllm:
+        return
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if not cuda:
+        raise ValueError("use_vllm: true needs a CUDA GPU (vLLM generates on GPUs) and this machine has none. On CPU "
+                         "leave use_vllm: false: rollouts are sampled with transformers (share_prefill on by default).")
+    if vllm_mode == "colocate" and vllm_tensor_parallel_size > 1:
+        raise ValueError(f"vllm_tensor_parallel_size={vllm_tensor_parallel_size} with vllm_mode: colocate is not built "
+                         "in lightalign; use vllm_mode: server and start the server with "
+                         f"`vllm serve <model> --tensor-parallel-size {vllm_tensor_parallel_size}`.")
+    if cache_implementation is not None:
+        raise ValueError(f"cache_implementation={cache_implementation!r} is a transformers generate() setting; vLLM "
+                         "manages its own paged KV cache: unset it with use_vllm: true.")
+    unknown = sorted(set(generation_kwargs or {}) - set(GENERATION_KWARGS_TO_VLLM))
+    if unknown:
+        raise ValueError(f"generation_kwargs {unknown} have no vLLM equivalent lightalign maps; with use_vllm: true "
+                         f"generation_kwargs may hold {sorted(GENERATION_KWARGS_TO_VLLM)}.")
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(f"use_vllm: true needs vLLM, which is not installed: {INSTALL_HINT}.")
+
+
+def vllm_sampling_params(*, num_generations: int, temperature: float, top_p: float, top_k: int | None,
+                         min_p: float | None, repetition_penalty: float, max_completion_length: int,
+                         eos_token_ids: Iterable[int], generation_kwargs: dict[str, Any] | None = None,
+                         seed: int | None = None) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` fields sampling what our knobs ask ``generate`` for: ``num_generations`` samples
+    per prompt, the same temperature / top_p / top_k (None or 0: off) / min_p (None: off) / repetition penalty,
+    at most ``max_completion_length`` tokens, stopping at every EOS id of the model and tokenizer (the EOS token is
+    kept in the completion, as ``generate`` keeps it), token ids returned as they are (no detokenisation needed)."""
+    params = {
+        "n": int(num_generations), "temperature": float(temperature), "top_p": float(top_p),
+        "top_k": int(top_k or 0), "min_p": float(min_p or 0.0), "repetition_penalty": float(repetition_penalty),
+        "max_tokens": int(max_completion_length), "stop_token_ids": sorted({int(i) for i in eos_token_ids}),
+        "ignore_eos": False, "skip_special_tokens": False, "detokenize": False,
+    }
+    for key, value in (generation_kwargs or {}).items():
+        if key not in GENERATION_KWARGS_TO_VLLM:
+            raise ValueError(f"generation_kwargs key {key!r} has no vLLM equivalent; mapped: "
+                             f"{sorted(GENERATION_KWARGS_TO_VLLM)}.")
+        params[GENERATION_KWARGS_TO_VLLM[key]] = value
+    if seed is not None:
+        params["seed"] = int(seed)
+    return params
+
+
+# ------------------------------------------------------------------------------------------------ weights
+# wrappers' own name segments: torch.compile, activation checkpointing, FSDP (v1)
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def vllm_weight_name(name: str, peft: bool = False) -> str | None:
+    """A policy parameter's name as vLLM's ``load_weights`` expects it (the Hugging Face checkpoint name), or None
+    for parameters vLLM does not hold (LoRA factors, the original copy of a ``modules_to_save`` module).
+
+    ``peft``: the policy is a PEFT model (names under ``base_model.model.``, adapted layers under ``base_layer``)."""
+    parts = [part for part in name.split(".") if part not in _WRAPPER_SEGMENTS]
+    if parts and parts[0] == "module":  # DistributedDataParallel's wrapper
+        parts = parts[1:]
+    name = ".".join(parts)
+    if peft:
+        if ".lora_" in name or "original_module" in name:
+            return None
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        name = name.replace(".modules_to_save.default", "")
+    return name
+
+
+def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under vLLM's names, one tensor at a time, detached. A LoRA layer's base weight is sent
+    with its active adapters' deltas added (computed apart: the policy's own weights are never merged in place,
+    which would round them a little at every push); FSDP2 / ZeRO-3 parameters are gathered, so every rank must
+    iterate."""
+    from lightalign.modules.training.policy import is_peft_model
+    from lightalign.strategies.sharding import generation_context
+
+    peft = is_peft_model(model)
+    lora_layers = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
+                   if peft and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+    with generation_context(model), torch.no_grad():
+        for name, param in model.named_parameters():
+            target = vllm_weight_name(name, peft=peft)
+            if target is None:
+                continue
+            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+            layer = lora_layers.get(name)
+            if layer is not None and not getattr(layer, "merged", False):
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
+                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            yield target, tensor.detach()
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+def rollout_from_token_ids(batch: dict[str, Any], completions: list[list[int]], num_generations: int,
+                           eos_token_ids: Iterable[int], tokenizer: Any, device: torch.device | None = None
+                           ) -> dict[str, Any]:
+    """The rollout dict of ``generation.sample_completions`` from an engine's completions (``num_generations``
+    lists of token ids per prompt, prompt-major): ``completion_ids`` right-padded, cut after the first EOS,
+    ``completion_mask`` through it, ``truncated`` where there is none, and the texts and columns for rewards."""
+    prompts_n = len(batch["prompts"])
+    if len(completions) != prompts_n * num_generations:
+        raise ValueError(f"the engine returned {len(completions)} completions for {prompts_n} prompts x "
+                         f"{num_generations} generations.")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = device if device is not None else batch["prompt_input_ids"].device
+    eos = set(int(i) for i in eos_token_ids)
+    cut = []
+    truncated = []
+    for ids in completions:
+        ids = list(ids)
+        end = next((i for i, t in enumerate(ids) if t in eos), None)
+        cut.append(ids if end is None else ids[: end + 1])
+        truncated.append(end is None)
+    width = max(1, max(len(ids) for ids in cut))
+    completion_ids = torch.full((len(cut), width), pad, dtype=torch.long)
+    completion_mask = torch.zeros(len(cut), width, dtype=torch.long)
+    for row, ids in enumerate(cut):
+        completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        completion_mask[row, : len(ids)] = 1
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    prompts = [p for p in batch["prompts"] for _ in range(num_generations)]
+    columns = {k: [v for v in vals for _ in range(num_generations)] for k, vals in batch["columns"].items()}
+    columns["completion_ids"] = cut
+    return {
+        "prompt_ids": batch["prompt_input_ids"].repeat_interleave(num_generations, 0),
+        "prompt_mask": batch["prompt_attention_mask"].repeat_interleave(num_generations, 0),
+        "completion_ids": completion_ids.to(device), "completion_mask": completion_mask.to(device),
+        "truncated": torch.tensor(truncated, device=device),
+        "prompts": prompts, "completions": [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                                            for p, t in zip(prompts, texts)],
+        "texts": texts, "columns": columns,
+    }
+
+
+def prompt_token_ids(batch: dict[str, Any]) -> list[list[int]]:
+    """The real (unpadded) token ids of each prompt of a ``PromptCollator`` batch."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"])]

@@ -1,0 +1,222 @@
+"""The two ways lightalign reaches vLLM (``use_vllm``), and the callback that keeps the engine's weights the policy's.
+
+* ``ColocatedEngine`` (``vllm_mode: colocate``): a ``vllm.LLM`` in each training process, sharing its GPU
+  (``vllm_gpu_memory_utilization`` of it); weights go in with the engine's ``load_weights``.
+* ``ServerEngine`` (``vllm_mode: server``): a separate ``VLLM_SERVER_DEV_MODE=1 vllm serve <model>
+  --weight-transfer-config '{"backend": "nccl"}'`` (dev mode for ``/reset_prefix_cache``); completions come
+  from its ``/v1/completions`` route (prompts as token ids, token ids back), weights go over vLLM's NCCL
+  weight-transfer group (the trainer is rank 0, the server's workers follow).
+  Every rank asks for its own prompts' completions; rank 0 alone pushes weights.
+* ``VLLMRollouts``: a Lightning callback (``GRPOModule.configure_callbacks`` adds it when ``use_vllm`` is on):
+  builds the engine at fit start, pushes the policy's weights then and after every optimizer step, and sets
+  ``module.vllm_generation`` which the rollout samples through.
+
+Pure helpers (knob checks, sampling-parameter mapping, weight names, rollout assembly) live in
+``vllm_generation.py``. See docs/vllm.md for what was and was not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import lightning as L
+import torch
+
+from lightalign.modules.generation.vllm import (INSTALL_HINT, prompt_token_ids, rollout_from_token_ids,
+                                                vllm_sampling_params, vllm_weights)
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"use_vllm: true needs vLLM: {INSTALL_HINT}.") from err
+    return vllm
+
+
+class ColocatedEngine:
+    """A ``vllm.LLM`` in this process, on this process's GPU (one engine per training rank)."""
+
+    def __init__(self, model_name_or_path: str, *, gpu_memory_utilization: float, max_model_length: int | None,
+                 enable_sleep_mode: bool, model_impl: str, seed: int, dtype: str = "auto",
+                 trust_remote_code: bool = False, distributed: bool = False) -> None:
+        vllm = _import_vllm()
+        kwargs = dict(model=model_name_or_path, tensor_parallel_size=1, gpu_memory_utilization=gpu_memory_utilization,
+                      max_model_len=max_model_length, enable_sleep_mode=enable_sleep_mode, model_impl=model_impl,
+                      seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)
+        if distributed:  # the engine joins the ranks Lightning already launched instead of spawning its own
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = vllm.LLM(**kwargs)
+        self.sleep_mode = enable_sleep_mode
+        if enable_sleep_mode:
+            self.llm.sleep(level=2)  # weights and KV cache released until the first push
+
+    def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[list[int]]:
+        vllm = _import_vllm()
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                                    sampling_params=vllm.SamplingParams(**params), use_tqdm=False)
+        if self.sleep_mode:
+            self.llm.sleep(level=2)
+        return [list(sample.token_ids) for request in outputs for sample in request.outputs]
+
+    def load_weights(self, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], send: bool = True) -> None:
+        """``weights()``: a fresh iterator of (vLLM name, tensor); each tensor is used before the next is made
+        (LoRA-merged values exist only while the iteration runs)."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        for name, tensor in weights():
+            model.load_weights([(name, tensor)])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
+
+
+class ServerEngine:
+    """A running ``vllm serve`` server: completions over HTTP, weights over vLLM's NCCL weight-transfer group."""
+
+    def __init__(self, base_url: str, *, group_port: int, timeout: float, sender: bool) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.group_port, self.timeout, self.sender = group_port, timeout, sender
+        self.model_id = self._get("/v1/models")["data"][0]["id"]
+        self.group = None
+        self.meta: list[tuple[str, str, list[int]]] | None = None
+
+    def _request(self, path: str, payload: dict[str, Any] | None = None, method: str = "POST") -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout or None) as response:
+                body = response.read()
+        except OSError as err:
+            raise ConnectionError(f"vLLM server at {self.base_url}{path} failed: {err}. Is `vllm serve` running "
+                                  "there (vllm_server_base_url / vllm_server_host / vllm_server_port)?") from err
+        return json.loads(body) if body else None
+
+    def _get(self, path: str) -> Any:
+        return self._request(path, method="GET")
+
+    def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[list[int]]:
+        params = {k: v for k, v in params.items() if k != "detokenize"}
+        payload = {"model": self.model_id, "prompt": prompts, "return_token_ids": True, **params}
+        choices = self._request("/v1/completions", payload)["choices"]
+        choices = sorted(choices, key=lambda c: c.get("index", 0))  # prompt-major: a prompt's n samples together
+        return [list(choice["token_ids"]) for choice in choices]
+
+    def _connect(self) -> None:
+        """Join the server's weight-transfer group as rank 0 (its workers are ranks 1..)."""
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        from vllm.utils.network_utils import get_ip
+
+        info = {"master_address": get_ip(), "master_port": self.group_port, "rank_offset": 1,
+                "world_size": self._get("/get_world_size")["world_size"] + 1, "packed": True}
+        with ThreadPoolExecutor(max_workers=1) as pool:  # both sides meet inside the same rendezvous
+            pending = pool.submit(self._request, "/init_weight_transfer_engine", {"init_info": info})
+            self.group = trainer_init(info)
+            pending.result()
+
+    def load_weights(self, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], send: bool = True) -> None:
+        """``weights()``: a fresh iterator of (vLLM name, tensor). The server must know every tensor's name, dtype
+        and shape before the broadcast starts: a first walk (first push only) reads them, the second streams."""
+        if self.meta is None:
+            self.meta = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in weights()]
+        if not send:  # other ranks only take part in gathering sharded parameters
+            for _ in weights():
+                pass
+            return
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        if self.group is None:
+            self._connect()
+        info = {"names": [m[0] for m in self.meta], "dtype_names": [m[1] for m in self.meta],
+                "shapes": [m[2] for m in self.meta]}
+        self._request("/start_weight_update", {})
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers receive while this process broadcasts
+            pending = pool.submit(self._request, "/update_weights", {"update_info": info})
+            packed_nccl_broadcast_producer(weights(), group=self.group, src=0,
+                                           post_iter_func=lambda item: item[1].contiguous())
+            pending.result()
+        self._request("/finish_weight_update", {})
+        try:  # prefixes cached under the old weights must not be reused
+            self._request("/reset_prefix_cache", {})
+        except ConnectionError as err:
+            raise ConnectionError(f"{err} The server must reset its prefix cache after each weight update: start it "
+                                  "with VLLM_SERVER_DEV_MODE=1, which enables /reset_prefix_cache.") from err
+
+
+class VLLMSampler:
+    """What the rollout calls instead of ``sample_completions`` when ``use_vllm`` is on."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.pushed_step: int | None = None
+
+    def sample_completions(self, module: Any, batch: dict[str, Any], num_generations: int) -> dict[str, Any]:
+        from lightalign.modules.generation.sampling import eos_token_ids
+
+        hp = module.hparams
+        eos = eos_token_ids(module.model, module.tokenizer)
+        seed = int(torch.randint(0, 2**31 - 1, ()))  # from the run's torch RNG: seeded runs sample alike
+        params = vllm_sampling_params(
+            num_generations=num_generations, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k,
+            min_p=hp.min_p, repetition_penalty=hp.repetition_penalty,
+            max_completion_length=hp.max_completion_length, eos_token_ids=eos,
+            generation_kwargs=hp.generation_kwargs, seed=seed)
+        completions = self.engine.generate(prompt_token_ids(batch), params)
+        return rollout_from_token_ids(batch, completions, num_generations, eos, module.tokenizer,
+                                      device=batch["prompt_input_ids"].device)
+
+    def push(self, model: torch.nn.Module, step: int, sender: bool = True) -> None:
+        self.engine.load_weights(lambda: vllm_weights(model), send=sender)
+        self.pushed_step = step
+
+
+def build_engine(module: Any, trainer: L.Trainer) -> Any:
+    hp = module.hparams
+    if hp.vllm_mode == "server":
+        base_url = hp.vllm_server_base_url or f"http://{hp.vllm_server_host}:{hp.vllm_server_port}"
+        return ServerEngine(base_url, group_port=hp.vllm_group_port, timeout=hp.vllm_server_timeout,
+                            sender=trainer.global_rank == 0)
+    if trainer.world_size > 1:  # vLLM's external launcher reads the rendezvous Lightning set up
+        os.environ.setdefault("RANK", str(trainer.global_rank))
+        os.environ.setdefault("LOCAL_RANK", str(trainer.local_rank))
+        os.environ.setdefault("WORLD_SIZE", str(trainer.world_size))
+    dtype = str(next(module.model.parameters()).dtype).removeprefix("torch.")
+    return ColocatedEngine(module.model_name_or_path, gpu_memory_utilization=hp.vllm_gpu_memory_utilization,
+                           max_model_length=hp.vllm_max_model_length, enable_sleep_mode=hp.vllm_enable_sleep_mode,
+                           model_impl=hp.vllm_model_impl, seed=trainer.global_rank, dtype=dtype,
+                           trust_remote_code=bool(hp.get("trust_remote_code", False)),
+                           distributed=trainer.world_size > 1)
+
+
+class VLLMRollouts(L.Callback):
+    """Builds the vLLM engine at fit start, pushes the policy's weights to it then and after every optimizer step
+    (so each rollout is sampled by the policy being trained), and routes the module's sampling through it.
+
+    ``engine_factory(module, trainer)``: how the engine is made (default ``build_engine``; tests pass a fake)."""
+
+    def __init__(self, engine_factory=build_engine) -> None:
+        self.engine_factory = engine_factory
+        self.sampler: VLLMSampler | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
+        self.sampler = VLLMSampler(self.engine_factory(module, trainer))
+        module.vllm_generation = self.sampler
+        self._push(trainer, module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.sampler is not None and self.sampler.pushed_step != trainer.global_step:  # an optimizer step ran
+            self._push(trainer, module)
+
+    def on_fit_end(self, trainer: L.Trainer, module: Any) -> None:
+        module.vllm_generation = None
+
+    def _push(self, trainer: L.Trainer, module: Any) -> None:
+        self.sampler.push(module.model, trainer.global_step, sender=trainer.global_rank == 0)
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("vllm_weights")  # no rank samples before the new weights are in

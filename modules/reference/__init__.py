@@ -1,0 +1,5 @@
+"""The reference model as one component: frozen copy, shared layers, quantised, precomputed/cached log-probs,
+PEFT-adapter-disabled, periodic sync."""
+from lightalign.modules.reference.model import create_reference_model
+
+__all__ = ["create_reference_model"]

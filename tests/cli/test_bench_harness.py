@@ -1,0 +1,169 @@
+"""Pure helpers of the benchmark suite (bench/harness.py, bench/data.py): the FLOP count behind MFU, the sequence
+lengths it is computed on, and the length shapes of the generated data. No benchmark is run here."""
+
+import importlib.util
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+harness, data = load("harness"), load("data")
+
+
+def test_train_flops_is_6N_per_token_plus_the_attention_term():
+    # 2 sequences of 3 and 5 tokens, N=1000 params, 2 layers of width 4:
+    # 6*1000*(3+5) + 12*2*4*(9+25) = 48000 + 3264
+    assert harness.train_flops(1000, 2, 4, [3, 5]) == 48000 + 3264
+    assert harness.forward_flops(1000, 2, 4, [3, 5]) == pytest.approx((48000 + 3264) / 3)
+    # attention grows with the square of the length: one sequence of 8 costs more than two of 4
+    assert harness.train_flops(1000, 2, 4, [8]) > harness.train_flops(1000, 2, 4, [4, 4])
+
+
+def test_mfu_is_a_ratio_and_none_without_a_figure():
+    assert harness.mfu(25e9, 100e9) == 0.25
+    assert harness.mfu(None, 100e9) is None and harness.mfu(1e9, None) is None
+
+
+def test_sequence_lengths_of_padded_and_padding_free_batches():
+    padded = {"input_ids": torch.zeros(3, 5), "attention_mask": torch.tensor(
+        [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])}
+    assert harness.sequence_lengths(padded) == [3, 5, 1]
+    flat = {"input_ids": torch.zeros(1, 9), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}
+    assert harness.sequence_lengths(flat) == [3, 2, 4]
+
+
+def test_alternate_and_median_of():
+    assert harness.alternate(["a", "b"], 0) == ["a", "b"] and harness.alternate(["a", "b"], 1) == ["b", "a"]
+    runs = [{"fw": "a", "x": 1.0}, {"fw": "a", "x": 3.0}, {"fw": "a", "x": 2.0}, {"fw": "b", "x": 9.0}]
+    assert harness.median_of(runs, "x", fw="a") == 2.0 and harness.median_of(runs, "x", fw="c") is None
+
+
+def test_length_shapes_have_the_same_mean_and_differ_in_spread():
+    uniform = data.draw_lengths("uniform", 40, 4000, random.Random(0))
+    tail = data.draw_lengths("longtail", 40, 4000, random.Random(0))
+    assert set(uniform) == {40}
+    assert statistics.mean(tail) == pytest.approx(40, rel=0.1)
+    assert statistics.median(tail) < 35 and max(tail) == 160 and min(tail) >= 4  # most short, a clipped long tail
+    with pytest.raises(ValueError, match="shape"):
+        data.draw_lengths("bimodal", 40, 10, random.Random(0))
+
+
+def test_generated_rows_are_deterministic_and_in_trl_formats(tmp_path):
+    path = data.write(tmp_path / "p.jsonl", "preference", "longtail", 5, 20, seed=3)
+    again = data.write(tmp_path / "q.jsonl", "preference", "longtail", 5, 20, seed=3)
+    assert path.read_text() == again.read_text()
+    row = data.rows("preference", "uniform", 1, 20)[0]
+    assert set(row) == {"prompt", "chosen", "rejected"}
+    assert len(row["prompt"].split()) + len(row["chosen"].split()) == 20
+    assert set(data.rows("sft", "uniform", 1, 20)[0]) == {"prompt", "completion"}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "small"])
+def test_linear_shapes_are_the_models_own_linear_layers(name):
+    # the GEMM floor times exactly the products of the model's nn.Linear layers: same shapes, same count
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dir = BENCH.parent / "assets" / "models" / name
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    actual = sorted((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    expected = sorted(shape for i, o, count in harness.linear_shapes(config_dir) for shape in [(i, o)] * count)
+    assert actual == expected
+
+
+def test_gemm_floor_times_each_micro_batch(tmp_path):
+    config_dir = BENCH.parent / "assets" / "models" / "tiny"
+    one = harness.gemm_floor_seconds(config_dir, [16], repeats=1)
+    assert one > 0
+    assert harness.gemm_floor_seconds(config_dir, []) == 0.0
+
+
+def test_unpaired_rows_alternate_labels_so_every_batch_holds_both_kinds():
+    rows = data.rows("unpaired", "longtail", 6, 20, seed=1)
+    assert [r["label"] for r in rows] == [True, False] * 3
+    assert all(set(r) == {"prompt", "completion", "label"} and r["completion"].startswith(" ") for r in rows)
+    assert [r["prompt"] for r in data.rows("unpaired", "longtail", 6, 20, seed=1)] == [r["prompt"] for r in rows]
+
+
+def test_kto_parity_refuses_differing_rows_or_batches():
+    # bench/kto.py compares final weights only once both sides saw the same token ids in the same batches
+    kto = load("kto")
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert kto.unpadded(ids, mask) == [[5, 6, 7], [8, 9]]
+
+    def side(kl_completion, batch_rows):
+        return {"tokens": [([1], [2], [3]), ([4], [5], kl_completion)], "batches": [(batch_rows, [[1, 3]])]}
+
+    same = side([2], [[1, 2], [4, 5]])
+    assert kto.check_same_inputs(same, side([2], [[1, 2], [4, 5]]), "kto") == []
+    assert kto.check_same_inputs(same, side([5], [[1, 2], [4, 5]]), "kto") == [
+        "row 1: KL completion ids differ: lightalign [2], TRL [5]"]
+    assert kto.check_same_inputs(same, side([5], [[1, 2], [4, 5]]), "apo_zero_unpaired") == []  # no KL term there
+    assert kto.check_same_inputs(same, side([2], [[4, 5], [1, 2]]), "kto") == [
+        "step 1: the batches' sequences differ"]
+
+
+def test_kto_speed_flops_pair_each_row_with_the_previous_completion_of_its_batch(tmp_path):
+    import argparse
+    import json
+
+    from transformers import AutoTokenizer
+
+    kto_speed = load("kto_speed")
+    model_dir = BENCH.parent / "assets" / "models" / "tiny"
+    rows = [{"prompt": "the cat", "completion": " sat on the old mat today", "label": True},
+            {"prompt": "a dog", "completion": " ran", "label": False}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = argparse.Namespace(model_dir=str(model_dir), data=str(path), warmup=0, steps=1, batch_size=2,
+                              max_length=None, n_params=1000)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    n = lambda text: len(tok(text)["input_ids"]) + 1  # noqa: E731  (+ EOS)
+    shape = harness.model_shape(model_dir)
+    fwd = lambda ls: harness.forward_flops(1000, shape["layers"], shape["hidden"], ls)  # noqa: E731
+    lengths = [n(r["prompt"] + r["completion"]) for r in rows]
+    kl = [n(rows[0]["prompt"] + rows[1]["completion"]), n(rows[1]["prompt"] + rows[0]["completion"])]
+    trained = harness.train_flops(1000, shape["layers"], shape["hidden"], lengths) + fwd(kl)
+    assert kto_speed.window_flops(args, online=False) == pytest.approx(trained)
+    assert kto_speed.window_flops(args, online=True) == pytest.approx(trained + fwd(lengths) + fwd(kl))
+
+
+def test_rloo_flops_count_the_reference_and_old_policy_forwards_only_with_a_kl_penalty():
+    import argparse
+
+    rloo = load("rloo")
+    model_dir = BENCH.parent / "assets" / "models" / "tiny"
+    shape = harness.model_shape(model_dir)
+    args = argparse.Namespace(model_dir=str(model_dir), n_params=1000, beta=0.0)
+    fwd = harness.forward_flops(1000, shape["layers"], shape["hidden"], [10])
+    train = harness.train_flops(1000, shape["layers"], shape["hidden"], [10])
+    assert rloo.completion_flops(args, 4.0, 6.0) == pytest.approx(fwd + train)  # generation + training
+    args.beta = 0.05
+    assert rloo.completion_flops(args, 4.0, 6.0) == pytest.approx(3 * fwd + train)
+
+
+def test_suite_rows_of_kto_and_rloo_and_no_target_for_them():
+    suite = load("suite")
+    kto_result = {"summary": [{"mode": "online", "lightalign_rows_per_sec": 3.0, "trl_rows_per_sec": 2.0,
+                               "lightalign_model_flops_per_sec": 1e9, "trl_model_flops_per_sec": 5e8,
+                               "lightalign_peak_rss_mb": 500.0, "trl_peak_rss_mb": 600.0}]}
+    (row,) = suite.rows_of("kto", kto_result, "small", "longtail", 1e10)
+    assert (row["variant"], row["unit"], row["ratio"], row["lightalign_mfu"]) == ("online ref", "rows/s", 1.5, 0.1)
+    rloo_result = {"summary": {
+        "lightalign": {"completions_per_sec": 4.0, "model_flops_per_sec": 2e9, "peak_rss_mb": 1.0},
+        "trl": {"completions_per_sec": 2.0, "model_flops_per_sec": 1e9, "peak_rss_mb": 2.0}}}
+    (row,) = suite.rows_of("rloo", rloo_result, "small", "longtail", 1e10)
+    assert (row["unit"], row["ratio"], row["trl_peak_rss_mb"]) == ("completions/s", 2.0, 2.0)
+    assert all("kto" not in t["target"] and "rloo" not in t["target"] for t in suite.targets([row]))

@@ -1,0 +1,182 @@
+"""Running the venv's ``lightalign`` console script from the tests: ``run(repo, *args, **env)`` ->
+``subprocess.CompletedProcess`` (text ``stdout``/``stderr``, the exit status in ``returncode``).
+
+Every call is a new process running the console script's entry point (``lightalign.cli:main``) with the given
+arguments, working directory and environment: its exit status, standard output and standard error are the
+process's own. What costs most in such a process is importing torch, Lightning and transformers (several seconds of
+CPU each time, about half of the suite's console-script time). So the calls whose environment is the tests' standard
+one (``standard_env()``) are forked from a *console server*: a process that imported those libraries once, with that
+environment, and forks a child per call. The child then does what the installed script does — ``sys.argv`` is the
+script's, ``sys.path[0]`` its folder, lightalign itself is imported fresh in the child — and exits through the
+interpreter's own handling of ``sys.exit(main())`` (atexit handlers, the traceback and status 1 of an uncaught
+exception). Whatever the libraries printed while the server imported them is written again at the start of each
+child's output, so a warning a user would see is still in the output the tests check.
+
+Calls with another environment (a variable removed or added: ``HF_HUB_OFFLINE`` and the like are read at import
+time) run the real script as an ordinary subprocess, as does ``run(..., real=True)``; tests/cli/test_console.py checks
+that both ways give the same status and output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console script
+# Imported once by the console server: the libraries every run imports, and the model code of the shipped tiny model
+# (which, with deepspeed installed as in the dev venv, imports deepspeed and mlflow through transformers).
+PRELOAD = ("torch", "lightning.pytorch", "lightning.pytorch.cli", "jsonargparse", "torchmetrics", "datasets",
+           "safetensors.torch", "huggingface_hub", "tokenizers", "transformers", "transformers.modeling_utils",
+           "transformers.generation.utils", "transformers.models.qwen2.modeling_qwen2")
+_NOT_INHERITED = ("LIGHTALIGN_DEBUG", "PYTEST_CURRENT_TEST")  # pytest sets the second per test; the script ignores it
+# The test process's environment as the tests started (tests/conftest.py imports this module first thing). Tests that
+# train in-process change os.environ as they go (Lightning's seed_everything sets PL_GLOBAL_SEED, inductor its cache
+# folder): a user's shell has none of that, and a drifting environment would also stop matching the console server's.
+_START_ENV = dict(os.environ)
+
+
+def standard_env(**extra: str) -> dict[str, str]:
+    """The environment console-script tests run with: the tests' own at start, offline, minus ``LIGHTALIGN_DEBUG``."""
+    env = {k: v for k, v in _START_ENV.items() if k not in _NOT_INHERITED}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def run(repo: Path | str, *args: str, env: dict[str, str] | None = None, timeout: float = 900,
+        real: bool = False) -> subprocess.CompletedProcess:
+    """``lightalign *args`` in ``repo`` with ``env`` (default ``standard_env()``)."""
+    env = standard_env() if env is None else env
+    argv = [str(LIGHTALIGN), *map(str, args)]
+    server = None if real or os.name != "posix" else _server_for(env)
+    if server is None:
+        return subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    return server.run(argv, str(repo), env, timeout)
+
+
+def run_python(script: Path | str, *args: str, cwd: Path | str | None = None, env: dict[str, str] | None = None,
+               timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python script *args`` (a test's worker script), forked from the console server like ``run``: the child runs
+    the file as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python script`` sets them."""
+    env = standard_env() if env is None else env
+    argv = [sys.executable, str(script), *map(str, args)]
+    cwd = str(cwd or os.getcwd())
+    server = None if os.name != "posix" else _server_for(env)
+    if server is None:
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return server.run(argv, cwd, env, timeout, script=str(script))
+
+
+# The console server's program: import the libraries with stdout/stderr captured, then fork one child per request
+# (a JSON line on stdin); answer {"pid"} at once and {"status"} when the child has exited (JSON lines on the
+# original stdout, kept on a private descriptor).
+SERVER = r"""
+import json, os, sys
+proto_in, proto_out = sys.stdin.buffer, os.fdopen(os.dup(1), "w", buffering=1)
+captured = [os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) for p in sys.argv[1:3]]
+os.dup2(captured[0], 1); os.dup2(captured[1], 2)
+import importlib
+for name in json.loads(sys.argv[3]):
+    importlib.import_module(name)
+sys.stdout.flush(); sys.stderr.flush()
+preamble = []
+for fd in captured:
+    os.lseek(fd, 0, 0)
+    preamble.append(os.read(fd, 1 << 24)); os.close(fd)
+proto_out.write("ready\n")
+request = None
+while True:
+    line = proto_in.readline()
+    if not line:
+        os._exit(0)
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        break
+    proto_out.write(json.dumps({"pid": pid}) + "\n")
+    _, status = os.waitpid(pid, 0)
+    proto_out.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
+# The child: the console script's process from here on.
+proto_out.close()
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0); os.close(null)
+for fd, path, text in zip((1, 2), (request["stdout"], request["stderr"]), preamble):
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(out, text); os.dup2(out, fd); os.close(out)
+os.chdir(request["cwd"])
+os.environ.clear(); os.environ.update(request["env"])
+script = request["script"]
+sys.argv = request["argv"][1:] if script else request["argv"]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+del json, os, importlib, request, preamble, captured, proto_in, proto_out
+if script:
+    import runpy
+    runpy.run_path(script, run_name="__main__")
+else:
+    from lightalign.cli import main
+    sys.exit(main())
+"""
+
+
+class ConsoleServer:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.dir = tempfile.mkdtemp(prefix="lightalign-console-")
+        self.lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, f"{self.dir}/import.out", f"{self.dir}/import.err", json.dumps(PRELOAD)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, cwd=self.dir, text=True, bufsize=1)
+        if self._line(600) != "ready":
+            raise RuntimeError(f"the console server did not start: {Path(self.dir, 'import.err').read_text()[-3000:]}")
+        self.calls = 0
+
+    def _line(self, timeout: float) -> str | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline().strip() if ready else None
+
+    def run(self, argv: list[str], cwd: str, env: dict[str, str], timeout: float,
+            script: str | None = None) -> subprocess.CompletedProcess:
+        with self.lock:
+            self.calls += 1
+            out, err = f"{self.dir}/{self.calls}.out", f"{self.dir}/{self.calls}.err"
+            request = {"argv": argv, "script": script, "cwd": cwd, "env": env, "stdout": out, "stderr": err}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = json.loads(self._line(60))["pid"]
+            answer = self._line(timeout)
+            if answer is None:
+                os.kill(pid, signal.SIGKILL)
+                self._line(60)
+                raise subprocess.TimeoutExpired(argv, timeout)
+            status = json.loads(answer)["status"]
+            texts = []
+            for path in (out, err):
+                with open(path, encoding="utf-8", errors="replace", newline=None) as f:
+                    texts.append(f.read())
+                os.unlink(path)
+            return subprocess.CompletedProcess(argv, status, *texts)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+_SERVER: ConsoleServer | None = None
+
+
+def _server_for(env: dict[str, str]) -> ConsoleServer | None:
+    """The console server for calls with ``env`` (started on first use), or None when ``env`` is not the one it
+    imported the libraries with."""
+    global _SERVER
+    if _SERVER is None or _SERVER.proc.poll() is not None:
+        if env != standard_env():
+            return None
+        _SERVER = ConsoleServer(env)
+    return _SERVER if env == _SERVER.env else None

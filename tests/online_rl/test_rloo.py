@@ -1,0 +1,134 @@
+"""RLOOModule: leave-one-out advantages on real rollouts, the KL in the reward, accumulation, the console script."""
+
+import csv
+
+import lightning as L
+import pytest
+
+from helpers import console_script
+from helpers.rollout_callbacks import KeepBuffer, PerturbPolicy
+import torch
+
+from lightalign.modules.rloo import RLOOModule
+
+G = 4
+
+
+def varied_reward(prompts, completions, **kwargs):
+    """Rewards with variance inside every group (the completion's length in characters, and its digits)."""
+    return [len(c) / 10 + sum(ch.isdigit() for ch in c) for c in completions]
+
+
+class Recorder:
+    """A reward function that remembers what it returned, in rollout order."""
+
+    def __init__(self):
+        self.rewards = []
+        self.__name__ = "recorded"
+
+    def __call__(self, prompts, completions, **kwargs):
+        out = varied_reward(prompts, completions)
+        self.rewards.append(torch.tensor(out))
+        return out
+
+
+def rloo(tiny_dir, **kw):
+    kw.setdefault("reward_funcs", [varied_reward])
+    kw.setdefault("num_generations", G)
+    kw.setdefault("max_completion_length", 6)
+    kw.setdefault("learning_rate", 1e-3)
+    return RLOOModule(str(tiny_dir), from_config=True, **kw)
+
+
+def in_rollout_order(buffer, key):
+    rows = torch.cat([mb["row"] for mb in buffer])
+    return torch.cat([mb[key] for mb in buffer])[torch.argsort(rows)]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_advantage_is_reward_minus_the_others_mean(beta, tiny_dir, quiet_trainer, prompt_data):
+    recorder = Recorder()
+    keep = KeepBuffer()
+    module = rloo(tiny_dir, reward_funcs=[recorder], beta=beta, generation_batch_size=8)
+    quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[keep, PerturbPolicy()]).fit(module, prompt_data())
+    buffer = keep.buffers[0]
+    rewards = recorder.rewards[0].float()
+    assert rewards.view(-1, G).std(dim=1).min() > 0  # variance inside every group, or the check proves nothing
+    if beta:  # the penalty uses the sampling policy's and the reference's log-probs of each completion
+        kl = ((in_rollout_order(buffer, "old_logps") - in_rollout_order(buffer, "ref_logps"))
+              * in_rollout_order(buffer, "completion_mask")).sum(-1)
+        assert kl.abs().min() > 1e-3
+        rewards = rewards - beta * kl
+    expected = []
+    for i, r in enumerate(rewards.tolist()):
+        group = rewards[(i // G) * G:(i // G + 1) * G].tolist()
+        others = [x for j, x in enumerate(group) if j != i % G]
+        expected.append(r - sum(others) / len(others))
+    torch.testing.assert_close(in_rollout_order(buffer, "advantages"), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_accumulation_2x4_equals_1x8(tiny_dir, quiet_trainer, prompt_data, grad_capture):
+    def one_step_grads(accumulate):
+        L.seed_everything(0)
+        module = rloo(tiny_dir, generation_batch_size=8, beta=0.1, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+        capture = grad_capture()
+        quiet_trainer(max_steps=1, accumulate_grad_batches=accumulate, callbacks=[capture]).fit(module, prompt_data())
+        return capture.grads[0]
+
+    full, accum = one_step_grads(1), one_step_grads(2)
+    assert full.keys() == accum.keys() and full
+    for name in full:
+        torch.testing.assert_close(accum[name], full[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert any(g.abs().sum() > 0 for g in full.values())
+
+
+def test_bad_knobs_refused(tiny_dir):
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        rloo(tiny_dir, num_generations=1)
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        rloo(tiny_dir, beta=-0.1)
+    with pytest.raises(ValueError, match="reward_clip_range"):
+        rloo(tiny_dir, reward_clip_range=(1.0, -1.0))
+    with pytest.raises(ValueError, match=r"\['entropy_coef', 'scale_rewards'\] are GRPOModule knobs"):
+        rloo(tiny_dir, scale_rewards="batch", entropy_coef=0.1)
+    rloo(tiny_dir, scale_rewards="group", entropy_coef=0.0)  # GRPO's defaults, as LightningCLI passes them: fine
+
+
+def test_reward_clip_range_clamps_before_the_baseline(tiny_dir, quiet_trainer, prompt_data):
+    keep = KeepBuffer()
+    recorder = Recorder()
+    module = rloo(tiny_dir, reward_funcs=[recorder], beta=0.0, generation_batch_size=8, reward_clip_range=(0.0, 0.3))
+    quiet_trainer(max_steps=1, callbacks=[keep]).fit(module, prompt_data())
+    rewards = recorder.rewards[0].float().clamp(0.0, 0.3)
+    adv = in_rollout_order(keep.buffers[0], "advantages")
+    grouped = rewards.view(-1, G)
+    expected = (grouped - (grouped.sum(1, keepdim=True) - grouped) / (G - 1)).flatten()
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=1e-6)
+
+
+def _run(args, cwd, **env):
+    return console_script.run(cwd, *args, env=console_script.standard_env(**env), timeout=600)
+
+
+def test_console_quickstart_runs_and_logs(repo, tmp_path):
+    out = _run(["fit", "--config", str(repo / "configs" / "rloo_quickstart.yaml"), "--trainer.max_steps", "2",
+                "--model.beta", "0.05",
+                "--trainer.val_check_interval", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
+                "--plot.enabled", "false"], cwd=repo)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    logged = {k for row in rows for k, v in row.items() if v}
+    assert {"train/reward/mean", "train/kl", "train/loss", "val/reward/mean"} <= logged
+    assert next(tmp_path.rglob("hf_model/config.json"))
+    # the GRPO knobs RLOO fixes are what the run recorded, not GRPO's defaults LightningCLI passed
+    hparams = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=False, map_location="cpu")["hyper_parameters"]
+    assert (hparams["loss_type"], hparams["scale_rewards"]) == ("grpo", "none")
+    hparams_yaml = next(tmp_path.rglob("hparams.yaml")).read_text()
+    assert "loss_type: grpo" in hparams_yaml and "scale_rewards: none" in hparams_yaml
+
+
+def test_console_refuses_a_group_of_one(repo, tmp_path):
+    out = _run(["fit", "--config", str(repo / "configs" / "rloo_quickstart.yaml"), "--model.num_generations", "1",
+                "--trainer.logger.init_args.save_dir", str(tmp_path)], cwd=repo)
+    assert out.returncode != 0
+    assert "RLOOModule needs num_generations >= 2" in out.stderr and "Traceback" not in out.stderr

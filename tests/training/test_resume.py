@@ -1,0 +1,106 @@
+"""Exact resume: a run SIGKILLed twice (once mid-epoch at a step that is not a checkpoint step, once just after an
+epoch-end checkpoint) and resumed each time ends bit-for-bit where an uninterrupted run ends: every weight, the
+optimizer state, and the logged losses of the steps they share. The workers train with attention dropout, NEFTune
+(SFT) and sampling with a reward that varies (GRPO), so every RNG stream of training matters."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "resume_worker.py"
+
+
+def _start(out: Path, method: str, *extra: str) -> subprocess.Popen:
+    """The worker in its own session (a kill takes its whole process group), one thread each, so two runs
+    share the machine's cores side by side."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, str(WORKER), "--method", method, "--out", str(out), *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, expect_kill: bool = False) -> None:
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == (-9 if expect_kill else 0), stderr[-3000:]
+
+
+def _losses(out: Path, key: str = "train/loss") -> dict[int, float]:
+    """Logged losses by step over the run's process runs (one logger version each; later runs win)."""
+    values = {}
+    for version in sorted((out / "logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1])):
+        with open(version / "metrics.csv") as f:
+            for row in csv.DictReader(f):
+                if row.get(key):
+                    values[int(row["step"])] = float(row[key])
+    return values
+
+
+def _assert_equal_tree(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys differ"
+        for k in a:
+            _assert_equal_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a} != {b}"
+
+
+# (method, devices, max_steps, every, first kill, second kill, steps per epoch). The first kill resumes from a
+# checkpoint inside an epoch (and, for GRPO, inside a rollout); the second from the checkpoint at an epoch end.
+CASES = [
+    # 11 batches/epoch, accumulation 2: 6 steps/epoch. Kill at 5 -> resume 3 (mid-epoch 0); kill at 7 -> resume 6
+    ("sft", 1, 9, 3, 5, 7, 6),
+    ("dpo", 1, 9, 3, 5, 7, 6),
+    # a rollout serves 4 steps, 2 rollouts/epoch: 8 steps/epoch. Kill at 3 -> resume 2 (mid-rollout); 9 -> 8
+    ("grpo", 1, 10, 2, 3, 9, 8),
+    # DDP GRPO: each rank its own prompts, rollouts and reward normaliser; as the single-process case
+    ("grpo", 2, 10, 2, 3, 9, 8),
+]
+
+
+@pytest.mark.parametrize("method, devices, max_steps, every, kill1, kill2, epoch_steps", CASES,
+                         ids=[f"{c[0]}-{c[1]}proc" for c in CASES])
+def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_steps, every, kill1, kill2,
+                                                 epoch_steps):
+    resume1, resume2 = (kill1 // every) * every, (kill2 // every) * every
+    assert kill1 % every and kill2 % every  # killed between checkpoints, work since the last one is redone
+    assert resume1 % epoch_steps and resume2 % epoch_steps == 0  # mid-epoch, then at an epoch end
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--max-steps", str(max_steps), "--every", str(every), "--devices", str(devices)]
+    # the uninterrupted run and the run that gets killed are independent: run them side by side
+    uninterrupted = _start(a, method, *common)
+    _wait(_start(b, method, *common, "--kill-at", str(kill1)), expect_kill=True)
+    assert not (b / "final.pt").exists()
+    _wait(_start(b, method, *common, "--resume", "--kill-at", str(kill2), "--log-version", "1"), expect_kill=True)
+    assert torch.load(b / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == resume2
+    _wait(_start(b, method, *common, "--resume", "--log-version", "2"))
+    _wait(uninterrupted)
+
+    final_a = torch.load(a / "final.pt", weights_only=True)
+    final_b = torch.load(b / "final.pt", weights_only=True)
+    _assert_equal_tree(final_a["model"], final_b["model"], f"{method}: weights after resume")
+    _assert_equal_tree(final_a["optimizer"], final_b["optimizer"], f"{method}: optimizer state after resume")
+    # DPO syncs its reference (TR-DPO) every 2 steps: the resumed runs restored the mixed reference
+    _assert_equal_tree(final_a.get("reference"), final_b.get("reference"), f"{method}: reference after resume")
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == list(range(max_steps)), sorted(la)
+    shared = [s for s in la if s >= resume1]
+    assert all(la[s] == lb[s] for s in shared), {s: (la[s], lb.get(s)) for s in shared}
+    # the weights moved, and (GRPO) the loss is not the zero of a reward without variance
+    init = torch.load(a / "init.pt", weights_only=True)
+    assert not all(torch.equal(init[k], final_a["model"][k]) for k in init)
+    if final_a.get("reference") is not None:  # the synced reference is not the initial policy any more
+        assert not all(torch.equal(init[k], final_a["reference"][k]) for k in init)
+    assert any(abs(v) > 1e-6 for v in la.values()), la

@@ -1,0 +1,159 @@
+"""Run a small SFT/DPO/GRPO training as a separate process, optionally SIGKILLed at a step, optionally resumed.
+
+Used by tests/training/test_resume.py:  python tests/workers/resume_worker.py --method sft --out DIR --max-steps 14 --every 4
+                                 [--kill-at 10] [--resume] [--devices 2]
+Everything that draws from the torch RNG during training is on: attention dropout 0.1 (the tiny model's config,
+copied to DIR/model), NEFTune noise (SFT), sampling and a reward with variance (GRPO, with running reward
+normalisation). Writes DIR/init.pt (the policy's weights when training first starts) and DIR/final.pt (weights
+and optimizer state at the end, rank 0) and logs to DIR/logs/version_<--log-version>/metrics.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from datasets import Dataset
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "assets" / "models" / "tiny")
+DATA = REPO / "examples" / "data"
+
+
+class KillAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.killpg(os.getpgid(0), signal.SIGKILL)  # every rank: the test starts us in our own session
+
+
+class DyingCheckpointIO:
+    """Wraps AtomicCheckpointIO: at the save of step ``die_at``, write half the bytes, then SIGKILL."""
+
+    @staticmethod
+    def make(die_at: int):
+        import io
+
+        from lightalign.strategies import AtomicCheckpointIO
+
+        class Dying(AtomicCheckpointIO):
+            def save_checkpoint(self, checkpoint, path, storage_options=None):
+                if checkpoint["global_step"] == die_at:
+                    buffer = io.BytesIO()
+                    torch.save(checkpoint, buffer)
+                    data = buffer.getvalue()
+
+                    def half_then_die(obj, f):
+                        f.write(data[: len(data) // 2])
+                        f.flush()
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                    torch.save = half_then_die
+                super().save_checkpoint(checkpoint, path, storage_options)
+
+        return Dying()
+
+
+class SaveInit(L.Callback):
+    """The policy's weights when training first starts (so a test can check that they moved)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.is_global_zero and not self.path.exists():
+            torch.save({k: v.clone() for k, v in pl_module.model.state_dict().items()}, self.path)
+
+
+def varied_reward(prompts, completions, completion_ids, **kwargs):
+    """A reward with variance inside every group (the digit reward of an untrained model is 0 almost always)."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def tiny_with_dropout(out: Path) -> str:
+    """The tiny model's folder with attention dropout 0.1 (its config has none)."""
+    folder = out / "model"
+    if not folder.exists():
+        shutil.copytree(TINY, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["attention_dropout"] = 0.1
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
+
+
+def rows(name: str, n: int) -> Dataset:
+    lines = (DATA / name).read_text().splitlines()[:n]
+    return Dataset.from_list([json.loads(line) for line in lines])
+
+
+def build(method: str, model: str, devices: int):
+    from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
+
+    common = dict(from_config=True, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=2)
+    if method == "sft":
+        return (SFTModule(model, neftune_noise_alpha=5.0, **common),
+                SFTDataModule(rows("arithmetic_sft.jsonl", 44), tokenizer=TINY, batch_size=4, max_length=32), 2)
+    if method == "dpo":
+        # dropout kept on (DPO's default turns it off); TR-DPO reference syncs every 2 steps, so a resume restores a
+        # reference that is no longer the initial policy
+        return (DPOModule(model, disable_dropout=False, sync_ref_model=True, ref_model_mixup_alpha=0.5,
+                          ref_model_sync_steps=2, **common),
+                PreferenceDataModule(rows("arithmetic_preference.jsonl", 44), tokenizer=TINY, batch_size=4), 2)
+    if method == "grpo":
+        # a rollout (2 prompts x 4 completions) serves 4 steps (2 micro-batches x 2 iterations); 4 prompts per
+        # rank: 2 rollouts, 8 steps per epoch. The adaptive entropy coefficient rises every step (entropy < target):
+        # its controller state must resume too
+        module = GRPOModule(model, reward_funcs=[varied_reward], num_generations=4, generation_batch_size=8,
+                            steps_per_generation=2, num_iterations=2, max_completion_length=6,
+                            normalize_rewards=True, scale_rewards="none", use_adaptive_entropy=True,
+                            entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 4 * devices), tokenizer=TINY), 1
+    raise SystemExit(f"unknown method {method}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--every", type=int, required=True)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--die-during-save", type=int)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--log-version", type=int, default=0, help="CSVLogger version (one per process run)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    L.seed_everything(1234)
+    module, data, accumulate = build(args.method, tiny_with_dropout(out), args.devices)
+    callbacks = [SaveInit(out / "init.pt"),
+                 ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
+    if args.kill_at:
+        callbacks.insert(0, KillAt(args.kill_at))
+    plugins = [DyingCheckpointIO.make(args.die_during_save)] if args.die_during_save else None
+    ddp = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {}
+    trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, accumulate_grad_batches=accumulate, plugins=plugins, **ddp,
+                        callbacks=callbacks, logger=CSVLogger(out, name="logs", version=args.log_version), log_every_n_steps=1,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, data, ckpt_path="last" if args.resume else None)
+    if trainer.is_global_zero:
+        reference = getattr(module, "ref_model", None)
+        torch.save({"model": module.model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+                    "reference": reference.state_dict() if reference is not None else None}, out / "final.pt")
+    print("DONE", trainer.global_step, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
