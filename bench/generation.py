@@ -77,7 +77,7 @@ def completions(variant: str, models: dict, tokenizer, ids, mask, args) -> list[
     eos = eos_token_ids(model, tokenizer)
     g, new = args.num_generations, args.max_new_tokens
     if framework == "lightalign":
-        out, _ = sample_groups(model, ids, mask, g, backend=backend, eos=eos, pad_token_id=tokenizer.pad_token_id,
+        out, _, _ = sample_groups(model, ids, mask, g, backend=backend, eos=eos, pad_token_id=tokenizer.pad_token_id,
                                max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=0, min_p=None)
     elif backend == "generate":
         config = trl_generation_config(tokenizer, eos, new)

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-IGNORE_INDEX = -100
+from lightalign.datamodules.collators import IGNORE_INDEX  # (defined once: the label the collators write)
 
 
 def count_loss_tokens(batch: dict[str, Any]) -> int:

@@ -33,7 +33,8 @@ from lightalign.modules.losses.dpo import (  # noqa: F401  (re-exported: the pub
     validate_loss_config,
     wpo_weights,
 )
-from lightalign.modules.reference.model import build_reference, model_fingerprint, move_reference
+from lightalign.modules.reference.component import Reference
+from lightalign.modules.reference.model import model_fingerprint
 from lightalign.modules.reference.precompute import precompute_reference_logps
 from lightalign.modules.training.stat_hooks import StatHooks
 
@@ -132,23 +133,15 @@ class DPOModule(StatHooks, PolicyModule):
         if reference_free and (precompute_ref_log_probs or num_shared_layers or ref_model_name_or_path):
             raise ValueError("reference_free=True uses no reference model; drop precompute_ref_log_probs, "
                              "num_shared_layers and ref_model_name_or_path.")
-        if num_shared_layers is not None and (ref_model_name_or_path or ref_model_init_kwargs):
-            raise ValueError("num_shared_layers shares the policy's own layers; it cannot be combined with a "
-                             "separately loaded reference (ref_model_name_or_path / ref_model_init_kwargs).")
+        reference = Reference(ref_model_name_or_path, ref_model_init_kwargs, num_shared_layers)
         super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
         self.loss_types = loss_types
-        self.ref_model: torch.nn.Module | None = None  # not a registered submodule: never optimised or checkpointed
+        self.reference = reference
         self.reference_forward_calls = 0
         self.register_buffer("bco_reward_mean", torch.zeros(()), persistent=True)
         self.register_buffer("bco_batches", torch.zeros((), dtype=torch.long), persistent=True)
         self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
         self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "ref_model":  # keep the reference out of the module tree (optimizer, state_dict, DDP)
-            self.__dict__[name] = value
-            return
-        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------------------------- reference
     def configure_model(self) -> None:
@@ -166,21 +159,15 @@ class DPOModule(StatHooks, PolicyModule):
 
     def _policy_can_be_reference(self) -> bool:
         hp = self.hparams
-        separate = hp.ref_model_name_or_path or hp.ref_model_init_kwargs or hp.num_shared_layers
+        separate = self.reference.separate or self.reference.num_shared_layers
         fresh_fit = self._trainer is not None and self.trainer.ckpt_path is None
         return bool(hp.precompute_ref_log_probs and not separate and fresh_fit and not is_peft_model(self.model))
 
     def _build_reference(self) -> None:
-        hp = self.hparams
-        self.ref_model = build_reference(
-            self.model, hp.ref_model_name_or_path or self.model_name_or_path,
-            separate=bool(hp.ref_model_name_or_path or hp.ref_model_init_kwargs),
-            init_kwargs=hp.ref_model_init_kwargs, num_shared_layers=hp.num_shared_layers,
-            trust_remote_code=hp.trust_remote_code,
-        )
+        self.ref_model = self.reference.build(self.model, self.model_name_or_path, self.hparams.trust_remote_code)
 
     def _move_reference(self) -> None:
-        move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
+        self.reference.move(self.ref_model, self.device, self.model)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

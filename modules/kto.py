@@ -13,7 +13,8 @@ from torchmetrics.aggregation import MeanMetric
 from lightalign.modules.training.policy import PolicyModule, is_peft_model
 from lightalign.modules.losses.kto import LOSS_TYPES, kl_estimate, kto_loss, validate_kto_config  # noqa: F401
 from lightalign.modules.training.logprobs import completion_logps
-from lightalign.modules.reference.model import build_reference, model_fingerprint, move_reference
+from lightalign.modules.reference.component import Reference
+from lightalign.modules.reference.model import model_fingerprint
 from lightalign.modules.reference.precompute import precompute_reference_logps
 from lightalign.modules.training.stat_hooks import StatHooks
 
@@ -106,20 +107,12 @@ class KTOModule(StatHooks, PolicyModule):
         **kwargs: Any,
     ) -> None:
         validate_kto_config(loss_type, beta, desirable_weight, undesirable_weight)
-        if num_shared_layers is not None and (ref_model_name_or_path or ref_model_init_kwargs):
-            raise ValueError("num_shared_layers shares the policy's own layers; it cannot be combined with a "
-                             "separately loaded reference (ref_model_name_or_path / ref_model_init_kwargs).")
+        reference = Reference(ref_model_name_or_path, ref_model_init_kwargs, num_shared_layers)
         super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
-        self.ref_model: torch.nn.Module | None = None  # not a registered submodule: never optimised or checkpointed
+        self.reference = reference
         self.reference_forward_calls = 0
         self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})
         self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "ref_model":  # keep the reference out of the module tree (optimizer, state_dict, DDP)
-            self.__dict__[name] = value
-            return
-        super().__setattr__(name, value)
 
     @property
     def uses_kl(self) -> bool:
@@ -152,19 +145,14 @@ class KTOModule(StatHooks, PolicyModule):
         hp = self.hparams
         if self.ref_model is not None or getattr(self, "_ref_released", False):
             return
-        separate = hp.ref_model_name_or_path or hp.ref_model_init_kwargs or hp.num_shared_layers
+        separate = self.reference.separate or self.reference.num_shared_layers
         fresh_fit = (self._trainer is not None and self.trainer.ckpt_path is None
                      and self.trainer.state.fn == "fit")  # not `lightalign test` of a trained checkpoint
         if hp.precompute_ref_log_probs and not separate and fresh_fit and not is_peft_model(self.model):
             self._policy_is_reference = True  # the untrained policy is the reference of the one precompute pass
             return
         with torch.inference_mode(False):
-            self.ref_model = build_reference(
-                self.model, hp.ref_model_name_or_path or self.model_name_or_path,
-                separate=bool(hp.ref_model_name_or_path or hp.ref_model_init_kwargs),
-                init_kwargs=hp.ref_model_init_kwargs, num_shared_layers=hp.num_shared_layers,
-                trust_remote_code=hp.trust_remote_code,
-            )
+            self.ref_model = self.reference.build(self.model, self.model_name_or_path, hp.trust_remote_code)
 
     def _reference_model(self) -> tuple[torch.nn.Module, bool]:
         """(model to run as the reference, whether LoRA adapters must be disabled for it)."""
@@ -242,13 +230,13 @@ class KTOModule(StatHooks, PolicyModule):
     # ------------------------------------------------------------------------------------- hooks
     def on_fit_start(self) -> None:
         self.check_model_layout()  # before the reference pass: a refused layout costs no compute
-        move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
+        self.reference.move(self.ref_model, self.device, self.model)
         if self.hparams.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)
         self.attach_neftune()  # after the reference pass, which must see clean embeddings
 
     def on_validation_start(self) -> None:
-        move_reference(self.ref_model, self.device, self.model, self.hparams.ref_model_init_kwargs)
+        self.reference.move(self.ref_model, self.device, self.model)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens = batch["attention_mask"].sum() + (batch["kl_attention_mask"].sum() if self.uses_kl else 0)

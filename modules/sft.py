@@ -12,7 +12,7 @@ from torchmetrics.aggregation import MeanMetric, SumMetric
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.adaptations.layouts import sft_logits
 
-IGNORE_INDEX = -100
+from lightalign.datamodules.collators import IGNORE_INDEX  # (defined once: the label the collators write)
 
 
 def sft_loss(

@@ -10,7 +10,8 @@ The sequences are given by ``sequence_sizes`` (host integers, read from the batc
 shared-prefix layouts (DPO pairs, GRPO groups; see ``datamodules/shared_prefix.py``) pack several segments per
 row under a custom 4D mask; given ``segment_bounds`` (per row, the segment edges) each segment attends on its own
 with its block of that mask, ``sum(S_i**2)`` instead of ``T**2`` per row, when that saves enough work to pay for
-the extra kernel calls (``worth_splitting``, measured on CPU and used on CPU only).
+the extra kernel calls (``worth_splitting``: a threshold measured on CPU and used on CPU only,
+``training/device_tuning.py``).
 
 Sliding windows are kept on every path: a packed sequence attends with a banded causal mask, and a custom 4D
 mask gets the layer's window put back (``window_positions``), since it replaces the model's own sliding-window
@@ -18,30 +19,39 @@ mask. Every other call (padded batches, generation with a KV cache, ``torch.comp
 transformers' own ``sdpa`` function unchanged. The name is not saved in ``config.json`` (transformers drops the
 runtime attention setting), so exported models load anywhere. Which models may use which layout is decided in
 ``support.py``.
+
+Registration is process-wide: transformers 5.24 looks attention functions up by the config's name in one registry
+shared by every model (``AttentionInterface`` and ``AttentionMaskInterface`` are ``GeneralInterface`` mappings;
+the modeling files all read the module-level ``ALL_ATTENTION_FUNCTIONS`` instance, and the mask code checks the
+class-wide mapping itself), so a model cannot carry a mapping of its own. The name ``sdpa_varlen`` is therefore
+registered once, lazily: the first time a model is switched to it (``use_varlen_sdpa``), never on import; again
+it is a no-op, and a different function already registered under the name is refused rather than replaced. The
+entry changes no other model (a model runs it only when its config names it) and stays for the process: a model
+left on ``sdpa_varlen`` (the module's own) must keep finding it. A model passed in by the user is switched back to
+its own implementation at teardown (``PolicyModule.undo_side_effects``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from lightalign.modules.training.device_tuning import tuned
+
 VARLEN_SDPA = "sdpa_varlen"
 
-# Splitting a shared-prefix row into one SDPA call per segment pays only when each extra call saves enough
-# query-key scores: on this project's 2-core CPU, short chat pairs (~26-token segments, ~5k scores saved per call)
-# ran forward+backward 7% faster with the row's one masked call, long-tailed pairs (~150-token segments, 42k-62k
-# saved per call) 7% faster split. The break-even lies near 30k; this is the threshold.
-MIN_SAVED_SCORES_PER_CALL = 32768
 
-
-def worth_splitting(segments: list[list[int]], width: int) -> bool:
-    """Whether per-segment attention (``segment_bounds``) beats one masked call over rows of ``width`` tokens:
-    the query-key scores it saves (``width**2 - sum(S_i**2)`` per row) per SDPA call it runs, against
-    ``MIN_SAVED_SCORES_PER_CALL``."""
+def worth_splitting(segments: list[list[int]], width: int, device: str | torch.device) -> bool:
+    """Whether per-segment attention (``segment_bounds``) beats one masked call over rows of ``width`` tokens on
+    ``device``: the query-key scores it saves (``width**2 - sum(S_i**2)`` per row) per SDPA call it runs, against
+    the ``min_saved_scores_per_call`` measured on CPU (``training/device_tuning.py``; 32k: short chat pairs ran
+    faster with the row's one masked call, long-tailed pairs faster split). Never on other device types, where
+    nothing was measured."""
+    threshold = tuned("min_saved_scores_per_call", device)
     calls = sum(len(edges) - 1 for edges in segments)
-    if calls == 0:
+    if threshold is None or calls == 0:
         return False
     saved = sum(width * width - sum((e - s) ** 2 for s, e in zip(edges[:-1], edges[1:])) for edges in segments)
-    return saved >= MIN_SAVED_SCORES_PER_CALL * calls
+    return saved >= threshold * calls
 
 
 def sequence_sizes(position_ids: torch.Tensor) -> list[int]:
@@ -141,12 +151,24 @@ def _per_segment(module, query, key, value, mask, segments, dropout, scaling, kw
 
 
 def register_varlen_sdpa() -> None:
-    """Make ``sdpa_varlen`` a transformers attention implementation (its masks are those of ``sdpa``)."""
+    """Make ``sdpa_varlen`` a transformers attention implementation (its masks are those of ``sdpa``), once per
+    process: process-wide, as transformers' registry is (see the module docstring); a no-op when registered, and
+    an error when another function holds the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_forward)
-    AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)
+    for interface, function in ((AttentionInterface, varlen_sdpa_forward), (AttentionMaskInterface, sdpa_mask)):
+        held = interface._global_mapping.get(VARLEN_SDPA)
+        if held is None:
+            interface.register(VARLEN_SDPA, function)
+        elif held is not function and _qualified(held) != _qualified(function):  # (a reloaded module: the same)
+            raise RuntimeError(f"transformers' {interface.__name__} already holds another function under "
+                               f"{VARLEN_SDPA!r} ({_qualified(held)}); lightalign registers its per-sequence SDPA "
+                               "under that name and will not replace it.")
+
+
+def _qualified(function) -> str:
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
 
 
 def use_varlen_sdpa(model: torch.nn.Module) -> bool:

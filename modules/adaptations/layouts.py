@@ -8,12 +8,13 @@ conformance matrix (tests/adaptations/test_conformance.py) holds every family to
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from lightalign.datamodules.shared_prefix import prompt_group_segments, shared_prefix_batch
 from lightalign.modules.adaptations.attention import VARLEN_SDPA, sequence_sizes
+from lightalign.modules.training.device_tuning import tuned
 from lightalign.modules.training.logprobs import (forward_accepts, scatter_to_sequences, selective_log_softmax,
                                          shared_prefix_token_logps)
 
@@ -23,16 +24,24 @@ def is_packed_row(batch: dict[str, Any]) -> bool:
     return "position_ids" in batch and "attention_mask" not in batch and batch["input_ids"].shape[0] == 1
 
 
+def _unmeasured(model: torch.nn.Module) -> bool:
+    return False  # not known to keep packed sequences apart: split them (exact on every model)
+
+
+# Whether the model's own ``sdpa`` masks keep a packed row's sequences apart: the probe's verdict
+# (``support.native_packing_exact``, which support.py plugs in here when it is imported: the probe measures by
+# running the layouts of this file, so this file does not import it).
+native_packing_exact: Callable[[torch.nn.Module], bool] = _unmeasured
+
+
 def split_packed_attention(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a packed row's sequences attend one SDPA call each (``sdpa_varlen``). On CPU it is the faster way
-    (measured); elsewhere only where the model's own ``sdpa`` mask would let attention cross sequences (measured on
-    its probe, ``support.native_packing_exact``)."""
-    from lightalign.modules.adaptations.support import native_packing_exact
-
+    (measured there: ``training/device_tuning.py``, ``split_packed_sequences``); elsewhere only where the model's own
+    ``sdpa`` mask would let attention cross sequences (measured on its probe, ``native_packing_exact``)."""
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != VARLEN_SDPA:
         return False
-    return device.type == "cpu" or not native_packing_exact(model)
+    return bool(tuned("split_packed_sequences", device)) or not native_packing_exact(model)
 
 
 def sft_logits(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:

@@ -15,6 +15,11 @@ text: a forward that does anything more, e.g. a dropout after ``down_proj``, is 
 state dicts, checkpoints and the Hugging Face export do not change, and the projections are still called as
 modules (LoRA adapters, FSDP and DeepSpeed hooks see them as before). ``mlp_report`` says which MLPs of a model
 were switched and why the others were not (fused ``gate_up_proj``, experts, GELU ...).
+
+The switch is an instance attribute (``module.forward``) on the MLPs of the model it is given, nothing class- or
+process-wide; an MLP whose forward was already replaced on the instance (by anyone) is left alone, so the original
+is always the class's own ``forward``. ``restore_mlp_forward`` takes the switch back (``PolicyModule`` does so at
+teardown for a model the user passed in).
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ def why_not_gated_silu(module: torch.nn.Module) -> str | None:
     if children != _PARTS or any(True for _ in module.named_parameters(recurse=False)) or any(
             True for _ in module.named_buffers(recurse=False)):
         return f"other parts besides gate/up/down projections and act_fn: {sorted(children - _PARTS)}"
+    if "forward" in vars(module) and not _is_lean(module):
+        return "its forward was replaced on the instance"
     if not _is_silu(getattr(module, "act_fn", None)):
         return f"activation {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
     code = getattr(type(module).forward, "__code__", None)
@@ -146,4 +153,16 @@ def recompute_mlp_activation(model: torch.nn.Module) -> int:
             continue
         module.forward = types.MethodType(_lean_forward, module)
         count += 1
+    return count
+
+
+def restore_mlp_forward(model: torch.nn.Module) -> int:
+    """Give every MLP of ``model`` switched by ``recompute_mlp_activation`` its own forward back (the class's: the
+    switch never replaces another instance forward); returns how many. Copies of a switched model (``deepcopy``,
+    a reference model) are restored the same way."""
+    count = 0
+    for module in model.modules():
+        if _is_lean(module):
+            del module.forward
+            count += 1
     return count

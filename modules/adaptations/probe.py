@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from lightalign.modules.adaptations import probe_layouts as pl
+import lightalign.modules.adaptations.probe_layouts as pl
 
 PROBE_VERSION = 2  # bump when what the probe measures changes: old verdicts are then not reused
 TOLERANCE = 1e-4  # nats per token (float32)

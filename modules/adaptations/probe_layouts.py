@@ -164,9 +164,9 @@ def max_difference(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 def greedy_tokens(model: torch.nn.Module, backend: str, seqs: ProbeSequences, share_prefill: bool = True
                   ) -> list[list[int]]:
     """Greedy completions of ``seqs.prompts`` (two per prompt, rows grouped by prompt) on ``backend``
-    (``generation.sample_groups``; ``shared_prefill``: ``generate`` with the shared prompt prefill), each cut
+    (``samplers.sample_groups``; ``shared_prefill``: ``generate`` with the shared prompt prefill), each cut
     after its first EOS."""
-    from lightalign.modules.generation.sampling import sample_groups
+    from lightalign.modules.generation.samplers import sample_groups
 
     width = max(map(len, seqs.prompts))
     ids = torch.zeros(len(seqs.prompts), width, dtype=torch.long)
@@ -174,7 +174,7 @@ def greedy_tokens(model: torch.nn.Module, backend: str, seqs: ProbeSequences, sh
     for i, p in enumerate(seqs.prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     name = "generate" if backend == "shared_prefill" else backend
-    new, _ = sample_groups(model, ids, mask, 2, backend=name, eos=[2], pad_token_id=0, max_new_tokens=seqs.new_tokens,
+    new, _, _ = sample_groups(model, ids, mask, 2, backend=name, eos=[2], pad_token_id=0, max_new_tokens=seqs.new_tokens,
                            share_prefill=share_prefill or backend == "shared_prefill", top_k=1)
     return [_until_eos(row.tolist()) for row in new]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+import lightalign.modules.adaptations.layouts as layouts
 from lightalign.modules.adaptations.attention import VARLEN_SDPA
 from lightalign.modules.adaptations.probe import GENERATION_BACKENDS, Verdict, _base, measure
 from lightalign.modules.training.logprobs import forward_accepts
@@ -206,6 +207,9 @@ def native_packing_exact(model: torch.nn.Module) -> bool:
     """Whether the model's own ``sdpa`` masks keep the sequences of a packed row apart (measured on its probe):
     then a GPU run may hand packed rows to the model's own attention (or flash-attention's varlen path)."""
     return measured(model, "padding_free", attn_implementation="sdpa").exact
+
+
+layouts.native_packing_exact = native_packing_exact  # the layouts' forward asks the probe (layouts.py says why)
 
 
 def packed_gpu_attention(model: torch.nn.Module, device: torch.device) -> str | None:

@@ -5,22 +5,30 @@ length, a long budget) most of that work is on rows that already emitted EOS. He
 a standard ``DynamicCache`` and the model's own attention (sdpa / eager, 2-D padding mask):
 
 1. the prompts' prefill runs once per prompt and its cache is repeated ``num_generations`` times
-   (``generation.prefill_shared_cache``; the full prompts when sharing does not apply);
+   (``generate.prefill_shared_cache``; the full prompts when sharing does not apply);
 2. each decode step feeds the live rows' last token with its position (``cumsum(mask) - 1``, ``generate``'s rule)
    and samples from the processed logits: the same ``LogitsProcessorList`` ``generate`` builds from the model's
    generation config updated with the knobs (temperature, top_k, top_p, min_p, repetition_penalty);
-3. a row that emits an EOS is finished; once at least ``COMPACT_FRACTION`` of the live rows are finished, the live
-   rows of every per-row state (tokens so far, attention mask, positions, every layer's keys and values) are
-   gathered (``index_select`` on the batch dimension) and decoding continues on those only. A finished row not yet
-   gathered out gets ``pad_token_id``, as in ``generate``.
+3. a row that emits an EOS is finished; once at least ``compact_fraction`` (a quarter on the CPU) of the live
+   rows are finished, the live rows of every per-row state (tokens so far, attention mask, positions, every layer's
+   keys and values) are gathered (``index_select`` on the batch dimension) and decoding continues on those only. A
+   finished row not yet gathered out gets ``pad_token_id``, as in ``generate``.
 
-Two CPU speed-ups that change no token:
+Two CPU speed-ups that change no token, used by default only where they were measured (the CPU:
+``compact_grow_cache`` and ``compact_prepack_linears`` in ``training/device_tuning.py``, beside ``compact_fraction``):
 - the cache's plain layers get room for the whole completion once the prompt is in (``grow_in_place``): a decode
   step writes its keys and values in place instead of ``torch.cat``-copying every layer's cache (bitwise the same
   tokens and log-probs; tests);
 - on the CPU in float32 every plain ``nn.Linear`` runs on a oneDNN-prepacked copy of its weight for the duration
   of the call (``packed_linear``): the same product up to float32 rounding, 1.25x faster sampling on the small
   model at 2 threads (docs/performance.md).
+
+What the loop changes besides its own tensors, and for how long: the linears' forwards for the duration of the
+call (``packed_linears`` gives them back on exit), and the class of the cache layers it grows
+(``layer.__class__``, ``_k`` / ``_v``). Those layers belong only to the cache the call itself creates (a fresh
+``DynamicCache``, or the one ``prefill_shared_cache`` builds for it): ``compact_groups`` takes no cache, the
+cache is never returned, stored or handed to anything but the model's forward, and it dies with the call.
+``DynamicLayer`` itself, the model and any other cache are untouched.
 
 A row's tokens depend only on its own cache, mask and positions, so leaving the batch changes no row's completion;
 greedy (``top_k=1``) equals ``model.generate(do_sample=False)`` token for token (tests). Tokens are drawn with
@@ -41,7 +49,7 @@ from typing import Any
 
 import torch
 
-COMPACT_FRACTION = 0.25  # gather the live rows when at least this share of them has finished
+from lightalign.modules.training.device_tuning import tuned
 
 SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -121,7 +129,9 @@ def _growing_layer_class():
 
 def grow_in_place(cache, room: int) -> int:
     """Give every plain ``DynamicLayer`` of ``cache`` (already holding the prompt) a buffer with ``room`` more
-    positions; returns how many layers were converted (sliding-window and other layer types are left as they are)."""
+    positions; returns how many layers were converted (sliding-window and other layer types are left as they are).
+    The layers' class is swapped on the instance: call it only on a cache the caller created and owns (``_sample``
+    calls it on its own, never on a cache from outside)."""
     from transformers.cache_utils import DynamicLayer
 
     growing = _growing_layer_class()
@@ -148,15 +158,22 @@ def _forward_takes(model: torch.nn.Module, name: str) -> bool:
 @torch.no_grad()
 def compact_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
                    *, eos_token_ids: list[int], pad_token_id: int, max_new_tokens: int, share_prefill: bool = True,
-                   return_logprobs: bool = False, compact_fraction: float = COMPACT_FRACTION,
-                   prepack: bool = True, grow_cache: bool = True, **sampling: Any
+                   return_logprobs: bool = False, compact_fraction: float | None = None,
+                   prepack: bool | None = None, grow_cache: bool | None = None, **sampling: Any
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Completion ids ``[P * G, new]`` (rows grouped by prompt, ``pad_token_id`` after a completion's EOS, ``new`` =
     the longest completion) and, with ``return_logprobs``, the sampler's log-prob of each token (0 after the end).
+    ``compact_fraction``: finished rows are gathered out once at least this share of the live rows has finished.
     ``prepack``: on the CPU in float32, the linears run on oneDNN-prepacked weights (``packed_linear``).
-    ``grow_cache``: the cache's plain layers get room for the whole completion up front (``grow_in_place``)."""
+    ``grow_cache``: the cache's plain layers get room for the whole completion up front (``grow_in_place``).
+    Unset (None), each is the value measured for the prompts' device type (``training/device_tuning.py``): on the
+    CPU a quarter, on, on; elsewhere 0 (at once), off, off."""
     from lightalign.modules.generation.packed_linear import packed_linears
 
+    device = prompt_ids.device
+    compact_fraction = tuned("compact_fraction", device) if compact_fraction is None else compact_fraction
+    prepack = tuned("compact_prepack_linears", device) if prepack is None else prepack
+    grow_cache = tuned("compact_grow_cache", device) if grow_cache is None else grow_cache
     check_compact_model(model)
     with packed_linears(model) if prepack else contextlib.nullcontext():
         return _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_token_id, max_new_tokens,
@@ -167,7 +184,7 @@ def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_
             share_prefill, return_logprobs, compact_fraction, grow_cache, sampling):
     from transformers import DynamicCache
 
-    from lightalign.modules.generation.sampling import forward_cache_kwarg, prefill_shared_cache
+    from lightalign.modules.generation.generate import forward_cache_kwarg, prefill_shared_cache
 
     processors = logits_processors(model, prompt_ids.shape[1], eos_token_ids, pad_token_id, **sampling)
     device = prompt_ids.device
@@ -184,7 +201,7 @@ def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_
     extra = {"logits_to_keep": 1} if _forward_takes(model, "logits_to_keep") else {}
     cache_kwarg = forward_cache_kwarg(model)  # `cache` from transformers 5.24 on, `past_key_values` before
     use_positions = _forward_takes(model, "position_ids")
-    grown = not grow_cache
+    grown = not grow_cache  # (the cache grown below is this call's own: created above, never returned)
     eos = torch.tensor(eos_token_ids, device=device)
 
     out = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device)

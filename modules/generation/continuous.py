@@ -91,3 +91,28 @@ def continuous_batching_groups(model: torch.nn.Module, prompt_ids: torch.Tensor,
             logps[i, :n] = torch.tensor(out.logprobs[:n])
     device = prompt_ids.device
     return ids.to(device), None if logps is None else logps.to(device)
+
+
+# ContinuousBatchingConfig fields the rollout sets itself, with what to use instead.
+OWNED_CONTINUOUS_KEYS = {
+    "return_logprobs": "nothing: the rollout asks for the sampler's log-probs when it needs them",
+    "seed": "the run's seed (seed_everything): a fixed seed would sample the same completions in every rollout",
+}
+
+
+def check_continuous_config(config: Any) -> None:
+    """``transformers_continuous_batching_config``: a mapping of ``ContinuousBatchingConfig`` fields the rollout does
+    not set itself."""
+    if not isinstance(config, dict):
+        raise ValueError(f"transformers_continuous_batching_config must be a mapping of ContinuousBatchingConfig "
+                         f"fields, got {type(config).__name__}.")
+    from transformers.generation import ContinuousBatchingConfig
+
+    fields = ContinuousBatchingConfig.__dataclass_fields__
+    for key in config:
+        if key in OWNED_CONTINUOUS_KEYS:
+            raise ValueError(f"transformers_continuous_batching_config sets {key!r}, which the rollout sets itself; "
+                             f"use {OWNED_CONTINUOUS_KEYS[key]}.")
+        if key not in fields:
+            raise ValueError(f"transformers_continuous_batching_config key {key!r} is not a transformers "
+                             f"ContinuousBatchingConfig field (e.g. page_size, num_blocks, max_batch_tokens).")

@@ -26,7 +26,11 @@ from collections.abc import Iterator
 
 import torch
 
-ROWS_HINT = 32  # the batch size oneDNN's weight layout is chosen for; 8 and 32 measured the same from 1 to 32 rows
+from lightalign.modules.training.device_tuning import tuned
+
+# the batch size oneDNN's weight layout is chosen for (8 and 32 measured the same from 1 to 32 rows): the entry of
+# training/device_tuning.py for the CPU, the only device type whose weights are packed (bench/packed_linear.py)
+ROWS_HINT = tuned("packed_linear_rows_hint", "cpu")
 
 
 def available() -> bool:
@@ -64,9 +68,11 @@ def prepacked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
 
 
 @contextlib.contextmanager
-def packed_linears(model: torch.nn.Module, rows_hint: int = ROWS_HINT) -> Iterator[int]:
+def packed_linears(model: torch.nn.Module, rows_hint: int | None = None) -> Iterator[int]:
     """Run ``model``'s eligible linears on prepacked oneDNN weights inside the block; yields how many were patched
-    (0 when oneDNN is missing, autocast is on, or the model is compiled)."""
+    (0 when oneDNN is missing, autocast is on, or the model is compiled). ``rows_hint``: default the table's
+    ``packed_linear_rows_hint`` for the CPU (eligible weights are CPU weights)."""
+    rows_hint = tuned("packed_linear_rows_hint", "cpu") if rows_hint is None else rows_hint
     compiled = getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
     if not available() or torch.is_autocast_enabled("cpu") or compiled:
         yield 0

@@ -2,11 +2,13 @@
 
 ``cache_implementation="static"`` preallocates the cache for prompt + ``max_new_tokens`` tokens, so every decode step
 has the same shapes and ``torch.compile`` (transformers' ``CompileConfig``, forced on every device type) compiles the
-forward once. Prompts are left-padded to a multiple of ``PROMPT_BUCKET`` tokens so rollouts whose longest prompt
-differs reuse the compiled graph (left padding is masked: the completions do not change). Sampling is ``generate``'s
-own (the same logits processors), so it is exactly what the knobs ask. The prefill runs on every copy of a prompt.
-The compiled forward is traced on the first rollout: weight updates are seen (parameters are graph inputs), forward
-hooks added to the model afterwards are not (torch's ``skip_nnmodule_hook_guards``; a test caught it).
+forward once. On the CPU, prompts are left-padded to a multiple of 32 tokens (``static_prompt_bucket`` in
+``training/device_tuning.py``) so rollouts whose longest prompt differs reuse the compiled graph (left padding is
+masked: the completions do not change); on other device types, where nothing was measured, they are not padded.
+Sampling is ``generate``'s own (the same logits processors), so it is exactly what the knobs ask. The prefill runs
+on every copy of a prompt. The compiled forward is traced on the first rollout: weight updates are seen (parameters
+are graph inputs), forward hooks added to the model afterwards are not (torch's ``skip_nnmodule_hook_guards``; a
+test caught it).
 
 Measured on the project's 2-core CPU (docs/performance.md): inductor's first compilation takes minutes, so this is
 not the default there.
@@ -18,13 +20,16 @@ from typing import Any
 
 import torch
 
-PROMPT_BUCKET = 32
+from lightalign.modules.training.device_tuning import tuned
+
 COMPILE_BACKEND = "inductor"  # torch.compile backend of the decode step (tests use "eager": same graph, no codegen)
 
 
 def bucket_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pad_token_id: int,
-                   bucket: int = PROMPT_BUCKET) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad prompts to the next multiple of ``bucket`` tokens."""
+                   bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts to the next multiple of ``bucket`` tokens (default: the prompts' device type's
+    ``static_prompt_bucket``, ``training/device_tuning.py``)."""
+    bucket = tuned("static_prompt_bucket", prompt_ids.device) if bucket is None else bucket
     extra = -prompt_ids.shape[1] % bucket
     if not extra:
         return prompt_ids, prompt_mask

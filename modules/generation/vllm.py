@@ -12,8 +12,7 @@ The pieces, each usable alone:
 * ``vllm_sampling_params``: our sampling knobs as vLLM ``SamplingParams`` fields (a pure function);
 * ``vllm_weight_name`` / ``vllm_weights``: the policy's parameters under the names vLLM's ``load_weights``
   expects (LoRA deltas added to their base weights, wrapper prefixes dropped, sharded parameters gathered);
-* ``rollout_from_token_ids``: the engine's completions as the rollout dict ``generation.sample_completions``
-  returns;
+* ``padded_completions``: the engine's completions as the tensor every sampler returns (``generation/samplers.py``);
 * ``ColocatedEngine`` / ``ServerEngine``: the two ways to reach vLLM; ``VLLMRollouts``: the Lightning callback
   that builds the engine at fit start, pushes weights after each optimizer step and hands the module the
   sampler its rollouts go through.
@@ -159,47 +158,18 @@ def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------------------------------------ rollouts
-def rollout_from_token_ids(batch: dict[str, Any], completions: list[list[int]], num_generations: int,
-                           eos_token_ids: Iterable[int], tokenizer: Any, device: torch.device | None = None
-                           ) -> dict[str, Any]:
-    """The rollout dict of ``generation.sample_completions`` from an engine's completions (``num_generations``
-    lists of token ids per prompt, prompt-major): ``completion_ids`` right-padded, cut after the first EOS,
-    ``completion_mask`` through it, ``truncated`` where there is none, and the texts and columns for rewards."""
-    prompts_n = len(batch["prompts"])
-    if len(completions) != prompts_n * num_generations:
-        raise ValueError(f"the engine returned {len(completions)} completions for {prompts_n} prompts x "
+def padded_completions(completions: list[list[int]], prompts: int, num_generations: int, pad_token_id: int | None,
+                       device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An engine's completions (``num_generations`` lists of token ids per prompt, prompt-major) as the
+    ``[prompts * num_generations, longest]`` tensor every sampler returns, right-padded with ``pad_token_id``, and
+    each one's length (a completion can end without EOS before the longest: at the engine's context length)."""
+    if len(completions) != prompts * num_generations:
+        raise ValueError(f"the engine returned {len(completions)} completions for {prompts} prompts x "
                          f"{num_generations} generations.")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    device = device if device is not None else batch["prompt_input_ids"].device
-    eos = set(int(i) for i in eos_token_ids)
-    cut = []
-    truncated = []
-    for ids in completions:
-        ids = list(ids)
-        end = next((i for i, t in enumerate(ids) if t in eos), None)
-        cut.append(ids if end is None else ids[: end + 1])
-        truncated.append(end is None)
-    width = max(1, max(len(ids) for ids in cut))
-    completion_ids = torch.full((len(cut), width), pad, dtype=torch.long)
-    completion_mask = torch.zeros(len(cut), width, dtype=torch.long)
-    for row, ids in enumerate(cut):
-        completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        completion_mask[row, : len(ids)] = 1
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    prompts = [p for p in batch["prompts"] for _ in range(num_generations)]
-    columns = {k: [v for v in vals for _ in range(num_generations)] for k, vals in batch["columns"].items()}
-    columns["completion_ids"] = cut
-    return {
-        "prompt_ids": batch["prompt_input_ids"].repeat_interleave(num_generations, 0),
-        "prompt_mask": batch["prompt_attention_mask"].repeat_interleave(num_generations, 0),
-        "completion_ids": completion_ids.to(device), "completion_mask": completion_mask.to(device),
-        "truncated": torch.tensor(truncated, device=device),
-        "prompts": prompts, "completions": [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                                            for p, t in zip(prompts, texts)],
-        "texts": texts, "columns": columns,
-    }
-
-
-def prompt_token_ids(batch: dict[str, Any]) -> list[list[int]]:
-    """The real (unpadded) token ids of each prompt of a ``PromptCollator`` batch."""
-    return [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"])]
+    pad = pad_token_id if pad_token_id is not None else 0
+    width = max(1, max(len(ids) for ids in completions))
+    out = torch.full((len(completions), width), pad, dtype=torch.long)
+    for row, ids in enumerate(completions):
+        out[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+    lengths = torch.tensor([len(ids) for ids in completions], dtype=torch.long)
+    return (out, lengths) if device is None else (out.to(device), lengths.to(device))

@@ -9,10 +9,10 @@
   Every rank asks for its own prompts' completions; rank 0 alone pushes weights.
 * ``VLLMRollouts``: a Lightning callback (``GRPOModule.configure_callbacks`` adds it when ``use_vllm`` is on):
   builds the engine at fit start, pushes the policy's weights then and after every optimizer step, and sets
-  ``module.vllm_generation`` which the rollout samples through.
+  the module's sampler (``module.use_sampler``), which the rollout samples through.
 
 Pure helpers (knob checks, sampling-parameter mapping, weight names, rollout assembly) live in
-``vllm_generation.py``. See docs/vllm.md for what was and was not run.
+``generation/vllm.py``. See docs/vllm.md for what was and was not run.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from typing import Any, Callable, Iterator
 import lightning as L
 import torch
 
-from lightalign.modules.generation.vllm import (INSTALL_HINT, prompt_token_ids, rollout_from_token_ids,
-                                                vllm_sampling_params, vllm_weights)
+from lightalign.modules.generation.samplers import Samples, Sampler
+from lightalign.modules.generation.vllm import INSTALL_HINT, padded_completions, vllm_sampling_params, vllm_weights
+
+SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _import_vllm():
@@ -149,27 +151,31 @@ class ServerEngine:
                                   "with VLLM_SERVER_DEV_MODE=1, which enables /reset_prefix_cache.") from err
 
 
-class VLLMSampler:
-    """What the rollout calls instead of ``sample_completions`` when ``use_vllm`` is on."""
+class VLLMSampler(Sampler):
+    """The ``vllm`` sampler: the engine's completions, with the ``Sampler`` call signature of every backend."""
+
+    name = "vllm"
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.pushed_step: int | None = None
 
-    def sample_completions(self, module: Any, batch: dict[str, Any], num_generations: int) -> dict[str, Any]:
-        from lightalign.modules.generation.sampling import eos_token_ids
-
-        hp = module.hparams
-        eos = eos_token_ids(module.model, module.tokenizer)
+    def sample(self, model, prompt_ids, prompt_mask, num_generations, *, eos, pad_token_id, max_new_tokens,
+               share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
+        if return_logprobs:
+            raise ValueError("the vllm sampler does not return the sampler's log-probs here; use a transformers "
+                             "generation_backend for a run that needs them.")
+        generation_kwargs = {k: v for k, v in sampling.items() if k not in SAMPLING_KNOBS}
         seed = int(torch.randint(0, 2**31 - 1, ()))  # from the run's torch RNG: seeded runs sample alike
         params = vllm_sampling_params(
-            num_generations=num_generations, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k,
-            min_p=hp.min_p, repetition_penalty=hp.repetition_penalty,
-            max_completion_length=hp.max_completion_length, eos_token_ids=eos,
-            generation_kwargs=hp.generation_kwargs, seed=seed)
-        completions = self.engine.generate(prompt_token_ids(batch), params)
-        return rollout_from_token_ids(batch, completions, num_generations, eos, module.tokenizer,
-                                      device=batch["prompt_input_ids"].device)
+            num_generations=num_generations, temperature=sampling.get("temperature", 1.0),
+            top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k"), min_p=sampling.get("min_p"),
+            repetition_penalty=sampling.get("repetition_penalty", 1.0), max_completion_length=max_new_tokens,
+            eos_token_ids=eos, generation_kwargs=generation_kwargs or None, seed=seed)
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        completions = self.engine.generate(prompts, params)
+        ids, lengths = padded_completions(completions, len(prompts), num_generations, pad_token_id, prompt_ids.device)
+        return Samples(ids, None, lengths)
 
     def push(self, model: torch.nn.Module, step: int, sender: bool = True) -> None:
         self.engine.load_weights(lambda: vllm_weights(model), send=sender)
@@ -206,7 +212,7 @@ class VLLMRollouts(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
         self.sampler = VLLMSampler(self.engine_factory(module, trainer))
-        module.vllm_generation = self.sampler
+        module.external_sampler = self.sampler
         self._push(trainer, module)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -214,7 +220,7 @@ class VLLMRollouts(L.Callback):
             self._push(trainer, module)
 
     def on_fit_end(self, trainer: L.Trainer, module: Any) -> None:
-        module.vllm_generation = None
+        module.external_sampler = None
 
     def _push(self, trainer: L.Trainer, module: Any) -> None:
         self.sampler.push(module.model, trainer.global_step, sender=trainer.global_rank == 0)

@@ -45,16 +45,10 @@ def validate_grpo_loss_config(
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is unknown; use 'token' or "
                          "'sequence' (GSPO).")
-    if loss_type == "luspo":
-        if importance_sampling_level != "sequence":
-            raise ValueError("loss_type 'luspo' scales each sequence's loss by its length and needs "
-                             "importance_sampling_level='sequence' (TRL only warns and then multiplies token losses "
-                             "by the length as well).")
-        if beta > 0 or top_entropy_quantile < 1.0:
-            raise ValueError("loss_type 'luspo' is defined on one loss per sequence; with beta > 0 or "
-                             "top_entropy_quantile < 1 TRL's per-token terms make it a mean over padding positions "
-                             "too. Set beta=0.0 and top_entropy_quantile=1.0, or use loss_type 'grpo' with "
-                             "importance_sampling_level='sequence' (GSPO).")
+    if loss_type == "luspo" and importance_sampling_level != "sequence":
+        raise ValueError("loss_type 'luspo' scales each sequence's loss by its length and needs "
+                         "importance_sampling_level='sequence' (TRL only warns, and then sums each completion's "
+                         "token-level ratio losses instead).")
     if loss_type == "vespo" and importance_sampling_level != "token":
         raise ValueError("loss_type 'vespo' builds its own sequence-level weight from the token log-ratios; leave "
                          "importance_sampling_level='token'.")
@@ -129,7 +123,10 @@ def grpo_loss(
       - ``bnpo``:    ``S / max(sum n_i, 1)``, this micro-batch's own token count;
       - ``dr_grpo``: ``S / (B * max_completion_length)``;
       - ``dapo``, ``cispo``, ``vespo``: ``S / max(num_items_in_batch, 1)``, default ``completion_mask.sum()``;
-      - ``luspo``:   ``S / B`` = ``mean_i(L_i n_i)``, each sequence's loss times its length.
+      - ``luspo``:   ``S / B`` = ``mean_i(sum_t loss)``, each completion's sum over its real tokens (padding
+        masked before the sum, as TRL 1.16.0 does), averaged over the completions. With ``beta = 0`` and no
+        ``entropy_mask`` that is ``mean_i(L_i n_i)``, each sequence's loss ``L_i`` times its length; an
+        ``entropy_mask`` counts ``L_i`` once per kept token instead, and ``beta`` adds ``beta * sum_t k3_t`` per row.
     ``num_items_in_batch`` is read by the ``dapo``-like types only (TRL's bnpo uses the local count).
 
     Entropy bonus (``entropy_coef`` with ``entropies``, the ``[B, T]`` per-token entropies carrying their graph):
@@ -165,7 +162,6 @@ def grpo_loss(
         sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
         vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
         use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-        top_entropy_quantile=0.0 if entropy_mask is not None else 1.0,
     )
     eps_high = epsilon if epsilon_high is None else epsilon_high
     if per_token_logps.dim() != 2 or completion_mask.shape != per_token_logps.shape:
@@ -222,7 +218,7 @@ def grpo_loss(
         loss = total / m.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         loss = total / (per_token_loss.size(0) * max_completion_length)
-    elif loss_type == "luspo":
+    elif loss_type == "luspo":  # masked per-row sums (KL and entropy mask already per token), mean over rows
         loss = total / per_token_loss.size(0)
     else:  # dapo, cispo, vespo
         count = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=m.device)

@@ -1,7 +1,15 @@
-"""PPO's pure functions of tensors (the formulas of TRL's old ``PPOTrainer`` and its ``experimental.ppo``):
-per-token rewards with the KL penalty, GAE, whitening, the clipped policy and value losses, the KL coefficient
-controllers and the score post-processing (``missing_eos_penalty``, ``use_score_scaling``, ``use_score_norm``,
-``score_clip``).
+"""PPO's pure functions of tensors: per-token rewards with the KL penalty, GAE, whitening, the clipped policy and
+value losses, the KL coefficient controllers and the score post-processing (``missing_eos_penalty``,
+``use_score_scaling``, ``use_score_norm``, ``score_clip``).
+
+Sources. TRL 1.16.0 ships no PPO trainer (no ``trl.experimental.ppo``); the formulas are those of TRL's two earlier
+PPO trainers. The original ``PPOTrainer`` of TRL <= 0.11 (``trl/trainer/ppo_trainer.py`` at v0.11.4:
+``compute_rewards``, ``compute_advantages``, ``loss`` and the score scaling of ``step``; ``AdaptiveKLController``,
+``FixedKLController`` and ``RunningMoments`` in ``trl/trainer/utils.py``; ``masked_whiten`` in ``trl/core.py``) gives
+``token_rewards`` (k1 penalty, score on the last completion token), ``gae``, ``whiten``, both clipped losses, the KL
+controllers and ``ScoreProcessor``'s scaling, normalisation and clipping. Its successor (``PPOv2Trainer`` in
+0.9-0.11, ``trl/trainer/ppo_trainer.py`` in 0.12-0.25, ``trl/experimental/ppo/ppo_trainer.py`` from 0.26, checked
+at v1.9.0) keeps the same GAE recursion, whitening and clipped losses and adds ``missing_eos_penalty``.
 
 Tensors are ``[B, T]`` over the completion tokens with a 0/1 ``mask`` (1 on the completion through its EOS). The
 losses take ``num_tokens``: the token count they are normalised by (default the mask's own count). ``PPOModule``

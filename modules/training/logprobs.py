@@ -67,8 +67,9 @@ def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor])
     """One forward of a shared-prefix batch (``datamodules/shared_prefix.py``) -> ``[targets, V]`` logits, the
     row ``j`` predicting ``batch["targets"][j]``. Logits are computed only at ``logits_mask`` positions when the
     model takes ``logits_to_keep``. Which models may run this layout: ``adaptations.check_layout``."""
-    from lightalign.modules.adaptations import attention
+    import lightalign.modules.adaptations.attention as attention
     from lightalign.modules.adaptations.attention import VARLEN_SDPA
+    from lightalign.modules.training.device_tuning import tuned
 
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     if attn not in ("sdpa", VARLEN_SDPA, "eager"):
@@ -86,11 +87,14 @@ def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor])
     if attn == VARLEN_SDPA:
         # the mask replaces the model's sliding-window masks: sdpa_varlen puts each layer's window back
         inputs["window_positions"] = batch["position_ids"]
-        if batch["input_ids"].device.type == "cpu" and getattr(model, "_compiled_call_impl", None) is None:
+        device = batch["input_ids"].device
+        compiled = getattr(model, "_compiled_call_impl", None) is not None
+        if tuned("min_saved_scores_per_call", device) is not None and not compiled:
             # each segment attends on its own when that saves enough work (a threshold measured on CPU, so CPU
-            # only); not under torch.compile, where a list of per-batch edges would force a recompile per batch
+            # only: device_tuning; elsewhere the edges are not even read off the device); not under torch.compile,
+            # where a list of per-batch edges would force a recompile per batch
             bounds = segment_bounds(batch)
-            if attention.worth_splitting(bounds, batch["input_ids"].shape[1]):
+            if attention.worth_splitting(bounds, batch["input_ids"].shape[1], device):
                 inputs["segment_bounds"] = bounds
     if forward_accepts(model, "logits_to_keep"):
         logits = model(**inputs, logits_to_keep=batch["logits_mask"]).logits

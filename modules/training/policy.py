@@ -24,6 +24,7 @@ from lightalign.modules.training.optimizers import (  # noqa: F401  (re-exported
     fused_adamw_applies,
     schedule_factor,
 )
+from lightalign.modules.training.device_tuning import tuned
 from lightalign.modules.training.rng_state import gather_rng_states, set_rng_state
 
 
@@ -71,6 +72,9 @@ class PolicyModule(L.LightningModule):
             warmup then ``lr_scheduler_type``.
         learning_rate: peak learning rate of the default optimizer.
         weight_decay: decoupled weight decay (not applied to biases and norm weights).
+        adam_beta1: the default AdamW's first-moment decay.
+        adam_beta2: the default AdamW's second-moment decay.
+        adam_epsilon: the default AdamW's denominator epsilon.
         lr_scheduler_type: ``linear`` | ``cosine`` | ``constant`` | ``cosine_with_min_lr``.
         warmup_ratio: warmup as a fraction of all optimizer steps (used when ``warmup_steps`` is 0).
         warmup_steps: warmup length in optimizer steps (wins over ``warmup_ratio``).
@@ -84,11 +88,15 @@ class PolicyModule(L.LightningModule):
         recompute_mlp_activation: gated SiLU MLPs (Llama, Qwen, Mistral …) keep ``gate(x)`` and ``up(x)`` for the
             backward pass and recompute ``silu(gate(x))`` there instead of keeping it: a quarter less MLP activation
             memory, bitwise the same values and gradients (``modules/adaptations/mlp_memory.py``). ``False`` keeps the model's
-            own MLP forward.
+            own MLP forward. A model passed as ``model`` gets its own forwards back at teardown (and its attention
+            implementation: ``sdpa_varlen`` or a GPU's flash attention are the module's choice), and the switch again
+            at the next setup.
         retain_cpu_memory: when training on CPU under glibc, keep freed memory in the process instead of giving
             it back to the OS after every free, so each step's activations and gradients do not page-fault in
-            again (``modules/training/acceleration.py``; same peak RSS, faster steps). Process-wide; ``False`` leaves
-            the allocator as it is. Never applied to GPU runs.
+            again (``modules/training/acceleration.py``; same peak RSS, faster steps). Process-wide from setup to
+            teardown (also undone when the run raises; what the undo restores: ``release_freed_cpu_memory``);
+            ``False`` leaves the allocator as it is. Applied only on the device type its threshold was measured on
+            (CPU, ``modules/training/device_tuning.py``), never to GPU runs.
         nonfinite: what a NaN/inf gradient does: ``skip`` the optimizer step (warning, ``train/nonfinite_steps``
             counter; the weights stay finite), ``stop`` with an error naming the step, batch and parameter, or
             ``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the gradient check stays
@@ -111,7 +119,16 @@ class PolicyModule(L.LightningModule):
         ref_model_sync_steps: optimizer steps between mixes (default 512).
     """
 
-    uses_reference_model = False  # methods that keep a reference model (DPO, GRPO) set this
+    uses_reference_model = False  # methods that keep a reference model (DPO, KTO, GRPO, RLOO, PPO) set this
+    # attributes kept out of the module tree (never optimised, checkpointed or wrapped by a strategy)
+    _unregistered_attributes: frozenset[str] = frozenset({"ref_model"})
+    ref_model: torch.nn.Module | None = None  # the reference model (reference/component.py), when the method has one
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._unregistered_attributes:
+            self.__dict__[name] = value
+            return
+        super().__setattr__(name, value)
 
     def __init__(
         self,
@@ -203,7 +220,11 @@ class PolicyModule(L.LightningModule):
         self._eval_fn_totals: dict[str, list[float]] = {}
         self.nonfinite_guard = None  # built by configure_callbacks
         self.neftune = None
-        self.cpu_memory_retained = False
+        self.cpu_memory_retained = False  # glibc took retain_cpu_memory's setting at setup
+        self._holds_cpu_memory = False  # ...and it is not released yet (teardown releases it)
+        self._user_model = model is not None  # handed back unchanged at teardown (undo_side_effects)
+        self._user_attention = _attention_of(model) if model is not None else None
+        self._user_model_restored = False
         self.lean_mlps = 0  # MLPs switched by recompute_mlp_activation
         self.adaptations = AdaptationReport()
         self.router_aux = None  # the MoE load-balancing loss collector, attached at fit start when in force
@@ -269,11 +290,54 @@ class PolicyModule(L.LightningModule):
 
             compile_model(self.model, hp.torch_compile)
 
+    # ----------------------------------------------------------------------------------------- scoped side effects
     def setup(self, stage: str) -> None:
-        if self.hparams.get("retain_cpu_memory") and self.trainer.strategy.root_device.type == "cpu":
+        """Before every trainer entry (fit, validate, test, predict): the run's side effects outside the module's own
+        model, undone by ``teardown`` (or, when the run raises, by ``callbacks/side_effects.py``): the allocator
+        setting of ``retain_cpu_memory`` where it was measured, and a user-passed model's adaptations when a
+        previous teardown took them back."""
+        if self._user_model_restored:
+            self._adapt_user_model()
+        limit = tuned("retain_freed_cpu_memory_bytes", self.trainer.strategy.root_device)
+        if self.hparams.get("retain_cpu_memory") and limit is not None and not self._holds_cpu_memory:
             from lightalign.modules.training.acceleration import retain_freed_cpu_memory
 
-            self.cpu_memory_retained = retain_freed_cpu_memory()
+            self.cpu_memory_retained = self._holds_cpu_memory = retain_freed_cpu_memory(limit)
+
+    def teardown(self, stage: str) -> None:
+        self.undo_side_effects()
+
+    def undo_side_effects(self) -> None:
+        """Undo what the run changed outside the module's own model (idempotent): release the allocator setting
+        (``acceleration.release_freed_cpu_memory``), and give a model the user passed as ``model`` its own MLP
+        forwards (``restore_mlp_forward``) and its attention implementation back. Not undone: LoRA adapters,
+        activation checkpointing, ``torch.compile`` and ``disable_dropout`` on a user-passed model (asked for by
+        knobs), and the ``sdpa_varlen`` name in transformers' registry (``adaptations/attention.py``)."""
+        if self._holds_cpu_memory:
+            from lightalign.modules.training.acceleration import release_freed_cpu_memory
+
+            release_freed_cpu_memory()
+            self._holds_cpu_memory = False
+        if self._user_model and not self._user_model_restored:
+            from lightalign.modules.adaptations.mlp_memory import restore_mlp_forward
+
+            restore_mlp_forward(self.model)
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            if self._user_attention is not None and _attention_of(base) != self._user_attention:
+                base.set_attn_implementation(self._user_attention)
+            self._user_model_restored = True
+
+    def _adapt_user_model(self) -> None:
+        """Switch a user-passed model back to the module's adaptations (after a teardown took them back), as
+        ``_prepare_model`` did at construction (Liger's kernels were never taken back)."""
+        from lightalign.modules.adaptations.attention import use_varlen_sdpa
+        from lightalign.modules.adaptations.mlp_memory import recompute_mlp_activation
+
+        hp = self.hparams
+        if hp.get("recompute_mlp_activation", True) and not hp.get("use_liger_kernel"):
+            recompute_mlp_activation(self.model)
+        use_varlen_sdpa(self.model)
+        self._user_model_restored = False
 
     def on_fit_start(self) -> None:
         self.check_model_layout()
@@ -388,10 +452,11 @@ class PolicyModule(L.LightningModule):
     def configure_callbacks(self) -> list[L.Callback]:
         """The non-finite guard (``callbacks/nonfinite.py``), added by the module so the Python API has it too."""
         from lightalign.callbacks.nonfinite import NonFiniteGuard
+        from lightalign.callbacks.side_effects import UndoSideEffectsOnError
 
         hp = self.hparams
         self.nonfinite_guard = NonFiniteGuard(hp.get("nonfinite", "skip"), hp.get("max_consecutive_nonfinite_steps", 10))
-        callbacks: list[L.Callback] = [self.nonfinite_guard]
+        callbacks: list[L.Callback] = [self.nonfinite_guard, UndoSideEffectsOnError()]
         if hp.get("sync_ref_model"):
             from lightalign.callbacks.reference_sync import ReferenceSync
 
@@ -507,6 +572,12 @@ class PolicyModule(L.LightningModule):
         """Write the policy as a Hugging Face model folder, atomically (``modules/training/export.py``: ``export_hf``)."""
         return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict,
                          random_base=bool(self.hparams.get("from_config")))
+
+
+def _attention_of(model: torch.nn.Module) -> str | None:
+    """The attention implementation a model's config names (its base model's under PEFT)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "config", None), "_attn_implementation", None)
 
 
 def _has_weights(name_or_path: str) -> bool:

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from lightalign.modules.adaptations import attention
+from helpers.tuning import set_tuned
+from lightalign.modules.training.device_tuning import tuned
 from lightalign.modules.adaptations.attention import VARLEN_SDPA, sequence_sizes, use_varlen_sdpa, worth_splitting
 
 
@@ -116,27 +117,44 @@ def test_sft_module_runs_packed_batches_per_sequence(tiny_dir):
     torch.testing.assert_close(packed, module._logits(batch), atol=1e-5, rtol=0)
 
 
-def test_splitting_pays_only_when_each_call_saves_enough_scores():
+def test_splitting_pays_only_when_each_call_saves_enough_scores(monkeypatch):
     # one row of 8 short chat pairs (~26 tokens each, the shipped data): ~5k scores saved per call -> one call
     short = [[26 * i for i in range(9)]]
-    assert not worth_splitting(short, 212)
+    assert not worth_splitting(short, 212, "cpu")
     # long-tailed pairs: 3 segments of ~166 tokens in a 508-token row -> ~56k saved per call -> split
     long = [[0, 170, 330, 508]]
-    assert worth_splitting(long, 508)
+    assert worth_splitting(long, 508, "cpu")
     # the rule is the saved scores per call against the threshold, padding columns included in the full call
-    assert worth_splitting([[0, 4, 8]], 8) == (64 - 32 >= 2 * attention.MIN_SAVED_SCORES_PER_CALL)
-    assert not worth_splitting([[0, 200]], 200)  # one segment filling its row saves nothing
-    assert worth_splitting([[0, 200]], 400)  # ...but skipping a long padding tail does
-    assert not worth_splitting([], 16)
+    assert tuned("min_saved_scores_per_call", "cpu") == 32768
+    assert not worth_splitting([[0, 4, 8]], 8, "cpu")
+    set_tuned(monkeypatch, "min_saved_scores_per_call", 16)
+    assert worth_splitting([[0, 4, 8]], 8, "cpu")  # 64 - 32 saved by 2 calls: >= 16 each
+    assert not worth_splitting([[0, 200]], 200, "cpu")  # one segment filling its row saves nothing
+    assert worth_splitting([[0, 200]], 400, "cpu")  # ...but skipping a long padding tail does
+    assert not worth_splitting([], 16, "cpu")
 
 
-@pytest.mark.parametrize("threshold", [0, None])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps", torch.device("meta")])
+def test_segments_are_split_only_on_the_device_type_the_threshold_was_measured_on(device):
+    """The threshold was measured on CPU: on any other device type a shared-prefix row keeps its one masked call,
+    however much splitting would save. Mutation: worth_splitting reading the CPU value everywhere -> fails."""
+    assert worth_splitting([[0, 170, 330, 508]], 508, "cpu")
+    assert not worth_splitting([[0, 170, 330, 508]], 508, device)
+
+
+@pytest.mark.parametrize("threshold", [0, None, "unmeasured"])
 def test_shared_prefix_segments_attend_on_their_own(tiny_model, monkeypatch, threshold):
+    """threshold 0: every segment on its own; the CPU's: these short segments stay in one call; "unmeasured" (a
+    device type without a threshold): one call, and the edges are not even read off the device (a sync per batch
+    on a GPU). Mutation: shared_prefix_logits reading the edges before asking the table -> "unmeasured" fails."""
     from lightalign.datamodules.shared_prefix import SharedPromptCollator
+    from lightalign.modules.training import logprobs
     from lightalign.modules.training.logprobs import segment_bounds, shared_prefix_logits
 
-    if threshold is not None:
-        monkeypatch.setattr(attention, "MIN_SAVED_SCORES_PER_CALL", threshold)
+    if threshold == "unmeasured":
+        set_tuned(monkeypatch, "min_saved_scores_per_call", None)  # the CPU now as unmeasured as a GPU
+    elif threshold is not None:
+        set_tuned(monkeypatch, "min_saved_scores_per_call", threshold)
     rows = [  # (prompt, chosen, rejected), each branch's last token only a target: segments of 8, 6, 8 and 3
         {"prompt_input_ids": [5, 6, 7], "chosen_input_ids": [8, 9, 30], "rejected_input_ids": [10, 11, 12, 31]},
         {"prompt_input_ids": [13], "chosen_input_ids": [14, 15, 16, 17, 32], "rejected_input_ids": [18, 33]},
@@ -156,6 +174,8 @@ def test_shared_prefix_segments_attend_on_their_own(tiny_model, monkeypatch, thr
         calls.append(tuple(q.shape[-2:-1]) + (tuple(kw["attn_mask"].shape[-2:]),))
         return sdpa(q, *a, **kw)
 
+    if threshold == "unmeasured":
+        monkeypatch.setattr(logprobs, "segment_bounds", lambda batch: pytest.fail("edges read"))
     torch.nn.functional.scaled_dot_product_attention = counting
     try:
         got = shared_prefix_logits(tiny_model, batch)

@@ -132,7 +132,7 @@ def test_train_mode_randomness_left_on_is_caught_by_the_measurement(model_type, 
     (config fields not zeroed / jitter not recognised): the measurement refuses the run, naming the model."""
     from types import SimpleNamespace
 
-    from lightalign.modules import dropout
+    from lightalign.modules.training import dropout
     from lightalign.modules.training.policy import PolicyModule
 
     model = tiny(model_type, **kwargs)

@@ -45,7 +45,7 @@ def test_invalid_generation_arithmetic_rejected_at_construction(tiny_dir, grpo_m
         grpo_module(generation_batch_size=8, steps_per_generation=3)
     with pytest.raises(ValueError, match="unknown"):
         grpo_module(scale_rewards="rank")
-    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+    with pytest.raises(ValueError, match="GRPOModule needs num_generations >= 2"):
         grpo_module(num_generations=1)
 
 

@@ -19,11 +19,7 @@ from helpers import console_script
 pytestmark = pytest.mark.slow
 
 
-def lightalign(repo: Path, *args: str, status: int = 0, **extra_env: str) -> str:
-    proc = console_script.run(repo, *args, env=console_script.standard_env(**extra_env))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
-    return out
+lightalign = console_script.expect
 
 
 def short_run(save_dir: Path, *extra: str) -> list[str]:

@@ -158,7 +158,7 @@ def test_shared_layers_reference(tiny_dir, data_dir):
 
 
 def test_precomputed_reference_equals_online_and_is_cached(tiny_dir, data_dir, tmp_path, tiny_model, monkeypatch):
-    import lightalign.modules.dpo as dpo_module
+    from lightalign.modules.reference.component import Reference
 
     tiny_model.save_pretrained(tmp_path / "m")
     path = str(data_dir / "arithmetic_preference.jsonl")
@@ -170,7 +170,7 @@ def test_precomputed_reference_equals_online_and_is_cached(tiny_dir, data_dir, t
     pre = module(precompute_ref_log_probs=True)
     data = PreferenceDataModule(path, tokenizer=str(tiny_dir), batch_size=4, val_split_size=0.02)
     with monkeypatch.context() as m:  # a fresh run's pass uses the untrained policy itself: no reference copy
-        m.setattr(dpo_module, "build_reference", lambda *a, **k: pytest.fail("a reference copy was built"))
+        m.setattr(Reference, "build", lambda *a, **k: pytest.fail("a reference copy was built"))
         _trainer(max_steps=1, limit_val_batches=0).fit(pre, data)
     assert pre.ref_model is None  # released after the pass
     assert set(data.reference_logps) == {"train", "validation"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightalign.modules.adaptations import attention
+from helpers.tuning import set_tuned
 from lightalign import DPOModule, PreferenceDataModule
 from lightalign.datamodules.shared_prefix import CHOSEN, PAD, PROMPT, REJECTED, SharedPromptCollator, pack_rows
 from lightalign.datamodules.preference import PreferenceCollator
@@ -116,7 +116,7 @@ def test_long_rows_with_eager_attention_warn_at_fit_start(tiny_dir, data_dir, qu
 @pytest.mark.parametrize("attn", ["sdpa", "sdpa_varlen", "eager"])
 @pytest.mark.parametrize("pack_length", [1, 512, None])
 def test_shared_logps_equal_classic(tiny_dir, data_dir, attn, pack_length, monkeypatch):
-    monkeypatch.setattr(attention, "MIN_SAVED_SCORES_PER_CALL", 0)  # sdpa_varlen: split even these short rows
+    set_tuned(monkeypatch, "min_saved_scores_per_call", 0)  # sdpa_varlen: split even these short rows
     dm = PreferenceDataModule(str(data_dir / "chat_preference.jsonl"), tokenizer=str(tiny_dir))
     dm.setup("fit")
     rows = [dm.train_dataset[i] for i in range(6)]

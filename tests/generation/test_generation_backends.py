@@ -104,7 +104,7 @@ def test_top_k_1_is_greedy(model, tokenizer, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_completions_stop_at_eos_and_max_new_tokens(eos_biased, backend):
     torch.manual_seed(2)
-    ids, _ = sample_groups(eos_biased, PROMPTS, (PROMPTS != 0).long(), 4, backend=backend, eos=[EOS], pad_token_id=0,
+    ids, _, _ = sample_groups(eos_biased, PROMPTS, (PROMPTS != 0).long(), 4, backend=backend, eos=[EOS], pad_token_id=0,
                            max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, min_p=None)
     assert ids.shape[0] == 12 and ids.shape[1] <= 12
     lengths = []
@@ -133,7 +133,7 @@ def test_backends_sample_the_same_distribution(eos_biased, tokenizer):
     """Mean length over many completions: each backend's completions stop as often as generate's."""
     def mean_length(backend):
         torch.manual_seed(7)
-        ids, _ = sample_groups(eos_biased, PROMPTS, (PROMPTS != 0).long(), 64, backend=backend, eos=[EOS],
+        ids, _, _ = sample_groups(eos_biased, PROMPTS, (PROMPTS != 0).long(), 64, backend=backend, eos=[EOS],
                                pad_token_id=0, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, min_p=None)
         is_eos = ids == EOS
         return torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, ids.shape[1]).float().mean()
@@ -152,7 +152,7 @@ def test_backends_sample_the_same_distribution(eos_biased, tokenizer):
     (dict(generation_backend="continuous", share_prefill=False, cache_implementation="static"),
      "cannot honour cache_implementation"),
     (dict(generation_backend="static", share_prefill=False, cache_implementation="static"),
-     "'static' sets the cache itself"),
+     "'static' cannot honour cache_implementation (it sets the cache itself"),
     (dict(generation_backend="compact", generation_kwargs={"no_repeat_ngram_size": 2}),
      "'compact' cannot honour generation_kwargs"),
     (dict(generation_backend="compact", share_prefill=False, cache_implementation="static"),

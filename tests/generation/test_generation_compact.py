@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers.conformance_models import build
-from lightalign.modules.generation.sampling import forward_cache_kwarg, sample_groups
+from lightalign.modules.generation.generate import forward_cache_kwarg
+from lightalign.modules.generation.samplers import sample_groups
 from lightalign.modules.generation.compact import compact_groups
 
 # left-padded prompts of 5, 3 and 4 tokens (pad 0)
@@ -177,14 +178,14 @@ def test_refuses_a_model_without_a_plain_kv_cache():
 
 
 def test_refuses_several_processes_and_unknown_knobs(monkeypatch):
-    import lightalign.modules.generation.backends as backends
+    import lightalign.modules.generation.samplers as samplers
 
     model = build("llama")
     with pytest.raises(ValueError, match="applies only .* got \\['no_repeat_ngram_size'\\]"):
         sample_groups(model, PROMPTS, MASK, 2, backend="compact", eos=[2], pad_token_id=0, max_new_tokens=4,
                       no_repeat_ngram_size=2)
-    monkeypatch.setattr(backends, "several_processes", lambda: True)
-    with pytest.raises(ValueError, match="'compact' is not verified with several processes"):
+    monkeypatch.setattr(samplers, "several_processes", lambda: True)
+    with pytest.raises(ValueError, match="'compact' is not supported with several processes"):
         sample_groups(model, PROMPTS, MASK, 2, backend="compact", eos=[2], pad_token_id=0, max_new_tokens=4)
 
 

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from lightalign.modules.generation.vllm import (check_vllm_knobs, rollout_from_token_ids, vllm_sampling_params,
+from lightalign.modules.generation.vllm import (check_vllm_knobs, padded_completions, vllm_sampling_params,
                                                 vllm_weight_name, vllm_weights)
 
 
@@ -89,20 +89,21 @@ def test_lora_weights_pushed_merged_under_the_base_names(tiny_model):
         assert torch.equal(p.detach(), before[name]), name
 
 
-def test_rollout_from_token_ids_cuts_at_eos(tokenizer):
-    batch = {"prompts": ["a", "b"], "prompt_input_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]),
-             "prompt_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]), "columns": {"answer": ["1", "2"]}}
+def test_engine_completions_become_the_rollout_cut_at_eos_or_their_end(tokenizer):
+    """The vllm sampler's contract (generation/samplers.py): padded ids and each completion's length; a completion
+    without EOS that ends before the longest (the engine's context limit) keeps only its own tokens."""
+    from lightalign.modules.generation.sampling import cut_after_eos
+
     eos = tokenizer.eos_token_id
-    completions = [[11, 12, eos], [13], [14, eos, 15], [16, 17, 18, 19]]
-    out = rollout_from_token_ids(batch, completions, 2, [eos], tokenizer)
     pad = tokenizer.pad_token_id
-    assert out["completion_ids"].tolist() == [[11, 12, eos, pad], [13, pad, pad, pad], [14, eos, pad, pad],
-                                              [16, 17, 18, 19]]
-    assert out["completion_mask"].sum(-1).tolist() == [3, 1, 2, 4]
-    assert out["truncated"].tolist() == [False, True, False, True]
-    assert out["prompt_ids"].tolist() == [[0, 5, 6]] * 2 + [[7, 8, 9]] * 2
-    assert out["prompts"] == ["a", "a", "b", "b"] and out["columns"]["answer"] == ["1", "1", "2", "2"]
-    assert out["columns"]["completion_ids"][2] == [14, eos]
+    completions = [[11, 12, eos], [13], [14, eos, 15], [16, 17, 18, 19]]
+    ids, lengths = padded_completions(completions, 2, 2, pad)
+    out_ids, mask, truncated = cut_after_eos(ids, [eos], pad, lengths)
+    assert out_ids.tolist() == [[11, 12, eos, pad], [13, pad, pad, pad], [14, eos, pad, pad], [16, 17, 18, 19]]
+    assert mask.sum(-1).tolist() == [3, 1, 2, 4]
+    assert truncated.tolist() == [False, True, False, True]
+    with pytest.raises(ValueError, match="returned 4 completions for 3 prompts"):
+        padded_completions(completions, 3, 2, pad)
 
 
 class RecordingEngine:
@@ -145,7 +146,7 @@ def test_fit_pushes_weights_after_each_optimizer_step_and_samples_through_the_en
     prompts, params = engine.generate_calls[0]
     assert params["n"] == 4 and params["max_tokens"] == 5 and params["temperature"] == 0.9
     assert all(0 not in ids[:1] for ids in prompts)  # real prompt tokens, no left padding
-    assert module.vllm_generation is None  # released at fit end
+    assert module.external_sampler is None  # released at fit end
 
 
 @pytest.mark.gpu
@@ -179,7 +180,7 @@ def test_shipped_vllm_config_is_refused_on_cpu_by_the_console_script(repo):
     construction with one message naming the knob and the CPU alternative."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the config is not refused")
-    from test_console import lightalign
+    from helpers.console_script import expect as lightalign
 
     out = lightalign(repo, "fit", "--config", "configs/grpo_vllm.yaml", status=1)
     assert "lightalign: error: use_vllm: true needs a CUDA GPU" in out and "use_vllm: false" in out

@@ -180,3 +180,11 @@ def _server_for(env: dict[str, str]) -> ConsoleServer | None:
             return None
         _SERVER = ConsoleServer(env)
     return _SERVER if env == _SERVER.env else None
+
+
+def expect(repo, *args: str, status: int = 0, **extra_env: str) -> str:
+    """Run the console script and check its exit status; its stdout and stderr together."""
+    proc = run(repo, *args, env=standard_env(**extra_env))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
+    return out

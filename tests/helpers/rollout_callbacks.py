@@ -23,5 +23,5 @@ class KeepBuffer(L.Callback):
         self.buffers = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if not self.buffers or self.buffers[-1] is not pl_module._buffer:
-            self.buffers.append(pl_module._buffer)
+        if not self.buffers or self.buffers[-1] is not pl_module.rollout_buffer.chunks:
+            self.buffers.append(pl_module.rollout_buffer.chunks)

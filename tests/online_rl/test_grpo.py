@@ -123,7 +123,7 @@ def test_num_iterations_reuse_uses_old_logps(tiny_dir, data_dir, quiet_trainer, 
     trainer = quiet_trainer(max_steps=2)
     trainer.fit(module, prompt_data())
     assert module.generation_count == 1
-    assert "old_logps" in module._buffer[0]
+    assert "old_logps" in module.rollout_buffer.chunks[0]
 
 
 def test_conversational_prompts_get_generation_prompt(tiny_dir, write_jsonl, tokenizer):

@@ -16,6 +16,12 @@ from lightalign.modules.losses.entropy import EntropyController, high_entropy_ma
 from lightalign.rewards import normalize_then_sum
 
 
+def advantages(module, rollout, stats):
+    """The scoring stage, then GRPO's advantages from the rewards (as the rollout computes them)."""
+    per_func, total = module.score(rollout, stats)
+    return module.advantages_from_rewards(per_func, total, module.hparams.num_generations)
+
+
 def column_reward(prompts, completions, value, **kwargs):
     return [float(v) for v in value]
 
@@ -74,7 +80,7 @@ def test_entropy_coef_adds_minus_coef_times_the_mean_entropy_gradient(grpo_modul
     base = _grads(_module(grpo_module, tokenizer))
     module = _module(grpo_module, tokenizer, entropy_coef=coef)
     with_bonus = _grads(module)
-    mb = module._buffer[0]
+    mb = module.rollout_buffer.chunks[0]
     _, ent = module.token_logps(module.model, mb, with_entropy=True, entropy_grad=True)
     mean_entropy = ent.sum() / mb["completion_mask"].sum()  # dapo: the step's completion tokens
     entropy_grads = torch.autograd.grad(mean_entropy, _params(module), allow_unused=True)
@@ -95,10 +101,10 @@ def test_adaptive_entropy_applies_no_bonus_before_its_first_measurement(grpo_mod
         if b is not None:
             torch.testing.assert_close(f, b)
     control = module.entropy_control
-    assert control.window_count == module._buffer[0]["completion_mask"].sum().item()  # the step's tokens observed
+    assert control.window_count == module.rollout_buffer.chunks[0]["completion_mask"].sum().item()  # the step's tokens observed
     control.step()  # entropy (a few nats) <= target 100 -> coefficient up, and applied from now on
     assert control.coef == pytest.approx(0.505) and control.applied_coef() == pytest.approx(0.505)
-    module._buffer_pos = 0
+    module.rollout_buffer.pos = 0
     assert any(not torch.allclose(b, g) for b, g in zip(base, _grads(module)) if b is not None)
 
 
@@ -217,7 +223,7 @@ def test_top_entropy_quantile_zeroes_the_policy_gradient_of_low_entropy_tokens(g
     module = _module(grpo_module, tokenizer, top_entropy_quantile=0.5)
     torch.manual_seed(0)
     module.training_step({"prompts": ["p"]}, 0).backward()
-    mb = module._buffer[0]
+    mb = module.rollout_buffer.chunks[0]
     real_tokens = mb["completion_mask"].bool()
     keep = seen["entropy_mask"]
     _, ent = module.token_logps(module.model, mb, with_entropy=True)
@@ -251,9 +257,9 @@ def test_score_with_normalize_then_sum_differs_from_sum_then_normalize(grpo_modu
     values, other = [1.0, 3.0, 2.0, 2.0], [0.0, 1.0, 5.0, 1.0]
     gdpo = grpo_module(multi_objective_aggregation="normalize_then_sum", num_generations=2, **kw)
     want = normalize_then_sum(torch.tensor([values, other]).T, torch.tensor([1.0, 2.0]), 2)
-    got = gdpo.score(_rollout(values, other), _Stats())
+    got = advantages(gdpo, _rollout(values, other), _Stats())
     torch.testing.assert_close(got, want)
-    plain = grpo_module(num_generations=2, **kw).score(_rollout(values, other), _Stats())
+    plain = advantages(grpo_module(num_generations=2, **kw), _rollout(values, other), _Stats())
     assert not torch.allclose(plain, got)
 
 
@@ -262,7 +268,7 @@ def test_normalize_rewards_under_ddp_uses_every_ranks_rewards(grpo_module):
     mine, other_rank = [0.0, 1.0, 2.0, 5.0], [10.0, 20.0, 30.0, 40.0]
     module._trainer = SimpleNamespace(world_size=2, global_step=0)
     module.all_gather = lambda tensor: torch.stack([tensor, torch.tensor(other_rank)])
-    got = module.score(_rollout(mine), _Stats())
+    got = advantages(module, _rollout(mine), _Stats())
     everything = mine + other_rank
     mean, std = statistics.mean(everything), statistics.pstdev(everything)
     normalized = [(v - mean) / std for v in mine]

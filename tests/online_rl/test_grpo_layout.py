@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightalign.modules.adaptations import attention
+from helpers.tuning import set_tuned
 from lightalign.datamodules.shared_prefix import prompt_group_segments, shared_prefix_batch
 
 PAD = 0
@@ -47,7 +47,7 @@ def test_rows_group_by_their_prompt():
 @pytest.mark.parametrize("attn", ["sdpa", "sdpa_varlen", "eager"])
 @pytest.mark.parametrize("pack_length", [1024, 8])  # one row, or one row per segment
 def test_shared_token_logps_entropy_and_grads_equal_padded(grpo_module, attn, pack_length, monkeypatch):
-    monkeypatch.setattr(attention, "MIN_SAVED_SCORES_PER_CALL", 0)  # sdpa_varlen: split even these short rows
+    set_tuned(monkeypatch, "min_saved_scores_per_call", 0)  # sdpa_varlen: split even these short rows
     module = grpo_module(temperature=0.7)
     module.configure_model()
     module.model.set_attn_implementation(attn)
@@ -88,7 +88,7 @@ def test_training_step_gradient_equal_with_and_without_prompt_sharing(quiet_trai
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
         capture = grad_capture()
         quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[capture]).fit(module, prompt_data())
-        return capture.grads[0], module._buffer
+        return capture.grads[0], module.rollout_buffer.chunks
 
     plain, _ = one_step(False)
     shared, buffer = one_step(True)

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from lightalign.modules.losses.entropy import high_entropy_mask
 from lightalign.modules.losses.grpo import grpo_loss, validate_grpo_loss_config
 
 # Two completions of lengths 3 and 2 (T = 3). DELTA = logp - old on real tokens.
@@ -93,6 +94,70 @@ def test_gspo_sequence_level_ratio_with_grpo_reduction():
 def test_luspo_scales_each_sequence_loss_by_its_length():
     loss, _, _ = run(loss_type="luspo", importance_sampling_level="sequence")
     assert loss == pytest.approx((clipped_seq_loss(0) * 3 + clipped_seq_loss(1) * 2) / 2, abs=1e-12)
+
+
+# LUSPO with the KL term and the high-entropy token mask, against TRL 1.16.0's reduction written by hand: per token
+# ``L_i * e_it + beta * k3_it`` (``L_i`` the clipped sequence-ratio loss of row i, ``e`` the entropy mask, ``k3`` on
+# every real token), masked by the completion mask, summed over each row, averaged over the rows.
+LUSPO_MASK = [[1, 1, 1, 1, 1, 1],  # lengths 6, 4, 1, 4 (a zero inside: a tool-output token), 3 and an empty row
+              [1, 1, 1, 1, 0, 0],
+              [1, 0, 0, 0, 0, 0],
+              [1, 1, 0, 1, 1, 0],
+              [1, 1, 1, 0, 0, 0],
+              [0, 0, 0, 0, 0, 0]]
+LUSPO_ADV = [1.3, -0.8, 0.45, -1.6, 0.9, 0.7]
+
+
+def luspo_tensors():
+    g = torch.Generator().manual_seed(1234)
+    shape = (len(LUSPO_MASK), len(LUSPO_MASK[0]))
+    mask = torch.tensor(LUSPO_MASK)
+    old = -3 * torch.rand(shape, generator=g, dtype=torch.float64)
+    logp = old + 0.6 * torch.randn(shape, generator=g, dtype=torch.float64)  # sequence ratios inside and outside
+    ref = logp + 0.5 * torch.randn(shape, generator=g, dtype=torch.float64)
+    entropies = 2 * torch.rand(shape, generator=g, dtype=torch.float64)
+    pad = ~mask.bool()  # values under the mask are never read
+    logp, old = logp.masked_fill(pad, float("nan")), old.masked_fill(pad, float("nan"))
+    ref = ref.masked_fill(pad, -math.inf)
+    return logp.requires_grad_(), old, ref, torch.tensor(LUSPO_ADV, dtype=torch.float64), mask, entropies
+
+
+def luspo_by_hand(logp, old, ref, adv, mask, keep, beta, eps=0.2, eps_high=0.28):
+    """Element by element, reading real tokens only; returns a tensor so that autograd gives its gradient."""
+    rows = []
+    for i in range(mask.shape[0]):
+        real = [t for t in range(mask.shape[1]) if mask[i, t]]
+        log_r = sum((logp[i, t] - old[i, t] for t in real), torch.zeros((), dtype=torch.float64)) / max(len(real), 1)
+        r, a = torch.exp(log_r), adv[i].item()
+        seq_loss = -torch.minimum(r * a, torch.clamp(r, 1 - eps, 1 + eps_high) * a)
+        row = torch.zeros((), dtype=torch.float64)
+        for t in real:
+            x = ref[i, t] - logp[i, t]
+            row = row + seq_loss * float(keep[i, t]) + beta * (torch.exp(x) - x - 1)
+        rows.append(row)
+    return sum(rows) / len(rows)  # every row counts, the empty one with 0
+
+
+@pytest.mark.parametrize("beta, top_entropy_quantile", [(0.04, 1.0), (0.0, 0.4), (0.04, 0.4)])
+def test_luspo_with_kl_and_entropy_mask_matches_trl_formula(beta, top_entropy_quantile):
+    logp, old, ref, adv, mask, entropies = luspo_tensors()
+    validate_grpo_loss_config("luspo", 0.2, 0.28, beta, None, importance_sampling_level="sequence",
+                              top_entropy_quantile=top_entropy_quantile)
+    keep = mask.bool() if top_entropy_quantile >= 1 else high_entropy_mask(entropies, mask, top_entropy_quantile)
+    if top_entropy_quantile < 1:
+        assert 0 < keep.sum() < mask.sum()  # the mask drops some real tokens
+    # the entropy mask passed is True on the padding too: the completion mask alone must keep padding out of the sums
+    loss, stats = grpo_loss(logp, old, adv, mask, loss_type="luspo", importance_sampling_level="sequence",
+                            epsilon=0.2, epsilon_high=0.28, beta=beta, ref_per_token_logps=ref if beta else None,
+                            entropy_mask=None if top_entropy_quantile >= 1 else keep | ~mask.bool())
+    assert stats["clip_ratio/region_mean"] > 0  # some rows' sequence ratios are clipped, others are not
+    loss.backward()
+    grad, logp.grad = logp.grad, None
+    want = luspo_by_hand(logp, old, ref, adv, mask, keep, beta)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-12)
+    want.backward()
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-10, atol=1e-12)
+    assert (grad[~mask.bool()] == 0).all()
 
 
 def test_vespo_gamma_weight():
@@ -195,7 +260,6 @@ def test_entropy_bonus(loss_type):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(loss_type="cispo"), "set epsilon_high explicitly"),
     (dict(loss_type="luspo"), "needs importance_sampling_level='sequence'"),
-    (dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.1), "Set beta=0.0"),
     (dict(loss_type="vespo", importance_sampling_level="sequence"), "leave importance_sampling_level='token'"),
     (dict(importance_sampling_level="seq"), "importance_sampling_level='seq' is unknown"),
     (dict(delta=0.9), "delta caps"),

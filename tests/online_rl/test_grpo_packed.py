@@ -90,7 +90,7 @@ def _one_step(module_factory, quiet_trainer, prompt_data, grad_capture, padding_
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.0), **kw)
     capture = grad_capture()
     quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[capture]).fit(module, prompt_data())
-    return capture.grads[0], module._buffer
+    return capture.grads[0], module.rollout_buffer.chunks
 
 
 def _assert_same_grads(plain, packed):

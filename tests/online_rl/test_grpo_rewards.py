@@ -10,6 +10,12 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 
+def advantages(module, rollout, stats):
+    """The scoring stage, then GRPO's advantages from the rewards (as the rollout computes them)."""
+    per_func, total = module.score(rollout, stats)
+    return module.advantages_from_rewards(per_func, total, module.hparams.num_generations)
+
+
 def column_reward(prompts, completions, value, **kwargs):
     """The reward is the row's ``value`` column: the test decides every reward."""
     return [float(v) for v in value]
@@ -35,9 +41,9 @@ def test_score_under_ddp_scales_by_the_std_of_every_ranks_rewards(grpo_module):
     mine, other_rank = [1.0, 0.0, 0.0, 1.0], [10.0, 20.0, 30.0, 40.0]
     module._trainer = SimpleNamespace(world_size=2, global_step=0)  # as on rank 0 of 2
     module.all_gather = lambda tensor: torch.stack([tensor, torch.tensor(other_rank)])
-    advantages = module.score(_rollout(mine), _Stats())
+    adv = advantages(module, _rollout(mine), _Stats())
     std = statistics.stdev(mine + other_rank)
-    assert advantages.tolist() == pytest.approx([(r - 0.5) / (std + 1e-4) for r in mine], rel=1e-5)
+    assert adv.tolist() == pytest.approx([(r - 0.5) / (std + 1e-4) for r in mine], rel=1e-5)
 
 
 # ---------------------------------------------------------------- the rollout inside the module
@@ -72,7 +78,7 @@ def test_a_step_raises_the_log_prob_of_the_rewarded_completions(grpo_module, tok
     good, bad = [seven, seven, eos], [three, three, eos]
     module = _rollout_module(grpo_module, tokenizer, [1.0, 0.0, 1.0, 0.0], [good, bad, good, bad])
     loss_grads = _loss_grads(module)
-    mb = module._buffer[0]
+    mb = module.rollout_buffer.chunks[0]
     logps, _ = module.token_logps(module.model, mb)
     rewarded = mb["completion_ids"][:, 0] == seven
     preference = (logps * mb["completion_mask"])[rewarded].sum() - (logps * mb["completion_mask"])[~rewarded].sum()
@@ -95,7 +101,7 @@ def test_mask_truncated_completions_takes_them_out_of_the_loss(grpo_module, toke
                                  mask_truncated_completions=mask)
         out = _loss_grads(module)
         if mask:
-            mb = module._buffer[0]
+            mb = module.rollout_buffer.chunks[0]
             assert mb["completion_mask"][mb["completion_ids"][:, -1] != eos].sum() == 0
         return out
 
@@ -115,19 +121,19 @@ def test_score_normalizes_then_clips_the_rewards(grpo_module):
     normalized = [(v - 2.0) / std for v in values]  # [-1.07, -0.53, 0, 1.60]
 
     module = grpo_module(reward_funcs=[column_reward], scale_rewards="none", normalize_rewards=True)
-    got = module.score(_rollout(values), _Stats())
+    got = advantages(module, _rollout(values), _Stats())
     assert got.tolist() == pytest.approx(normalized, abs=1e-5)  # centred already: the group mean is 0
     assert module.reward_normalizer.count == 4  # the running statistics saw the batch
 
     module = grpo_module(reward_funcs=[column_reward], scale_rewards="none", normalize_rewards=True, reward_clip=1.0)
     clipped = [max(-1.0, min(1.0, v)) for v in normalized]
     mean = sum(clipped) / 4
-    assert module.score(_rollout(values), _Stats()).tolist() == pytest.approx([c - mean for c in clipped], abs=1e-5)
+    assert advantages(module, _rollout(values), _Stats()).tolist() == pytest.approx([c - mean for c in clipped], abs=1e-5)
 
     module = grpo_module(reward_funcs=[column_reward], scale_rewards="none", reward_clip=2.0)
-    assert module.score(_rollout(values), _Stats()).tolist() == pytest.approx([-1.25, -0.25, 0.75, 0.75])
+    assert advantages(module, _rollout(values), _Stats()).tolist() == pytest.approx([-1.25, -0.25, 0.75, 0.75])
 
     module = grpo_module(reward_funcs=[column_reward], scale_rewards="none", normalize_rewards=True)
     module.eval()  # validation scores do not move the running statistics
-    assert module.score(_rollout(values), _Stats()).tolist() == pytest.approx([-2.0, -1.0, 0.0, 3.0])
+    assert advantages(module, _rollout(values), _Stats()).tolist() == pytest.approx([-2.0, -1.0, 0.0, 3.0])
     assert module.reward_normalizer.count == 0

@@ -128,11 +128,12 @@ def test_bad_knobs_refused(tiny_dir, tmp_path):
                         ({"use_score_norm": True}, "set use_score_scaling true"),
                         ({"stop_token": None}, "stop_token=None is not supported"),
                         ({"lam": 1.5}, r"lam must be in \[0, 1\]"),
-                        ({"beta": 0.1, "epsilon": 0.3}, r"\['beta', 'epsilon'\] are GRPOModule knobs"),
-                        ({"padding_free": True}, "padding_free is not supported by PPOModule")]:
+                        ]:
         with pytest.raises(ValueError, match=message):
             ppo(tiny_dir, **kw)
-    ppo(tiny_dir, beta=0.0, epsilon=0.2, num_iterations=1, padding_free=False)  # GRPO's defaults, as LightningCLI passes them: fine
+    for knob in ("beta", "epsilon", "num_iterations", "padding_free", "loss_type"):  # GRPO's: not PPO knobs at all
+        with pytest.raises(TypeError, match=knob):
+            ppo(tiny_dir, **{knob: 1})
     odd = tmp_path / "odd"
     odd.mkdir()
     config = json.loads((tiny_dir / "config.json").read_text())
@@ -337,7 +338,7 @@ def test_console_fit_exports_policy_and_value_head(repo, tmp_path):
             "train/lr", "train/completions/mean_length"} <= logged
     # num_ppo_epochs 2 (through LightningCLI's config): both optimizer steps train on the one rollout
     last = torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)
-    assert last["lightalign_grpo"]["generation_count"] == 1
+    assert last["lightalign_rollout"]["generation_count"] == 1
     export = next(tmp_path.rglob("hf_model"))
     from transformers import AutoModelForCausalLM
 

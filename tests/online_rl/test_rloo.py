@@ -89,9 +89,9 @@ def test_bad_knobs_refused(tiny_dir):
         rloo(tiny_dir, beta=-0.1)
     with pytest.raises(ValueError, match="reward_clip_range"):
         rloo(tiny_dir, reward_clip_range=(1.0, -1.0))
-    with pytest.raises(ValueError, match=r"\['entropy_coef', 'scale_rewards'\] are GRPOModule knobs"):
-        rloo(tiny_dir, scale_rewards="batch", entropy_coef=0.1)
-    rloo(tiny_dir, scale_rewards="group", entropy_coef=0.0)  # GRPO's defaults, as LightningCLI passes them: fine
+    for knob in ("scale_rewards", "entropy_coef", "loss_type"):  # GRPO's: not RLOO knobs at all
+        with pytest.raises(TypeError, match=knob):
+            rloo(tiny_dir, **{knob: 1})
 
 
 def test_reward_clip_range_clamps_before_the_baseline(tiny_dir, quiet_trainer, prompt_data):
@@ -120,11 +120,11 @@ def test_console_quickstart_runs_and_logs(repo, tmp_path):
     logged = {k for row in rows for k, v in row.items() if v}
     assert {"train/reward/mean", "train/kl", "train/loss", "val/reward/mean"} <= logged
     assert next(tmp_path.rglob("hf_model/config.json"))
-    # the GRPO knobs RLOO fixes are what the run recorded, not GRPO's defaults LightningCLI passed
+    # the run records RLOO's own knobs, and no knob of GRPO's (RLOO has none of them)
     hparams = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=False, map_location="cpu")["hyper_parameters"]
-    assert (hparams["loss_type"], hparams["scale_rewards"]) == ("grpo", "none")
+    assert hparams["beta"] == 0.05 and not {"loss_type", "scale_rewards", "entropy_coef"} & set(hparams)
     hparams_yaml = next(tmp_path.rglob("hparams.yaml")).read_text()
-    assert "loss_type: grpo" in hparams_yaml and "scale_rewards: none" in hparams_yaml
+    assert "beta: 0.05" in hparams_yaml and "loss_type" not in hparams_yaml
 
 
 def test_console_refuses_a_group_of_one(repo, tmp_path):

@@ -1,0 +1,119 @@
+"""What a rollout samples: the sampling knobs (TRL's names) in one object, checked once.
+
+``SamplingConfig`` holds the knobs every online-RL method shares; ``check`` validates them together with the asked
+backend at construction, before any model loads (each refusal names the knob and what to use instead), and
+``sampling_kwargs`` is what every sampler's ``sample`` receives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightalign.modules.generation.samplers import get_sampler, refuse_knobs
+
+# generate() arguments the rollout sets itself: a generation_kwargs entry for one of them is refused, naming the knob.
+OWNED_GENERATION_KEYS = {
+    "max_new_tokens": "max_completion_length", "max_length": "max_completion_length",
+    "num_return_sequences": "num_generations", "temperature": "temperature (the loss divides the logits by it too)",
+    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+    "cache_implementation": "cache_implementation", "do_sample": "nothing: the rollout always samples",
+    "num_beams": "nothing: online RL trains on samples of the policy, beam search is not one",
+    "eos_token_id": "the model's generation config or the tokenizer", "pad_token_id": "the tokenizer",
+    "use_cache": "nothing (always on)", "past_key_values": "share_prefill", "cache": "share_prefill",
+    "return_dict_in_generate": "nothing: the rollout reads the generated ids",
+}
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
+    cache_implementation: str | None = None
+    share_prefill: bool = True
+    backend: str | None = None  # asked (None: the device's measured default, decided at fit start)
+    continuous_config: dict[str, Any] | None = None
+
+    @classmethod
+    def from_knobs(cls, *, generation_backend: str | None = None, use_transformers_continuous_batching: bool = False,
+                   transformers_continuous_batching_config: dict[str, Any] | None = None, **knobs: Any
+                   ) -> "SamplingConfig":
+        """From the modules' knob names (``generation_backend``, TRL's ``use_transformers_continuous_batching`` and
+        ``transformers_continuous_batching_config``), checked."""
+        config = cls(backend=resolve_backend(generation_backend, use_transformers_continuous_batching),
+                     continuous_config=transformers_continuous_batching_config, **knobs)
+        config.check()
+        return config
+
+    def knobs(self) -> dict[str, Any]:
+        """What a sampler's ``refusal`` reads."""
+        return dict(repetition_penalty=self.repetition_penalty, generation_kwargs=self.generation_kwargs,
+                    cache_implementation=self.cache_implementation, continuous_config=self.continuous_config)
+
+    def sampling_kwargs(self, backend: str) -> dict[str, Any]:
+        """The keyword arguments of ``Sampler.sample`` beyond prompts, EOS and padding."""
+        extra = {} if backend == "continuous" else {
+            "repetition_penalty": self.repetition_penalty, **(self.generation_kwargs or {}),
+            **({} if self.cache_implementation is None else {"cache_implementation": self.cache_implementation})}
+        return dict(share_prefill=self.share_prefill, continuous_config=self.continuous_config,
+                    max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k or 0, min_p=self.min_p, **extra)
+
+    def check(self) -> None:
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}.")
+        check_generation_kwargs(self.generation_kwargs)
+        if self.cache_implementation is not None:
+            from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
+
+            if self.cache_implementation not in ALL_CACHE_IMPLEMENTATIONS:
+                raise ValueError(f"cache_implementation={self.cache_implementation!r} is unknown; transformers knows "
+                                 f"{list(ALL_CACHE_IMPLEMENTATIONS)}.")
+            if self.share_prefill:
+                raise ValueError(f"cache_implementation={self.cache_implementation!r} needs share_prefill: false "
+                                 "(share_prefill hands generate a DynamicCache holding the shared prompt prefill).")
+        if self.backend is None:
+            # the default may be any backend: only the continuous config is checked here; a knob the default cannot
+            # honour makes the default step back to generate at fit start (backends.effective_backend)
+            if self.continuous_config is not None:
+                raise ValueError("transformers_continuous_batching_config is set but the generation backend is 'the "
+                                 "default'; set generation_backend: continuous (or "
+                                 "use_transformers_continuous_batching: true), or drop the config.")
+            return
+        refuse_knobs(get_sampler(self.backend), **self.knobs())
+
+
+def resolve_backend(generation_backend: str | None, use_transformers_continuous_batching: bool) -> str | None:
+    """The backend the knobs ask for (``None``: the device's default, decided at fit start)."""
+    if generation_backend is not None:
+        get_sampler(generation_backend)  # unknown: refused naming the registered ones
+    if use_transformers_continuous_batching:
+        if generation_backend not in (None, "continuous"):
+            raise ValueError(f"use_transformers_continuous_batching=True asks for generation_backend 'continuous' but "
+                             f"generation_backend is {generation_backend!r}; set only one of them.")
+        return "continuous"
+    return generation_backend
+
+
+def check_generation_kwargs(generation_kwargs: dict[str, Any] | None) -> None:
+    """``generation_kwargs``: ``GenerationConfig`` fields the rollout does not set itself."""
+    if generation_kwargs is None:
+        return
+    if not isinstance(generation_kwargs, dict):
+        raise ValueError(f"generation_kwargs must be a mapping of generate() arguments, got "
+                         f"{type(generation_kwargs).__name__}.")
+    from transformers import GenerationConfig
+
+    defaults = GenerationConfig()
+    for key in generation_kwargs:
+        if key in OWNED_GENERATION_KEYS:
+            raise ValueError(f"generation_kwargs sets {key!r}, which the rollout sets itself; use "
+                             f"{OWNED_GENERATION_KEYS[key]} instead.")
+        if not hasattr(defaults, key):
+            raise ValueError(f"generation_kwargs key {key!r} is not a transformers GenerationConfig field "
+                             "(e.g. suppress_tokens, no_repeat_ngram_size, bad_words_ids, min_new_tokens).")

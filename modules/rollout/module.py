@@ -1,0 +1,448 @@
+"""``OnlineRLModule``: the online-RL loop every method on it shares (GRPO, RLOO, PPO), as explicit stages.
+
+Per rollout (the first ``training_step`` of each): **sample** ``num_generations`` completions per prompt on the
+run's sampler (``generation/``) -> **score** them with the reward functions (``rewards/``) -> **split** the rollout
+into the micro-batches of ``training_step`` (``buffer.split_rollout``, with the method's training layout) ->
+**log-probs** of the sampling policy (when the rollout is trained on by an updated policy) and of the reference
+(``reference/``) -> **advantages**, the method's own stage (``rollout_advantages``) -> **buffer**. Every
+``training_step`` then takes the next micro-batch (``next_micro_batch``) and computes the method's loss.
+
+A method declares its own knobs and objective: ``micro_batches_per_rollout`` and ``passes`` (its rollout schedule),
+``uses_reference`` (a reference model is built and its log-probs computed), ``rollout_advantages`` and
+``training_step``. Everything here is described once, in this class's docstring.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Literal
+
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+from lightalign.modules.generation.config import SamplingConfig
+from lightalign.modules.generation.sampling import sample_completions
+from lightalign.modules.generation.vllm import check_vllm_knobs
+from lightalign.modules.reference.component import Reference
+from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout
+from lightalign.modules.rollout.scoring import metric_key, score_rollout
+from lightalign.modules.rollout.state import load_rollout_state, save_rollout_state
+from lightalign.modules.rollout.sampler_choice import choose_sampler
+from lightalign.modules.training.policy import PolicyModule
+from lightalign.rewards import check_reward_weights, reward_func_names, resolve_reward_funcs
+
+ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
+
+
+class OnlineRLModule(PolicyModule):
+    """The online-RL loop on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults).
+
+    Args:
+        reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables,
+            import paths (``lightalign.rewards.accuracy_reward``, ``mypkg.rewards:fn``) or reward-model folders
+            (``RewardModule`` exports). ``None`` marks a completion a function cannot score.
+        reward_weights: one weight per reward function (default 1 each); the reward is their weighted sum.
+        num_generations: completions per prompt (the group).
+        temperature: sampling temperature; the training forward divides the logits by it too, so the loss sees
+            the distribution the completions were sampled from.
+        num_generations_eval: completions per validation prompt (default ``num_generations``).
+        generation_batch_size: completions per rollout per device; must hold whole groups (a multiple of
+            ``num_generations``) and split evenly into the method's micro-batches. Default: ``num_generations``
+            times the micro-batches per rollout.
+        max_completion_length: generated tokens at most.
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0: off).
+        top_k: keep the ``top_k`` most likely tokens (None: off).
+        min_p: keep tokens whose probability is at least ``min_p`` times the most likely one's (None: off).
+        repetition_penalty: ``generate``'s penalty on tokens already in the sequence (1.0: off).
+        generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``,
+            ``no_repeat_ngram_size``); the ones the rollout sets (``max_new_tokens``, ``num_return_sequences``,
+            ``temperature``, ``top_p`` ...) are refused with the knob to use. (TRL lets them override its knobs.)
+        cache_implementation: ``generate``'s KV-cache implementation (e.g. ``static``); needs ``share_prefill:
+            false`` and the ``generate`` backend.
+        generation_backend: the sampler (``generation/samplers.py``): ``generate`` (``model.generate``, prompt
+            prefill shared; any knob), ``continuous`` (transformers' continuous batching, paged KV cache: finished
+            completions leave the batch; refuses ``repetition_penalty``, ``generation_kwargs``,
+            ``cache_implementation``), ``static`` (static KV cache, compiled decode step) or ``compact``
+            (lightalign's loop: finished completions leave the batch; refuses ``generation_kwargs``,
+            ``cache_implementation``; one process). Unset: ``compact`` on a CPU (measured fastest there,
+            docs/performance.md), ``generate`` elsewhere (GPUs not measured), and ``generate`` whenever ``compact``
+            cannot serve: a knob only ``generate`` honours, several processes, a model without a plain KV cache, or
+            greedy tokens that differ from ``generate``'s on the model's probe (``adaptations.check_layout``); the
+            fit-start line says which and why. An asked backend that the probe measures not exact is refused.
+        use_transformers_continuous_batching: TRL's name for ``generation_backend: continuous``.
+        transformers_continuous_batching_config: ``ContinuousBatchingConfig`` fields for ``continuous`` (e.g.
+            ``page_size``, ``num_blocks``; by default the paged cache is sized from the rollout).
+        share_prefill: compute each prompt's prefill once and copy its KV cache to the ``num_generations``
+            completions (same completions as plain ``generate``; refused at fit start on a model where the probe
+            measures it not exact).
+        mask_truncated_completions: completions that hit ``max_completion_length`` without EOS get no loss.
+        ref_model_name_or_path: a separately loaded reference model, used when the method's KL coefficient is
+            > 0; default: a frozen copy of the policy, or the base model with LoRA disabled.
+        ref_model_init_kwargs: ``from_pretrained`` arguments of the reference (e.g. an 8/4-bit
+            ``quantization_config``); with them alone the policy's checkpoint is loaded again that way.
+        log_entropy: log the mean token entropy of the policy on its completions.
+        use_vllm: sample rollouts with vLLM on a GPU (TRL's names and defaults for every ``vllm_*`` knob;
+            ``generation/vllm.py``, docs/vllm.md). Refused without CUDA.
+        vllm_mode: ``colocate`` (a ``vllm.LLM`` inside each training process, on its GPU) or ``server`` (a
+            separate ``vllm serve``).
+        vllm_server_base_url: server mode: the server's URL (e.g. ``http://10.0.0.2:8000``); default
+            ``http://{vllm_server_host}:{vllm_server_port}``.
+        vllm_server_host: server mode: the server's host.
+        vllm_server_port: server mode: the server's port.
+        vllm_server_timeout: server mode: seconds to wait for each HTTP request.
+        vllm_group_port: server mode: the port of the NCCL weight-transfer group.
+        vllm_gpu_memory_utilization: colocate mode: the share of the GPU vLLM takes (weights and KV cache).
+        vllm_tensor_parallel_size: colocate mode: only 1 is built; larger: server mode with
+            ``vllm serve --tensor-parallel-size N``.
+        vllm_max_model_length: colocate mode: vLLM's ``max_model_len`` (default: the model's).
+        vllm_enable_sleep_mode: colocate mode: vLLM releases its memory between rollouts.
+        vllm_model_impl: colocate mode: ``vllm`` or ``transformers`` model code inside vLLM.
+        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
+    """
+
+    min_generations = 2  # completions per prompt a method's advantage needs
+    knob_equivalents: dict[str, str] = {}  # a sibling method's knob -> this method's knob for the same idea
+    method_stats: tuple[str, ...] = ()  # the method's own logged statistics, beside ROLLOUT_STATS
+    _unregistered_attributes = PolicyModule._unregistered_attributes | {"reward_funcs"}
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        *,
+        num_generations: int = 8,
+        temperature: float = 1.0,
+        reward_funcs: list[str | Callable] | str | Callable | None = None,
+        reward_weights: list[float] | None = None,
+        num_generations_eval: int | None = None,
+        generation_batch_size: int | None = None,
+        max_completion_length: int = 256,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict[str, Any] | None = None,
+        cache_implementation: str | None = None,
+        generation_backend: Literal["generate", "continuous", "static", "compact"] | None = None,
+        use_transformers_continuous_batching: bool = False,
+        transformers_continuous_batching_config: dict[str, Any] | None = None,
+        share_prefill: bool = True,
+        mask_truncated_completions: bool = False,
+        ref_model_name_or_path: str | None = None,
+        ref_model_init_kwargs: dict[str, Any] | None = None,
+        log_entropy: bool = True,
+        use_vllm: bool = False,
+        vllm_mode: Literal["colocate", "server"] = "colocate",
+        vllm_server_base_url: str | None = None,
+        vllm_server_host: str = "0.0.0.0",
+        vllm_server_port: int = 8000,
+        vllm_server_timeout: float = 240.0,
+        vllm_group_port: int = 51216,
+        vllm_gpu_memory_utilization: float = 0.3,
+        vllm_tensor_parallel_size: int = 1,
+        vllm_max_model_length: int | None = None,
+        vllm_enable_sleep_mode: bool = False,
+        vllm_model_impl: Literal["vllm", "transformers"] = "vllm",
+        **kwargs: Any,
+    ) -> None:
+        name = type(self).__name__
+        unknown = sorted(set(kwargs) - set(inspect.signature(PolicyModule.__init__).parameters))
+        if unknown:
+            knob = unknown[0]
+            instead = self.knob_equivalents.get(knob)
+            raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
+                            + f" (`lightalign fit --model.help {name}` lists its knobs).")
+        check_vllm_knobs(use_vllm=use_vllm, generation_kwargs=generation_kwargs, cache_implementation=cache_implementation,
+                         **{k: v for k, v in locals().items() if k.startswith("vllm_")})
+        if use_vllm and (generation_backend is not None or use_transformers_continuous_batching):
+            raise ValueError("use_vllm samples with vLLM; generation_backend / use_transformers_continuous_batching "
+                             "pick a transformers backend instead: set only one of them.")
+        sampling = SamplingConfig.from_knobs(
+            max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
+            cache_implementation=cache_implementation, share_prefill=share_prefill,
+            generation_backend=generation_backend,
+            use_transformers_continuous_batching=use_transformers_continuous_batching,
+            transformers_continuous_batching_config=transformers_continuous_batching_config)
+        if num_generations < self.min_generations:
+            raise ValueError(f"{name} needs num_generations >= {self.min_generations} ({self.group_needs}), got "
+                             f"{num_generations}.")
+        if num_generations_eval is not None and num_generations_eval < 1:
+            raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got {num_generations_eval}.")
+        if generation_batch_size is not None:
+            check_generation_arithmetic(generation_batch_size, num_generations, None)
+        if reward_funcs is None:
+            raise ValueError(f"{name} needs reward_funcs: callables or import paths of fn(prompts, completions, "
+                             "**columns).")
+        funcs = resolve_reward_funcs(list(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]))
+        check_reward_weights(funcs, reward_weights)
+        super().__init__(model_name_or_path, **kwargs)
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs"])
+        self.sampling = sampling
+        self.reward_funcs = funcs
+        self.reward_names = reward_func_names(funcs)
+        self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs,
+                                   num_shared_layers=self.hparams.get("num_shared_layers"))
+        self.tokenizer: Any = None
+        self.generation_count = 0
+        self.rollout_buffer = RolloutBuffer()
+        self.external_sampler = None  # set by a callback that owns an engine (vLLM: generation/vllm_engines.py)
+        self.sampler_name: str | None = None  # decided at fit start (choose_sampler)
+        self.sampling_note = ""
+        self.last_samples: list[dict[str, Any]] = []
+        self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names)]
+        self.train_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
+                                                for k in self.stat_names})
+        self.eval_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
+                                               for k in self.stat_names})
+
+    # ------------------------------------------------------------------------------------- the method's part
+    group_needs = "advantages compare completions of a group"
+
+    @classmethod
+    def knob(cls, name: str, given: dict[str, Any]) -> Any:
+        """A shared knob's value before ``__init__`` has run: as given, else its one default (this signature)."""
+        if name in given:
+            return given[name]
+        return inspect.signature(OnlineRLModule.__init__).parameters[name].default
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the method's objective reads the reference model (its KL coefficient is > 0)."""
+        raise NotImplementedError
+
+    def micro_batches_per_rollout(self) -> int:
+        """``training_step`` calls one pass over a rollout takes."""
+        raise NotImplementedError
+
+    def passes(self) -> int:
+        """Passes over each rollout."""
+        raise NotImplementedError
+
+    def needs_old_logps(self) -> bool:
+        """Whether the rollout stores the sampling policy's log-probs (default: when an updated policy trains on
+        it)."""
+        return self.reuses_rollout()
+
+    def rollout_advantages(self, chunks: list[dict[str, torch.Tensor]]) -> None:
+        """The method's advantage stage: write ``advantages`` (and whatever its loss reads) into the micro-batches
+        (``buffer.in_rollout_order`` / ``scatter_rows``)."""
+        raise NotImplementedError
+
+    def check_scores(self, per_func: torch.Tensor, total: torch.Tensor) -> None:
+        """Refuse rewards the method cannot use (default: every score, None included, is usable)."""
+
+    def micro_batch_layout(self, mb: dict[str, torch.Tensor], lengths: torch.Tensor) -> None:
+        """Add the training layout's tensors to a micro-batch (default: the padded rows as they are)."""
+
+    def batch_layout(self) -> tuple[str, int | None]:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        prompt = getattr(datamodule, "max_prompt_length", None)
+        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
+
+    # ------------------------------------------------------------------------------------- shape
+    @property
+    def rollout_shape(self) -> tuple[int, int, int]:
+        """(generation_batch_size, micro-batches per rollout, micro-batch size in completions), resolved."""
+        steps = self.micro_batches_per_rollout()
+        gen = self.hparams.generation_batch_size or self.hparams.num_generations * steps
+        return gen, steps, gen // steps
+
+    def reuses_rollout(self) -> bool:
+        """Whether a rollout is trained on by an updated policy (several passes, or several optimizer steps)."""
+        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        return self.passes() > 1 or self.micro_batches_per_rollout() > accumulate
+
+    # ------------------------------------------------------------------------------------- setup
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        if stage != "fit":
+            return
+        gen, steps, _ = self.rollout_shape
+        check_generation_arithmetic(gen, self.hparams.num_generations, steps)
+        if not hasattr(datamodule, "configure_rollout"):
+            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+        datamodule.configure_rollout(gen // self.hparams.num_generations, steps * self.passes())
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.uses_reference and self.ref_model is None:
+            with torch.inference_mode(False):
+                self.ref_model = self.reference.build(self.model, self.model_name_or_path, self.hparams.trust_remote_code)
+
+    def configure_callbacks(self) -> list:
+        callbacks = super().configure_callbacks()
+        if self.hparams.use_vllm:  # the engine, its weight pushes and the sampler (generation/vllm_engines.py)
+            from lightalign.modules.generation.vllm_engines import VLLMRollouts
+
+            callbacks.append(VLLMRollouts())
+        return callbacks
+
+    def on_fit_start(self) -> None:
+        self.sampler_name = None  # decided again in fit_start_notes (the model may have changed)
+        super().on_fit_start()  # the layout check, NEFTune when asked
+        self.reference.move(self.ref_model, self.device, self.model)
+
+    def fit_start_notes(self) -> list[str]:
+        """The sampler, decided (and measured) here, before any rollout: an inexact asked backend or shared
+        prefill is refused at fit start."""
+        if self.hparams.use_vllm:
+            return []
+        self.sampling_backend()
+        return [self.sampling_note]
+
+    def sampling_backend(self) -> str:
+        """The run's sampler, decided once (``sampler_choice.choose_sampler``)."""
+        if self.sampler_name is None:
+            self.sampler_name, self.sampling_note = choose_sampler(self.model, self.sampling)
+        return self.sampler_name
+
+    # ------------------------------------------------------------------------------------- stages
+    @torch.no_grad()
+    def generate(self, batch: dict[str, Any], num_generations: int, return_logprobs: bool = False) -> dict[str, Any]:
+        """Sample ``num_generations`` completions per prompt on the run's sampler (the vLLM engine's with
+        ``use_vllm``)."""
+        sampler = self.external_sampler if self.external_sampler is not None else self.sampling_backend()
+        name = sampler if isinstance(sampler, str) else sampler.name
+        return sample_completions(self.model, self.tokenizer, batch, num_generations, backend=sampler,
+                                  return_logprobs=return_logprobs, **self.sampling.sampling_kwargs(name))
+
+    def score(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each function's rewards ``[N, F]`` and their weighted sum ``[N]`` (NaN: no function scored it), logged
+        in ``stats``; the eval metrics see each scored completion's total while validating."""
+        per_func, total = score_rollout(self, rollout, stats)
+        self.check_scores(per_func, total)
+        return per_func, total
+
+    def token_logps(self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False,
+                    entropy_grad: bool = False):
+        """Per-token log-probs of the completion tokens ``[B, T]`` and, ``with_entropy``, their per-token entropies
+        ``[B, T]`` (0 under the completion mask; differentiable only with ``entropy_grad``)."""
+        from lightalign.modules.adaptations.layouts import grpo_forward
+        from lightalign.modules.losses.entropy import token_entropies
+        from lightalign.modules.training.logprobs import scatter_to_sequences
+
+        logps, logits, _ = grpo_forward(model, mb, self.hparams.temperature)
+        if not with_entropy:
+            return logps, None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies = token_entropies(logits)
+        layout = mb.get("shared", mb.get("packed"))  # [targets] -> [B, T]
+        if layout is not None:
+            entropies = scatter_to_sequences(entropies, layout, *mb["completion_ids"].shape)[0]
+        return logps, torch.where(mb["completion_mask"].bool(), entropies, torch.zeros_like(entropies))
+
+    def reference_logps(self, mb: dict[str, Any]) -> torch.Tensor:
+        with self.reference.model_for(self.ref_model, self.model) as ref:
+            return self.token_logps(ref, mb)[0]
+
+    def next_micro_batch(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+        """The buffered micro-batch this training step trains on (a new rollout when the buffer is used up), and
+        its slot in the rollout."""
+        steps, passes = self.micro_batches_per_rollout(), self.passes()
+        if self.rollout_buffer.used_up(steps, passes):
+            self.rollout_buffer.fill(self._make_rollout(batch))
+        elif self.rollout_buffer.starts_new_pass(steps, passes):
+            self.on_new_pass(self.rollout_buffer)
+        mb, slot = self.rollout_buffer.take(steps, self.device)
+        self.last_batch_tokens = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
+        self.last_batch_samples = int(mb["completion_ids"].shape[0])
+        return mb, slot
+
+    def on_new_pass(self, buffer: RolloutBuffer) -> None:
+        """Before a pass over the rollout other than the first (PPO deals new mini-batches here)."""
+
+    @torch.no_grad()
+    def _make_rollout(self, batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+        hp = self.hparams
+        gen, steps, _ = self.rollout_shape
+        prompts_expected = gen // hp.num_generations
+        if len(batch["prompts"]) != prompts_expected:
+            raise ValueError(f"Expected {prompts_expected} prompts per rollout (generation_batch_size {gen} / "
+                             f"num_generations {hp.num_generations}), got {len(batch['prompts'])}.")
+        rollout = self.generate(batch, hp.num_generations)  # 1. sample
+        self.generation_count += 1
+        per_func, total = self.score(rollout, self.train_stats)  # 2. score
+        lengths = rollout["completion_mask"].sum(-1)  # generated tokens through EOS, before any masking
+        if hp.mask_truncated_completions:
+            rollout["completion_mask"] = rollout["completion_mask"] * (~rollout["truncated"]).long().unsqueeze(-1)
+        tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        tensors["rewards"], tensors["reward_parts"] = total, per_func.to(total.device)
+        tensors["row"] = torch.arange(total.shape[0], device=total.device)  # the rollout order (groups)
+        chunks = split_rollout(tensors, lengths, steps, hp.num_generations,  # 3. split, in the training layout
+                               whole_groups=bool(hp.get("prompt_sharing")))
+        for mb in chunks:
+            self.micro_batch_layout(mb, mb.pop("lengths"))
+        needs_old = self.needs_old_logps()
+        for mb in chunks:  # 4. log-probs of the sampling policy and the reference
+            if needs_old:
+                mb["old_logps"], _ = self.token_logps(self.model, mb)
+            if self.uses_reference:
+                mb["ref_logps"] = self.reference_logps(mb)
+        self.rollout_advantages(chunks)  # 5. the method's advantages
+        return chunks
+
+    # ------------------------------------------------------------------------------------- logging
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.before_step_stats()
+        self._log_stats(self.train_stats, "train")
+
+    def before_step_stats(self) -> None:
+        """The method's last statistics of an optimizer step, before they are logged."""
+
+    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
+        for name in self.stat_names:
+            metric = stats[metric_key(name)]
+            if metric.update_called:
+                self.log(f"{stage}/{name}", metric.compute(), prog_bar=name in ("reward/mean",))
+            metric.reset()
+
+    def step_tokens(self, slot: int) -> torch.Tensor:
+        """The completion tokens of this optimizer step's micro-batches, averaged over the ranks."""
+        tokens = self.rollout_buffer.step_tokens(slot, self.trainer.accumulate_grad_batches)
+        world = self.trainer.world_size
+        if world > 1:
+            tokens = self.trainer.strategy.reduce(tokens.float(), reduce_op="sum") / world
+        return tokens
+
+    # ------------------------------------------------------------------------------------- validation
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Sample ``num_generations_eval`` completions per validation prompt and score them (no loss).
+
+        Sampling uses its own seeded stream, so validating does not change the training rollouts (and a run
+        resumed from a checkpoint samples exactly what the uninterrupted run sampled)."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.global_step * 100_003 + batch_idx)
+            rollout = self.generate(batch, self.hparams.num_generations_eval or self.hparams.num_generations)
+        last_samples = self.last_samples
+        self.score(rollout, self.eval_stats)
+        self.last_samples = last_samples  # the sample table shows training rollouts
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_stats(self.eval_stats, "val")
+        self.log_eval_metrics("val")
+
+    # ------------------------------------------------------------------------------------- state
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        save_rollout_state(self, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        load_rollout_state(self, checkpoint)
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's rollout buffer (on the CPU) and position, and the method's per-rank state."""
+        return self.rollout_buffer.state_dict()
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """The method's per-rank state (beside the buffer)."""
+
+    def method_state(self) -> dict[str, Any]:
+        """The method's state shared by the ranks (the same on every rank)."""
+        return {}
+
+    def load_method_state(self, state: dict[str, Any]) -> None:
+        pass

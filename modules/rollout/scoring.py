@@ -1,0 +1,45 @@
+"""The scoring stage: a rollout's completions through the reward functions, with the statistics every online-RL
+method logs (reward mean/std per function and in total, completion lengths, the truncated share) and the sample
+table of the last rollout (``callbacks/completions.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightalign.rewards import compute_rewards, nanstd
+
+
+def metric_key(name: str) -> str:
+    """A metric name as a ``ModuleDict`` key (no dots or slashes)."""
+    return name.replace("/", "__").replace(".", "_")
+
+
+def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDict
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each reward function's rewards ``[N, F]`` and their weighted sum ``[N]`` on the module's device (NaN where
+    no function scored a completion, as in TRL), logged in ``stats``; sets ``module.last_samples``; while
+    validating, the module's eval metrics see each scored completion's total."""
+    per_func, total = compute_rewards(module.reward_funcs, rollout["prompts"], rollout["completions"],
+                                      rollout["columns"], module.hparams.reward_weights)
+    total = total.to(module.device).float()
+    if (~torch.isnan(total)).any():
+        stats[metric_key("reward/mean")].update(torch.nanmean(total))
+        stats[metric_key("reward/std")].update(nanstd(total))
+    for j, name in enumerate(module.reward_names):
+        column = per_func[:, j]
+        if (~torch.isnan(column)).any():
+            stats[metric_key(f"reward/{name}")].update(torch.nanmean(column.float()))
+    lengths = rollout["completion_mask"].sum(-1).float()
+    stats[metric_key("completions/mean_length")].update(lengths.mean())
+    stats[metric_key("completions/clipped_ratio")].update(rollout["truncated"].float().mean())
+    module.last_samples = [
+        {"step": module.global_step, "prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
+         "reward": float(r), **{n: float(per_func[i, j]) for j, n in enumerate(module.reward_names)}}
+        for i, (p, t, r) in enumerate(zip(rollout["prompts"], rollout["texts"], total.tolist()))
+    ]
+    if not module.training and (module.eval_metric_objects or module.eval_metric_fns):
+        scored = total[~torch.isnan(total)]  # eval_metrics see each scored completion's total reward
+        module.update_eval_metrics(scored, torch.ones_like(scored, dtype=torch.long))
+    return per_func, total

@@ -1,0 +1,71 @@
+"""The sampler interface (modules/generation/samplers.py): one call signature, refusals at construction naming the
+backend, the knob and one that serves it, and a sampler's error reaching the user (no backend swapped in)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from lightalign import PPOModule, RLOOModule
+from lightalign.modules.generation.samplers import SAMPLERS, Sampler, get_sampler
+
+
+def test_every_sampler_has_the_interface_signature():
+    reference = inspect.signature(Sampler.sample)
+    from lightalign.modules.generation.vllm_engines import VLLMSampler
+
+    for cls in [*SAMPLERS.values(), VLLMSampler]:
+        assert issubclass(cls, Sampler)
+        assert list(inspect.signature(cls.sample).parameters) == list(reference.parameters), cls.name
+
+
+@pytest.mark.parametrize("backend, knobs, knob", [
+    ("continuous", dict(repetition_penalty=1.1), "repetition_penalty"),
+    ("continuous", dict(generation_kwargs={"no_repeat_ngram_size": 2}), "generation_kwargs"),
+    ("compact", dict(generation_kwargs={"no_repeat_ngram_size": 2}), "generation_kwargs"),
+    ("compact", dict(cache_implementation="static", share_prefill=False), "cache_implementation"),
+    ("static", dict(cache_implementation="static", share_prefill=False), "cache_implementation"),
+])
+@pytest.mark.parametrize("method", ["grpo", "rloo", "ppo"])
+def test_a_knob_the_backend_cannot_honour_is_refused_at_construction(grpo_module, tiny_dir, method, backend, knobs,
+                                                                      knob):
+    from lightalign.rewards import digit_fraction_reward
+
+    build = {"grpo": grpo_module,
+             "rloo": lambda **kw: RLOOModule(str(tiny_dir), from_config=True, reward_funcs=[digit_fraction_reward], **kw),
+             "ppo": lambda **kw: PPOModule(str(tiny_dir), from_config=True, reward_funcs=[digit_fraction_reward], **kw)}
+    with pytest.raises(ValueError, match=f"generation_backend '{backend}' cannot honour {knob} .*use "
+                                         "generation_backend: generate"):
+        build[method](generation_backend=backend, **knobs)
+    build[method](generation_backend="generate", **knobs)  # the backend named as the alternative serves it
+
+
+def test_unknown_backend_names_the_registered_ones():
+    with pytest.raises(ValueError, match=r"generation_backend='beam' is unknown; use one of \['generate', "):
+        get_sampler("beam")
+
+
+@pytest.mark.parametrize("backend", [None, "compact", "generate"])
+def test_a_sampler_error_is_an_error(grpo_module, prompt_data, quiet_trainer, monkeypatch, backend):
+    """A sampler that raises stops the run with its own error: no other backend is swapped in (the mutation: a
+    catch-all fallback to generate in the rollout makes this fail)."""
+    import lightalign.modules.generation.compact as compact
+    import lightalign.modules.generation.generate as generate
+
+    calls = []
+    module = grpo_module(generation_backend=backend, generation_batch_size=8)
+
+    def breaks_on_the_policy(real):  # the fit-start probe (a shrunk copy of the model) samples as usual
+        def sample(model, *args, **kwargs):
+            if model is not module.model:
+                return real(model, *args, **kwargs)
+            calls.append(1)
+            raise RuntimeError("sampler bug")
+        return sample
+
+    monkeypatch.setattr(compact, "compact_groups", breaks_on_the_policy(compact.compact_groups))
+    monkeypatch.setattr(generate, "generate_groups", breaks_on_the_policy(generate.generate_groups))
+    with pytest.raises(RuntimeError, match="sampler bug"):
+        quiet_trainer(max_steps=1).fit(module, prompt_data())
+    assert len(calls) == 1  # raised once, and nothing sampled again on another backend
