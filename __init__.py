@@ -1,4 +1,5 @@
-"""lightalign: LLM post-training (SFT, DPO, GRPO) built on PyTorch Lightning.
+"""lightalign: LLM post-training built on PyTorch Lightning: SFT, DPO, KTO, reward modelling, GRPO, RLOO, PPO and
+iterative SFT.
 
 Python API::
 

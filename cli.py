@@ -47,7 +47,8 @@ TRAINER_DEFAULTS = {
 }
 
 
-KNOB_HELP = """lightalign: SFT, DPO and GRPO on PyTorch Lightning.
+KNOB_HELP = """lightalign: LLM post-training on PyTorch Lightning: SFT, DPO, KTO, reward models, GRPO, RLOO and PPO
+(iterative SFT from Python: lightalign.IterativeSFT).
 
 The method and data knobs belong to the classes a config names; list them with
   lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RLOOModule, KTOModule,
