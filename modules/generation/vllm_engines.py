@@ -26,10 +26,8 @@ from typing import Any, Callable, Iterator
 import lightning as L
 import torch
 
-from lightalign.modules.generation.samplers import Samples, Sampler
+from lightalign.modules.generation.samplers import BASIC_KNOBS, Samples, Sampler
 from lightalign.modules.generation.vllm import INSTALL_HINT, padded_completions, vllm_sampling_params, vllm_weights
-
-SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _import_vllm():
@@ -165,7 +163,7 @@ class VLLMSampler(Sampler):
         if return_logprobs:
             raise ValueError("the vllm sampler does not return the sampler's log-probs here; use a transformers "
                              "generation_backend for a run that needs them.")
-        generation_kwargs = {k: v for k, v in sampling.items() if k not in SAMPLING_KNOBS}
+        generation_kwargs = {k: v for k, v in sampling.items() if k not in (*BASIC_KNOBS, "repetition_penalty")}
         seed = int(torch.randint(0, 2**31 - 1, ()))  # from the run's torch RNG: seeded runs sample alike
         params = vllm_sampling_params(
             num_generations=num_generations, temperature=sampling.get("temperature", 1.0),

@@ -6,6 +6,7 @@ import json
 
 from helpers import console_script
 from helpers.rollout_callbacks import KeepBuffer, PerturbPolicy
+from helpers.rewards import Recorder, varied_reward
 import lightning as L
 import pytest
 import torch
@@ -13,23 +14,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightalign.modules.ppo import PPOModule
 from lightalign.rewards import RewardFunctionError
-
-
-def varied_reward(prompts, completions, **kwargs):
-    return [len(c) / 10 + sum(ch.isdigit() for ch in c) for c in completions]
-
-
-class Recorder:
-    """A reward function that remembers what it returned, in rollout order."""
-
-    def __init__(self):
-        self.rewards = []
-        self.__name__ = "recorded"
-
-    def __call__(self, prompts, completions, **kwargs):
-        out = varied_reward(prompts, completions)
-        self.rewards.append(torch.tensor(out, dtype=torch.float))
-        return out
 
 
 def ppo(tiny_dir, **kw):

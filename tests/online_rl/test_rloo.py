@@ -7,29 +7,12 @@ import pytest
 
 from helpers import console_script
 from helpers.rollout_callbacks import KeepBuffer, PerturbPolicy
+from helpers.rewards import Recorder, varied_reward
 import torch
 
 from lightalign.modules.rloo import RLOOModule
 
 G = 4
-
-
-def varied_reward(prompts, completions, **kwargs):
-    """Rewards with variance inside every group (the completion's length in characters, and its digits)."""
-    return [len(c) / 10 + sum(ch.isdigit() for ch in c) for c in completions]
-
-
-class Recorder:
-    """A reward function that remembers what it returned, in rollout order."""
-
-    def __init__(self):
-        self.rewards = []
-        self.__name__ = "recorded"
-
-    def __call__(self, prompts, completions, **kwargs):
-        out = varied_reward(prompts, completions)
-        self.rewards.append(torch.tensor(out))
-        return out
 
 
 def rloo(tiny_dir, **kw):
