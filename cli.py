@@ -108,7 +108,10 @@ class LightalignCLI(LightningCLI):
         parser.description = KNOB_HELP
         parser.link_arguments("model.init_args.model_name_or_path", "data.init_args.tokenizer", apply_on="parse")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})
+        # one last.ckpt per run folder: a run continued from an earlier checkpoint (a rollback) overwrites it rather
+        # than writing last-v1.ckpt beside the abandoned branch's, which --ckpt_path last would then continue
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0,
+                             "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(HFExport, "export")
         parser.add_lightning_class_args(TokenThroughput, "throughput")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")

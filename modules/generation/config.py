@@ -67,7 +67,20 @@ class SamplingConfig:
     def check(self) -> None:
         if self.max_completion_length < 1:
             raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}.")
+        ranges = [(self.temperature > 0, f"temperature must be > 0 (the rollout always samples; the loss divides the "
+                                         f"logits by it), got {self.temperature}."),
+                  (0 < self.top_p <= 1, f"top_p must be in (0, 1] (1.0: off), got {self.top_p}."),
+                  (self.top_k is None or self.top_k >= 0, f"top_k must be >= 0 or null (off), got {self.top_k}."),
+                  (self.min_p is None or 0 <= self.min_p <= 1, f"min_p must be in [0, 1] or null (off), got "
+                                                               f"{self.min_p}."),
+                  (self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1.0: off), got "
+                                                f"{self.repetition_penalty}.")]
+        for ok, message in ranges:
+            if not ok:
+                raise ValueError(message)
         check_generation_kwargs(self.generation_kwargs)
+        if self.backend is not None:  # the asked backend's refusal first: it names the knob to drop
+            refuse_knobs(get_sampler(self.backend), **self.knobs())
         if self.cache_implementation is not None:
             from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
@@ -84,8 +97,6 @@ class SamplingConfig:
                 raise ValueError("transformers_continuous_batching_config is set but the generation backend is 'the "
                                  "default'; set generation_backend: continuous (or "
                                  "use_transformers_continuous_batching: true), or drop the config.")
-            return
-        refuse_knobs(get_sampler(self.backend), **self.knobs())
 
 
 def resolve_backend(generation_backend: str | None, use_transformers_continuous_batching: bool) -> str | None:

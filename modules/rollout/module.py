@@ -151,6 +151,11 @@ class OnlineRLModule(PolicyModule):
             instead = self.knob_equivalents.get(knob)
             raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
                             + f" (`lightalign fit --model.help {name}` lists its knobs).")
+        if kwargs.get("neftune_noise_alpha") is not None:
+            raise ValueError(f"neftune_noise_alpha is not supported by {name}: NEFTune adds noise to the policy's "
+                             "embeddings in train-mode forwards only, so the rollout's log-probs (sampling policy, "
+                             "reference) and the training forward would differ by that noise (a KL and a ratio that "
+                             "are not 0 at step 0). It is a regulariser for SFT, DPO and KTO; drop it here.")
         check_vllm_knobs(use_vllm=use_vllm, generation_kwargs=generation_kwargs, cache_implementation=cache_implementation,
                          **{k: v for k, v in locals().items() if k.startswith("vllm_")})
         if use_vllm and (generation_backend is not None or use_transformers_continuous_batching):
@@ -295,7 +300,9 @@ class OnlineRLModule(PolicyModule):
     def sampling_backend(self) -> str:
         """The run's sampler, decided once (``sampler_choice.choose_sampler``)."""
         if self.sampler_name is None:
-            self.sampler_name, self.sampling_note = choose_sampler(self.model, self.sampling)
+            hp = self.hparams
+            largest = max(hp.num_generations, hp.num_generations_eval or hp.num_generations)
+            self.sampler_name, self.sampling_note = choose_sampler(self.model, self.sampling, largest)
         return self.sampler_name
 
     # ------------------------------------------------------------------------------------- stages

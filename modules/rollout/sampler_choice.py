@@ -12,14 +12,18 @@ import torch
 
 from lightalign.modules.generation.backends import effective_backend
 from lightalign.modules.generation.config import SamplingConfig
+from lightalign.modules.generation.samplers import check_processes, get_sampler
 
 
-def choose_sampler(model: torch.nn.Module, sampling: SamplingConfig) -> tuple[str, str]:
-    """(the sampler's name, the fit-start note saying how it was chosen)."""
+def choose_sampler(model: torch.nn.Module, sampling: SamplingConfig, largest_group: int = 2) -> tuple[str, str]:
+    """(the sampler's name, the fit-start note saying how it was chosen). ``largest_group``: the most completions
+    per prompt the run samples (with one, no prefill is shared and ``share_prefill`` is not measured)."""
     from lightalign.modules.adaptations import describe_decision
     from lightalign.modules.adaptations.support import LayoutRefused, check_layout
 
     asked = sampling.backend
+    if asked is not None:
+        check_processes(get_sampler(asked))  # an asked one-process backend is refused here, before any rollout
     backend, why_not_default = effective_backend(asked, model, sampling.knobs())
     how = f"not the device's default: {why_not_default}" if why_not_default else "asked" if asked else "default"
     if backend != "generate":
@@ -29,6 +33,6 @@ def choose_sampler(model: torch.nn.Module, sampling: SamplingConfig) -> tuple[st
             if asked is not None:
                 raise
             how, backend = f"the default {backend} is not exact on this model: {refused}", "generate"
-    if sampling.share_prefill and backend == "generate":
+    if sampling.share_prefill and backend == "generate" and largest_group > 1:
         check_layout(model, "shared_prefill")  # refused naming model.share_prefill
     return backend, f"generation {backend} ({how})"

@@ -121,6 +121,12 @@ def test_hybrid_default_rollout_refuses_shared_prefill_by_name(tmp_path, tiny_di
     module.configure_model()
     assert module.sampling_backend() == "generate"
     assert "not the device's default: generation_backend 'compact' cannot sample from 'lfm2'" in module.sampling_note
+    # one completion per prompt (PPO's default) shares no prefill: nothing to refuse (mutation: measure it anyway)
+    from lightalign import PPOModule
+
+    module = PPOModule(str(folder), reward_funcs=[digit_fraction_reward])
+    module.configure_model()
+    assert module.sampling_backend() == "generate"
 
 
 @pytest.mark.parametrize("model_type, kwargs, mutation", [

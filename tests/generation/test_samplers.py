@@ -69,3 +69,39 @@ def test_a_sampler_error_is_an_error(grpo_module, prompt_data, quiet_trainer, mo
     with pytest.raises(RuntimeError, match="sampler bug"):
         quiet_trainer(max_steps=1).fit(module, prompt_data())
     assert len(calls) == 1  # raised once, and nothing sampled again on another backend
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(temperature=0.0), "temperature must be > 0"),
+    (dict(temperature=-1.0), "temperature must be > 0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+    (dict(min_p=2.0), r"min_p must be in \[0, 1\]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(generation_backend="continuous", cache_implementation="static"), "'continuous' cannot honour "
+                                                                            "cache_implementation"),
+])
+def test_sampling_knobs_out_of_range_are_refused_at_construction(grpo_module, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        grpo_module(**knobs)
+
+
+def test_an_asked_one_process_backend_is_refused_at_fit_start_under_several_processes(grpo_module, monkeypatch):
+    import lightalign.modules.generation.samplers as samplers
+
+    module = grpo_module(generation_backend="compact")
+    module.configure_model()
+    monkeypatch.setattr(samplers, "several_processes", lambda: True)
+    with pytest.raises(ValueError, match="'compact' is not supported with several processes"):
+        module.sampling_backend()
+
+
+@pytest.mark.parametrize("method", ["GRPOModule", "RLOOModule", "PPOModule"])
+def test_neftune_is_refused_by_online_rl(tiny_dir, method):
+    import lightalign
+    from lightalign.rewards import digit_fraction_reward
+
+    with pytest.raises(ValueError, match=f"neftune_noise_alpha is not supported by {method}"):
+        getattr(lightalign, method)(str(tiny_dir), from_config=True, reward_funcs=[digit_fraction_reward],
+                                    neftune_noise_alpha=5.0)

@@ -213,3 +213,17 @@ def test_tracker_runs_get_one_folder_each(repo, tmp_path, logger):
         for name in ("config.yaml", "versions.json", "checkpoints/last.ckpt", "hf_model/model.safetensors"):
             assert (run / name).is_file(), f"{run}/{name}"
     assert not [p.name for p in tmp_path.iterdir() if p.name in ("hf_model", "config.yaml", "versions.json")]
+
+
+def test_a_rollback_overwrites_last_so_ckpt_path_last_continues_the_new_branch(repo, tmp_path):
+    """Resuming from an earlier checkpoint of the run and training on (another learning rate) leaves one last.ckpt,
+    the new branch's: no last-v1.ckpt beside the abandoned branch's last.ckpt (mutation:
+    checkpoint.enable_version_counter true -> last-v1.ckpt appears and last.ckpt is the old branch)."""
+    run_to_end(repo, *quickstart(tmp_path, "--checkpoint.save_top_k", "-1"))
+    checkpoints = tmp_path / "quickstart" / "version_0" / "checkpoints"
+    step2 = next(checkpoints.glob("*step=2.ckpt"))
+    run_to_end(repo, *quickstart(tmp_path, "--checkpoint.save_top_k", "-1", "--ckpt_path", str(step2),
+                                 "--model.learning_rate", "5e-4"))
+    assert sorted(p.name for p in checkpoints.glob("last*.ckpt")) == ["last.ckpt"]
+    last = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 4 and last["hyper_parameters"]["learning_rate"] == 5e-4
