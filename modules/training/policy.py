@@ -24,7 +24,7 @@ from lightalign.modules.training.optimizers import (  # noqa: F401  (re-exported
     fused_adamw_applies,
     schedule_factor,
 )
-from lightalign.modules.training.device_tuning import tuned
+from lightalign.modules.training.side_effects import ScopedSideEffects
 from lightalign.modules.training.rng_state import gather_rng_states, set_rng_state
 
 
@@ -121,7 +121,7 @@ class PolicyModule(L.LightningModule):
 
     uses_reference_model = False  # methods that keep a reference model (DPO, KTO, GRPO, RLOO, PPO) set this
     # attributes kept out of the module tree (never optimised, checkpointed or wrapped by a strategy)
-    _unregistered_attributes: frozenset[str] = frozenset({"ref_model"})
+    _unregistered_attributes: frozenset[str] = frozenset({"ref_model", "side_effects"})
     ref_model: torch.nn.Module | None = None  # the reference model (reference/component.py), when the method has one
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -221,10 +221,7 @@ class PolicyModule(L.LightningModule):
         self.nonfinite_guard = None  # built by configure_callbacks
         self.neftune = None
         self.cpu_memory_retained = False  # glibc took retain_cpu_memory's setting at setup
-        self._holds_cpu_memory = False  # ...and it is not released yet (teardown releases it)
-        self._user_model = model is not None  # handed back unchanged at teardown (undo_side_effects)
-        self._user_attention = _attention_of(model) if model is not None else None
-        self._user_model_restored = False
+        self.side_effects = ScopedSideEffects(model)
         self.lean_mlps = 0  # MLPs switched by recompute_mlp_activation
         self.adaptations = AdaptationReport()
         self.router_aux = None  # the MoE load-balancing loss collector, attached at fit start when in force
@@ -293,51 +290,15 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- scoped side effects
     def setup(self, stage: str) -> None:
         """Before every trainer entry (fit, validate, test, predict): the run's side effects outside the module's own
-        model, undone by ``teardown`` (or, when the run raises, by ``callbacks/side_effects.py``): the allocator
-        setting of ``retain_cpu_memory`` where it was measured, and a user-passed model's adaptations when a
-        previous teardown took them back."""
-        if self._user_model_restored:
-            self._adapt_user_model()
-        limit = tuned("retain_freed_cpu_memory_bytes", self.trainer.strategy.root_device)
-        if self.hparams.get("retain_cpu_memory") and limit is not None and not self._holds_cpu_memory:
-            from lightalign.modules.training.acceleration import retain_freed_cpu_memory
-
-            self.cpu_memory_retained = self._holds_cpu_memory = retain_freed_cpu_memory(limit)
+        model (``training/side_effects.py``), undone by ``teardown`` or, when the run raises, by
+        ``callbacks/side_effects.py``."""
+        self.side_effects.apply(self)
 
     def teardown(self, stage: str) -> None:
         self.undo_side_effects()
 
     def undo_side_effects(self) -> None:
-        """Undo what the run changed outside the module's own model (idempotent): release the allocator setting
-        (``acceleration.release_freed_cpu_memory``), and give a model the user passed as ``model`` its own MLP
-        forwards (``restore_mlp_forward``) and its attention implementation back. Not undone: LoRA adapters,
-        activation checkpointing, ``torch.compile`` and ``disable_dropout`` on a user-passed model (asked for by
-        knobs), and the ``sdpa_varlen`` name in transformers' registry (``adaptations/attention.py``)."""
-        if self._holds_cpu_memory:
-            from lightalign.modules.training.acceleration import release_freed_cpu_memory
-
-            release_freed_cpu_memory()
-            self._holds_cpu_memory = False
-        if self._user_model and not self._user_model_restored:
-            from lightalign.modules.adaptations.mlp_memory import restore_mlp_forward
-
-            restore_mlp_forward(self.model)
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            if self._user_attention is not None and _attention_of(base) != self._user_attention:
-                base.set_attn_implementation(self._user_attention)
-            self._user_model_restored = True
-
-    def _adapt_user_model(self) -> None:
-        """Switch a user-passed model back to the module's adaptations (after a teardown took them back), as
-        ``_prepare_model`` did at construction (Liger's kernels were never taken back)."""
-        from lightalign.modules.adaptations.attention import use_varlen_sdpa
-        from lightalign.modules.adaptations.mlp_memory import recompute_mlp_activation
-
-        hp = self.hparams
-        if hp.get("recompute_mlp_activation", True) and not hp.get("use_liger_kernel"):
-            recompute_mlp_activation(self.model)
-        use_varlen_sdpa(self.model)
-        self._user_model_restored = False
+        self.side_effects.undo(self)
 
     def on_fit_start(self) -> None:
         self.check_model_layout()
@@ -572,12 +533,6 @@ class PolicyModule(L.LightningModule):
         """Write the policy as a Hugging Face model folder, atomically (``modules/training/export.py``: ``export_hf``)."""
         return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict,
                          random_base=bool(self.hparams.get("from_config")))
-
-
-def _attention_of(model: torch.nn.Module) -> str | None:
-    """The attention implementation a model's config names (its base model's under PEFT)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(getattr(base, "config", None), "_attn_implementation", None)
 
 
 def _has_weights(name_or_path: str) -> bool:

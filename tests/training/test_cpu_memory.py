@@ -154,7 +154,7 @@ def test_a_cpu_fit_retains_while_it_trains_and_undoes_at_teardown(libc, tiny_dir
     calls = _Calls(libc)
     module = _fit(tiny_dir, data_dir, calls)
     assert calls.during == RETAIN and libc.calls == RETAIN + UNDO
-    assert module.cpu_memory_retained and not module._holds_cpu_memory
+    assert module.cpu_memory_retained and not module.side_effects.holds_cpu_memory
 
 
 def test_a_fit_that_raises_still_undoes(libc, tiny_dir, data_dir):
