@@ -71,8 +71,6 @@ class RLOOModule(CriticFreeModule):
                 raise ValueError(f"reward_clip_range must be [low, high] with low < high, or null; got "
                                  f"{list(reward_clip_range)}.")
         super().__init__(model_name_or_path, num_generations=num_generations, **kwargs)
-        self.clip_range = None if reward_clip_range is None else (float(reward_clip_range[0]),
-                                                                  float(reward_clip_range[1]))
 
     @property
     def uses_reference(self) -> bool:
@@ -86,8 +84,8 @@ class RLOOModule(CriticFreeModule):
     def rollout_advantages(self, chunks: list[dict[str, torch.Tensor]]) -> None:
         hp = self.hparams
         (rewards,) = in_rollout_order(chunks, "rewards")
-        if self.clip_range is not None:
-            rewards = rewards.clamp(*self.clip_range)
+        if hp.reward_clip_range is not None:
+            rewards = rewards.clamp(*(float(bound) for bound in hp.reward_clip_range))
         if hp.beta > 0:
             mask, old, ref = in_rollout_order(chunks, "completion_mask", "old_logps", "ref_logps")
             rewards, kl = kl_penalized_rewards(rewards, old, ref, mask, hp.beta)

@@ -55,14 +55,14 @@ class SamplingConfig:
         return dict(repetition_penalty=self.repetition_penalty, generation_kwargs=self.generation_kwargs,
                     cache_implementation=self.cache_implementation, continuous_config=self.continuous_config)
 
-    def sampling_kwargs(self, backend: str) -> dict[str, Any]:
-        """The keyword arguments of ``Sampler.sample`` beyond prompts, EOS and padding."""
-        extra = {} if backend == "continuous" else {
-            "repetition_penalty": self.repetition_penalty, **(self.generation_kwargs or {}),
-            **({} if self.cache_implementation is None else {"cache_implementation": self.cache_implementation})}
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``Sampler.sample`` beyond prompts, EOS and padding (the same for every sampler:
+        a knob one cannot honour was refused at construction, or stepped the default back to ``generate``)."""
+        extra = {} if self.cache_implementation is None else {"cache_implementation": self.cache_implementation}
         return dict(share_prefill=self.share_prefill, continuous_config=self.continuous_config,
                     max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k or 0, min_p=self.min_p, **extra)
+                    top_k=self.top_k or 0, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                    **(self.generation_kwargs or {}), **extra)
 
     def check(self) -> None:
         if self.max_completion_length < 1:

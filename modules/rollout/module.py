@@ -311,9 +311,8 @@ class OnlineRLModule(PolicyModule):
         """Sample ``num_generations`` completions per prompt on the run's sampler (the vLLM engine's with
         ``use_vllm``)."""
         sampler = self.external_sampler if self.external_sampler is not None else self.sampling_backend()
-        name = sampler if isinstance(sampler, str) else sampler.name
         return sample_completions(self.model, self.tokenizer, batch, num_generations, backend=sampler,
-                                  return_logprobs=return_logprobs, **self.sampling.sampling_kwargs(name))
+                                  return_logprobs=return_logprobs, **self.sampling.sampling_kwargs())
 
     def score(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each function's rewards ``[N, F]`` and their weighted sum ``[N]`` (NaN: no function scored it), logged
