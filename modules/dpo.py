@@ -178,14 +178,8 @@ class DPOModule(StatHooks, PolicyModule):
             zeros = torch.zeros(pair_count(batch), dtype=torch.float32, device=batch["input_ids"].device)
             return zeros, zeros
         self.reference_forward_calls += 1
-        if self.ref_model is None and getattr(self, "_policy_is_reference", False):
-            return self._pair_logps(self.model, batch)
-        if self.ref_model is None:
-            if not is_peft_model(self.model):
-                raise RuntimeError("The reference model was released (precomputed log-probs) but this batch has none.")
-            with self.model.disable_adapter():
-                return self._pair_logps(self.model, batch)
-        return self._pair_logps(self.ref_model, batch)
+        with self.reference.model_for(self.ref_model, self.model, getattr(self, "_policy_is_reference", False)) as ref:
+            return self._pair_logps(ref, batch)
 
     # ------------------------------------------------------------------------------------- forward
     def _pair_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):

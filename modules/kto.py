@@ -154,27 +154,14 @@ class KTOModule(StatHooks, PolicyModule):
         with torch.inference_mode(False):
             self.ref_model = self.reference.build(self.model, self.model_name_or_path, hp.trust_remote_code)
 
-    def _reference_model(self) -> tuple[torch.nn.Module, bool]:
-        """(model to run as the reference, whether LoRA adapters must be disabled for it)."""
-        if self.ref_model is not None:
-            return self.ref_model, False
-        if getattr(self, "_policy_is_reference", False):
-            return self.model, False
-        if is_peft_model(self.model):
-            return self.model, True
-        raise RuntimeError("The reference model was released (precomputed log-probs) but this batch has none.")
-
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reference log-probs of the rows and of their mismatched sequences (None without a KL term)."""
         if "ref_logps" in batch:
             return batch["ref_logps"], batch.get("ref_kl_logps") if self.uses_kl else None
         self.reference_forward_calls += 1
-        model, disable = self._reference_model()
-        if disable:
-            with model.disable_adapter():
-                return self._logps_pair(model, batch)
-        return self._logps_pair(model, batch)
+        with self.reference.model_for(self.ref_model, self.model, getattr(self, "_policy_is_reference", False)) as ref:
+            return self._logps_pair(ref, batch)
 
     def _logps_pair(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
         kl = sequence_logps(model, batch, "kl_") if self.uses_kl else None
@@ -245,11 +232,11 @@ class KTOModule(StatHooks, PolicyModule):
 
     # ------------------------------------------------------------------------------------- precompute
     def reference_fingerprint(self) -> str:
-        model, disable = self._reference_model()
-        if disable:
-            with model.disable_adapter():
-                return model_fingerprint(model.get_base_model(), {"kl": self.uses_kl})
-        return model_fingerprint(model, {"kl": self.uses_kl})
+        extra = {"kl": self.uses_kl}
+        if self.ref_model is not None or getattr(self, "_policy_is_reference", False):
+            return model_fingerprint(self.ref_model if self.ref_model is not None else self.model, extra)
+        with self.model.disable_adapter():  # a LoRA policy: its base model is the reference
+            return model_fingerprint(self.model.get_base_model(), extra)
 
     def precompute_reference(self, datamodule: Any) -> None:
         """Give the datamodule the reference log-probs of every row and of its mismatched sequence, per split,

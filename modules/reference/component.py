@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from lightalign.modules.reference.model import build_reference, move_reference
+from lightalign.modules.training.lora import is_peft_model
 
 
 class Reference:
@@ -46,13 +47,16 @@ class Reference:
 
     @staticmethod
     @contextlib.contextmanager
-    def model_for(ref: torch.nn.Module | None, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """The model whose forward gives reference log-probs: ``ref``, or the LoRA policy with adapters off."""
+    def model_for(ref: torch.nn.Module | None, policy: torch.nn.Module, policy_is_reference: bool = False
+                  ) -> Iterator[torch.nn.Module]:
+        """The model whose forward gives reference log-probs: ``ref``; the untrained policy itself during the one
+        precompute pass that needs no copy (``policy_is_reference``); or the LoRA policy with adapters off."""
         if ref is not None:
             yield ref
-            return
-        if not hasattr(policy, "disable_adapter"):
-            raise RuntimeError("No reference model: it was released (precomputed log-probs) or never built, and "
-                               "the policy is not a LoRA model whose adapters could be disabled.")
-        with policy.disable_adapter():
+        elif policy_is_reference:
             yield policy
+        elif is_peft_model(policy):
+            with policy.disable_adapter():
+                yield policy
+        else:
+            raise RuntimeError("The reference model was released (precomputed log-probs) but this batch has none.")
