@@ -28,6 +28,12 @@ __all__ = [
 ]
 
 
+class RewardImportError(ImportError):
+    """A reward function named by an import path that does not lead to one (the user's input: the message says
+    where it looked). An error raised while importing a module that exists stays an ImportError with its
+    traceback: that is a bug inside that module."""
+
+
 def _import_attr(module_name: str, attr: str) -> Any:
     obj = importlib.import_module(module_name)
     for part in attr.split("."):
@@ -68,11 +74,12 @@ def import_object(path: str) -> Any:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)  # user modules next to the config, as `python -m` would find them
+        tried = []  # what the second attempt found supersedes the first's "not found"
         try:
             return _try_import(path, tried)
         except LookupError:
-            tried.append(f"the same with the current directory {cwd} on sys.path")
-    raise ImportError(
+            tried.append(f"with the current directory {cwd} on sys.path")
+    raise RewardImportError(
         f"Cannot import reward function '{path}'. Tried: " + "; ".join(dict.fromkeys(tried)) + ". Give an import "
         "path like 'lightalign.rewards.accuracy_reward' or 'my_module:my_reward', importable from here."
     )

@@ -75,3 +75,22 @@ def test_resolve_errors(tmp_path):
         resolve_reward_funcs(str(tmp_path))
     with pytest.raises(ValueError, match="no model folder"):
         resolve_reward_funcs(str(tmp_path / "missing"))
+
+
+def test_a_reward_import_path_that_leads_nowhere_is_one_line_through_the_console_script(repo, tmp_path):
+    """A typo in a reward function's import path: one `lightalign: error:` line naming the path and where it looked
+    (mutation: RewardImportError left out of cli.is_user_error -> a traceback). A module next to the config that
+    exists but lacks the name is reported as such, not as 'not found'."""
+    from helpers import console_script
+
+    (tmp_path / "myrewards.py").write_text("def answer_reward(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
+    proc = console_script.run(tmp_path, "fit", "--config", str(repo / "configs" / "grpo_quickstart.yaml"),
+                              "--model.model_name_or_path", str(repo / "assets" / "models" / "tiny"),
+                              "--data.path", str(repo / "examples" / "data" / "arithmetic_prompts.jsonl"),
+                              "--model.reward_funcs", "[myrewards.answer_rewrd]",
+                              "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lightalign: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Cannot import reward function 'myrewards.answer_rewrd'" in errors[0]
+    assert "'answer_rewrd' in module 'myrewards'" in errors[0] and "(not found)" not in errors[0]
