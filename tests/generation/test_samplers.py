@@ -72,6 +72,7 @@ def test_a_sampler_error_is_an_error(grpo_module, prompt_data, quiet_trainer, mo
 
 
 @pytest.mark.parametrize("knobs, message", [
+    (dict(max_completion_length=0), "max_completion_length must be >= 1"),
     (dict(temperature=0.0), "temperature must be > 0"),
     (dict(temperature=-1.0), "temperature must be > 0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
