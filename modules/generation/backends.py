@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightalign.modules.generation.samplers import get_sampler, several_processes
+from lightalign.modules.generation.samplers import get_sampler, refuse_knobs, several_processes
 from lightalign.modules.training.device_tuning import tuned
 
 def default_backend(device_type: str) -> str:
@@ -32,13 +32,9 @@ def effective_backend(backend: str | None, model: Any, knobs: dict[str, Any]) ->
     sampler = get_sampler(chosen)
     if sampler.one_process and several_processes():
         return "generate", f"the default {chosen} runs in one process only"
-    refused = sampler.refusal(**knobs)
-    if refused is not None:
-        knob, why = refused
-        return "generate", (f"generation_backend {chosen!r} cannot honour {knob} ({why}); use generation_backend: "
-                            f"generate for it, or unset {knob}.")
     try:
+        refuse_knobs(sampler, **knobs)
         sampler.check_model(model)
-    except ValueError as refused_model:  # the default's own refusal of this model, said in the fit-start line
-        return "generate", str(refused_model)
+    except ValueError as refused:  # the default's own refusal of a knob or of this model, said in the fit-start line
+        return "generate", str(refused)
     return chosen, None

@@ -49,9 +49,8 @@ from typing import Any
 
 import torch
 
+from lightalign.modules.generation.generate import SAMPLING_KNOBS
 from lightalign.modules.training.device_tuning import tuned
-
-SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:

@@ -17,6 +17,9 @@ import torch
 from transformers import DynamicCache
 
 
+# The sampling knobs every backend gives generate()'s meaning (the others are generate()-only GenerationConfig fields).
+SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 def forward_cache_kwarg(model: torch.nn.Module) -> str:
     """The keyword ``model``'s forward takes its KV cache under: ``cache`` from transformers 5.24 on (where
     ``past_key_values`` still works but is deprecated, with a FutureWarning), ``past_key_values`` before."""

@@ -25,7 +25,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-BASIC_KNOBS = ("temperature", "top_p", "top_k", "min_p")
+from lightalign.modules.generation.generate import SAMPLING_KNOBS
+
+BASIC_KNOBS = tuple(k for k in SAMPLING_KNOBS if k != "repetition_penalty")  # what continuous batching applies
 
 
 class Samples(NamedTuple):
@@ -148,7 +150,7 @@ class ContinuousSampler(Sampler):
                share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
         from lightalign.modules.generation.continuous import continuous_batching_groups
 
-        unknown = set(sampling) - {*BASIC_KNOBS, "repetition_penalty"}
+        unknown = set(sampling) - set(SAMPLING_KNOBS)
         if sampling.get("repetition_penalty", 1.0) != 1.0 or unknown:
             raise ValueError(f"generation_backend 'continuous' applies only {'/'.join(BASIC_KNOBS)}; got "
                              f"{sorted(sampling)}: use generation_backend: generate.")

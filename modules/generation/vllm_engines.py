@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator
 import lightning as L
 import torch
 
-from lightalign.modules.generation.samplers import BASIC_KNOBS, Samples, Sampler
+from lightalign.modules.generation.generate import SAMPLING_KNOBS
+from lightalign.modules.generation.samplers import Samples, Sampler
 from lightalign.modules.generation.vllm import INSTALL_HINT, padded_completions, vllm_sampling_params, vllm_weights
 
 
@@ -163,7 +164,7 @@ class VLLMSampler(Sampler):
         if return_logprobs:
             raise ValueError("the vllm sampler does not return the sampler's log-probs here; use a transformers "
                              "generation_backend for a run that needs them.")
-        generation_kwargs = {k: v for k, v in sampling.items() if k not in (*BASIC_KNOBS, "repetition_penalty")}
+        generation_kwargs = {k: v for k, v in sampling.items() if k not in SAMPLING_KNOBS}
         seed = int(torch.randint(0, 2**31 - 1, ()))  # from the run's torch RNG: seeded runs sample alike
         params = vllm_sampling_params(
             num_generations=num_generations, temperature=sampling.get("temperature", 1.0),

@@ -97,7 +97,8 @@ TABLE: dict[str, Tuned] = {
         measured="bench/dpo.py --frameworks lightalign --repeats 2 --retain-cpu-memory off|on (chat DPO, "
                  "2026-11-23): 23.2 -> 26.6 pairs/s online (+14%), 30.0 -> 33.9 precomputed (+13%), peak RSS "
                  "unchanged; padded SFT within noise; docs/performance.md 'retain_cpu_memory'",
-        read_by="modules/training/policy.py (PolicyModule.setup) through modules/training/acceleration.py"),
+        read_by="modules/training/side_effects.py (ScopedSideEffects.apply, at setup) through "
+                "modules/training/acceleration.py"),
 }
 
 
