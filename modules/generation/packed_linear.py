@@ -72,7 +72,7 @@ def packed_linears(model: torch.nn.Module, rows_hint: int | None = None) -> Iter
     """Run ``model``'s eligible linears on prepacked oneDNN weights inside the block; yields how many were patched
     (0 when oneDNN is missing, autocast is on, or the model is compiled). ``rows_hint``: default the table's
     ``packed_linear_rows_hint`` for the CPU (eligible weights are CPU weights)."""
-    rows_hint = ROWS_HINT if rows_hint is None else rows_hint
+    rows_hint = tuned("packed_linear_rows_hint", "cpu") if rows_hint is None else rows_hint
     compiled = getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
     if not available() or torch.is_autocast_enabled("cpu") or compiled:
         yield 0
