@@ -42,11 +42,28 @@ PRETOKENIZE_REGEX = (
 
 # ChatML. Assistant content + <|im_end|> is inside {% generation %} so that
 # apply_chat_template(..., return_assistant_tokens_mask=True) masks exactly those tokens.
+# With ``tools=`` the tool list (one JSON schema a line) opens the system turn, an assistant's ``tool_calls`` are
+# rendered after its content as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` and a tool result is a
+# ``tool`` turn; without tools every conversation renders exactly as before tools were added.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n' }}{%- endif %}"
+    "{{- 'Tools:\\n' }}"
+    "{%- for tool in tools %}{{- (tool['function'] if tool['function'] is defined else tool) | tojson }}"
+    "{{- '\\n' }}{%- endfor %}"
+    "{{- 'Call one as <tool_call>{\\\"name\\\": ..., \\\"arguments\\\": {...}}</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' %}"
     "{{- '<|im_start|>assistant\\n' }}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{%- generation %}{{- message['content'] or '' }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set call = call['function'] if call['function'] is defined else call %}"
+    "{{- '<tool_call>' + {'name': call['name'], 'arguments': call['arguments']} | tojson + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}{%- endgeneration %}"
     "{{- '\\n' }}"
     "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -56,6 +73,18 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
 )
+
+# How transformers' ``tokenizer.parse_response`` reads an assistant turn of this template back into a message
+# (``content`` and ``tool_calls``): the tool-calling rollouts parse the policy's calls with it.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
+                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
 
 # name -> (architecture family, size kwargs)
 MODEL_SPECS: dict[str, tuple[str, dict]] = {
@@ -122,6 +151,7 @@ def wrap_tokenizer(tok):
         padding_side="right",
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
+        response_template=RESPONSE_TEMPLATE,
     )
 
 

@@ -84,8 +84,8 @@ def validate_messages(messages: Any, row: int, column: str, require_assistant: b
         if role not in KNOWN_ROLES:
             raise DataFormatError(f"{where}, message {i}: unknown role {role!r}; known roles are {list(KNOWN_ROLES)}.")
         content = msg.get("content")
-        if content is None and role == "assistant" and msg.get("tool_calls"):
-            continue
+        if role == "assistant" and msg.get("tool_calls") and (content is None or isinstance(content, str)):
+            continue  # a tool-calling turn may have no text
         if not isinstance(content, str):
             raise DataFormatError(
                 f"{where}, message {i} ({role}): content must be a string, got {type(content).__name__} {content!r:.80}."

@@ -70,6 +70,7 @@ def tokenize_sft_row(
     if fmt == CONVERSATIONAL:
         enc = tokenizer.apply_chat_template(
             row["messages"],
+            tools=row.get("tools"),  # TRL's column: tool schemas the template renders (tool-calling transcripts)
             tokenize=True,
             return_dict=True,
             return_assistant_tokens_mask=assistant_only_loss,

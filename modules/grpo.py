@@ -165,7 +165,7 @@ class GRPOModule(CriticFreeModule):
         hp = self.hparams
         gather = self._trainer is not None and self.trainer.world_size > 1  # statistics over every rank's rewards
         if hp.multi_objective_aggregation == "normalize_then_sum":
-            weights = check_reward_weights(self.reward_funcs, hp.reward_weights).to(self.device)
+            weights = check_reward_weights(self.reward_funcs, self.reward_weights).to(self.device)
             return normalize_then_sum(per_func.to(self.device), weights, group,
                                       gather=(lambda x: self.all_gather(x).flatten()) if gather else None)
         rewards = total

@@ -61,8 +61,9 @@ def _try_import(path: str, tried: list[str]) -> Any:
     raise LookupError
 
 
-def import_object(path: str) -> Any:
+def import_object(path: str, what: str = "reward function") -> Any:
     """Import ``"pkg.mod.name"`` or ``"pkg.mod:name"``; a bare name is a built-in of ``lightalign.rewards``.
+    ``what`` names the object in the error (a reward function, a tool, an environment factory).
 
     When the module is not found, the current directory is tried too (``examples.rewards.my_fn`` from the repo).
     """
@@ -80,8 +81,8 @@ def import_object(path: str) -> Any:
         except LookupError:
             tried.append(f"with the current directory {cwd} on sys.path")
     raise RewardImportError(
-        f"Cannot import reward function '{path}'. Tried: " + "; ".join(dict.fromkeys(tried)) + ". Give an import "
-        "path like 'lightalign.rewards.accuracy_reward' or 'my_module:my_reward', importable from here."
+        f"Cannot import {what} '{path}'. Tried: " + "; ".join(dict.fromkeys(tried)) + ". Give an import path like "
+        "'mypkg.module.name' or 'my_module:name', importable from here."
     )
 
 

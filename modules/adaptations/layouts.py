@@ -78,7 +78,8 @@ def grpo_forward(model: torch.nn.Module, mb: dict[str, Any], temperature: float 
         logps, logits = shared_prefix_token_logps(model, shared, b, t, temperature)
         return logps, logits, mb["completion_mask"][shared["target_sequence"], shared["target_offset"]].bool()
     input_ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
-    attention_mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
+    # a tool rollout's loss mask leaves out the tool results, which its attention mask keeps
+    attention_mask = torch.cat([mb["prompt_mask"], mb.get("completion_attention_mask", mb["completion_mask"])], dim=1)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1)
     if forward_accepts(model, "position_ids"):
         inputs["position_ids"] = padded_position_ids(attention_mask)

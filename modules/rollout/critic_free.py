@@ -6,10 +6,11 @@ padding-free), and they follow TRL's rollout schedule: ``steps_per_generation`` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from lightalign.modules.agent.episodes import ToolRollouts
 from lightalign.modules.adaptations.layouts import packed_completion_batch, prompt_group_batch
 from lightalign.modules.rollout.module import OnlineRLModule
 
@@ -34,6 +35,21 @@ class CriticFreeModule(OnlineRLModule):
             tolerance; refused at fit start on models that cannot run it exactly (measured on the model's class).
             Worth it when completion lengths vary (reasoning workloads). Not with ``prompt_sharing`` (pick one).
             TRL's GRPO has no such knob; the name is the one TRL's SFT and DPO use for the same idea.
+        tools: tools the policy may call during a rollout: import paths of plain functions (``mypkg.tools:calc``)
+            or callables; type hints and a docstring give each its JSON schema, which the chat template renders.
+            Calls are parsed from the policy's turns in its template's format (the tokenizer's
+            ``response_template``); results come back as ``tool`` messages whose tokens are not trained
+            (``modules/agent/``, docs/tools.md).
+        environment_factory: an import path (or callable) building one environment per trajectory: ``reset(**row)``
+            before it (may return text appended to the last user message), its public methods are tools,
+            ``get_reward()`` (optional) scores the trajectory (a reward source named after the class, weight 1),
+            ``close()`` (optional) once the rollout is scored or the run stops.
+        max_tool_calling_iterations: tool-calling rounds per trajectory at most (None: until the policy answers
+            without a call or ``max_completion_length``, which counts tool tokens too, is spent).
+        tool_timeout: seconds one tool call may run; a call that takes longer, raises, names an unknown tool or
+            passes wrong arguments becomes an ``error:`` tool message and counts in ``tools/failure_frequency``.
+        response_template: how the tokenizer's assistant turns are parsed into ``content`` and ``tool_calls``
+            (transformers' response-template dict), for a tokenizer that has none.
         **kwargs: ``OnlineRLModule`` arguments (rewards, sampling, reference, vLLM) and ``PolicyModule`` ones.
     """
 
@@ -46,6 +62,11 @@ class CriticFreeModule(OnlineRLModule):
         prompt_sharing: bool = False,
         pack_length: int = 1024,
         padding_free: bool = False,
+        tools: list[str | Callable] | None = None,
+        environment_factory: str | Callable | None = None,
+        max_tool_calling_iterations: int | None = None,
+        tool_timeout: float | None = 60.0,
+        response_template: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if num_iterations < 1:
@@ -63,6 +84,9 @@ class CriticFreeModule(OnlineRLModule):
             raise ValueError(f"generation_batch_size ({generation_batch_size}) must split evenly into "
                              f"steps_per_generation ({steps_per_generation}) micro-batches: {generation_batch_size} / "
                              f"{steps_per_generation} is not an integer.")
+        # read by OnlineRLModule.__init__ (the environment's reward source, the tool statistics)
+        object.__setattr__(self, "tool_rollouts", ToolRollouts.build(
+            tools, environment_factory, max_tool_calling_iterations, tool_timeout, response_template))
         super().__init__(model_name_or_path, **kwargs)
 
     def micro_batches_per_rollout(self) -> int:

@@ -20,6 +20,8 @@ from typing import Any, Callable, Literal
 import torch
 from torchmetrics.aggregation import MeanMetric
 
+from lightalign.modules.agent.environments import closing_environments
+from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
 from lightalign.modules.generation.config import SamplingConfig
 from lightalign.modules.generation.sampling import sample_completions
 from lightalign.modules.generation.vllm import check_vllm_knobs
@@ -104,6 +106,7 @@ class OnlineRLModule(PolicyModule):
     knob_equivalents: dict[str, str] = {}  # a sibling method's knob -> this method's knob for the same idea
     method_stats: tuple[str, ...] = ()  # the method's own logged statistics, beside ROLLOUT_STATS
     _unregistered_attributes = PolicyModule._unregistered_attributes | {"reward_funcs"}
+    tool_rollouts: ToolRollouts | None = None  # multi-turn tool rollouts, set by a method that takes tools
 
     def __init__(
         self,
@@ -175,15 +178,21 @@ class OnlineRLModule(PolicyModule):
             raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got {num_generations_eval}.")
         if generation_batch_size is not None:
             check_generation_arithmetic(generation_batch_size, num_generations, None)
-        if reward_funcs is None:
+        sources = self.tool_rollouts.reward_sources(None) if self.tool_rollouts is not None else []
+        if reward_funcs is None and not sources:
             raise ValueError(f"{name} needs reward_funcs: callables or import paths of fn(prompts, completions, "
-                             "**columns).")
-        funcs = resolve_reward_funcs(list(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]))
+                             "**columns) (or an environment_factory whose environments define get_reward).")
+        given = [] if reward_funcs is None else reward_funcs
+        funcs = resolve_reward_funcs(list(given if isinstance(given, (list, tuple)) else [given]))
         check_reward_weights(funcs, reward_weights)
+        weights = [*(reward_weights or [1.0] * len(funcs)), *([1.0] * len(sources))]  # an environment's: weight 1
+        funcs = [*funcs, *sources]
         super().__init__(model_name_or_path, **kwargs)
-        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs"])
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs", "tools",
+                                          "environment_factory"])
         self.sampling = sampling
         self.reward_funcs = funcs
+        self.reward_weights = weights
         self.reward_names = reward_func_names(funcs)
         self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs,
                                    num_shared_layers=self.hparams.get("num_shared_layers"))
@@ -194,7 +203,8 @@ class OnlineRLModule(PolicyModule):
         self.sampler_name: str | None = None  # decided at fit start (choose_sampler)
         self.sampling_note = ""
         self.last_samples: list[dict[str, Any]] = []
-        self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names)]
+        self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names),
+                           *(TOOL_STATS if self.tool_rollouts is not None else ())]
         self.train_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
                                                 for k in self.stat_names})
         self.eval_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
@@ -268,6 +278,8 @@ class OnlineRLModule(PolicyModule):
         check_generation_arithmetic(gen, self.hparams.num_generations, steps)
         if not hasattr(datamodule, "configure_rollout"):
             raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+        if self.tool_rollouts is not None:
+            self.tool_rollouts.check_setup(self.tokenizer, datamodule)
         datamodule.configure_rollout(gen // self.hparams.num_generations, steps * self.passes())
 
     def configure_model(self) -> None:
@@ -311,6 +323,13 @@ class OnlineRLModule(PolicyModule):
         """Sample ``num_generations`` completions per prompt on the run's sampler (the vLLM engine's with
         ``use_vllm``)."""
         sampler = self.external_sampler if self.external_sampler is not None else self.sampling_backend()
+        if self.tool_rollouts is not None:  # multi-turn: tool calls and results between sampled turns
+            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            return self.tool_rollouts.sample(
+                self.model, self.tokenizer, batch, num_generations, backend=sampler,
+                sampling=self.sampling.sampling_kwargs(), return_logprobs=return_logprobs,
+                max_prompt_length=getattr(datamodule, "max_prompt_length", None),
+                chat_template_kwargs=getattr(datamodule, "chat_template_kwargs", None))
         return sample_completions(self.model, self.tokenizer, batch, num_generations, backend=sampler,
                                   return_logprobs=return_logprobs, **self.sampling.sampling_kwargs())
 
@@ -369,11 +388,15 @@ class OnlineRLModule(PolicyModule):
                              f"num_generations {hp.num_generations}), got {len(batch['prompts'])}.")
         rollout = self.generate(batch, hp.num_generations)  # 1. sample
         self.generation_count += 1
-        per_func, total = self.score(rollout, self.train_stats)  # 2. score
-        lengths = rollout["completion_mask"].sum(-1)  # generated tokens through EOS, before any masking
-        if hp.mask_truncated_completions:
-            rollout["completion_mask"] = rollout["completion_mask"] * (~rollout["truncated"]).long().unsqueeze(-1)
+        with closing_environments(rollout):
+            per_func, total = self.score(rollout, self.train_stats)  # 2. score
+        lengths = rollout["completion_mask"].sum(-1)  # tokens through the last EOS (tool results included)
         tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        if "tool_mask" in rollout:  # tool results: attended to, not trained on (nor in the KL)
+            tensors["completion_attention_mask"] = rollout["completion_mask"]
+            tensors["completion_mask"] = rollout["completion_mask"] * rollout["tool_mask"]
+        if hp.mask_truncated_completions:
+            tensors["completion_mask"] = tensors["completion_mask"] * (~rollout["truncated"]).long().unsqueeze(-1)
         tensors["rewards"], tensors["reward_parts"] = total, per_func.to(total.device)
         tensors["row"] = torch.arange(total.shape[0], device=total.device)  # the rollout order (groups)
         chunks = split_rollout(tensors, lengths, steps, hp.num_generations,  # 3. split, in the training layout
@@ -423,7 +446,8 @@ class OnlineRLModule(PolicyModule):
             torch.manual_seed(self.global_step * 100_003 + batch_idx)
             rollout = self.generate(batch, self.hparams.num_generations_eval or self.hparams.num_generations)
         last_samples = self.last_samples
-        self.score(rollout, self.eval_stats)
+        with closing_environments(rollout):
+            self.score(rollout, self.eval_stats)
         self.last_samples = last_samples  # the sample table shows training rollouts
 
     def on_validation_epoch_end(self) -> None:

@@ -22,7 +22,7 @@ def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDi
     no function scored a completion, as in TRL), logged in ``stats``; sets ``module.last_samples``; while
     validating, the module's eval metrics see each scored completion's total."""
     per_func, total = compute_rewards(module.reward_funcs, rollout["prompts"], rollout["completions"],
-                                      rollout["columns"], module.hparams.reward_weights)
+                                      rollout["columns"], module.reward_weights)
     total = total.to(module.device).float()
     if (~torch.isnan(total)).any():
         stats[metric_key("reward/mean")].update(torch.nanmean(total))
@@ -34,6 +34,11 @@ def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDi
     lengths = rollout["completion_mask"].sum(-1).float()
     stats[metric_key("completions/mean_length")].update(lengths.mean())
     stats[metric_key("completions/clipped_ratio")].update(rollout["truncated"].float().mean())
+    if "tool_calls" in rollout:  # TRL's names: calls per completion, failed share of the calls
+        calls, failures = rollout["tool_calls"], rollout["tool_failures"]
+        stats[metric_key("tools/call_frequency")].update(torch.tensor(calls / max(1, len(rollout["texts"]))))
+        if calls:
+            stats[metric_key("tools/failure_frequency")].update(torch.tensor(failures / calls))
     module.last_samples = [
         {"step": module.global_step, "prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
          "reward": float(r), **{n: float(per_func[i, j]) for j, n in enumerate(module.reward_names)}}

@@ -1,0 +1,295 @@
+"""Tool-calling rollouts (modules/agent/): a policy that really calls a tool, the exact ids the loss sees, masks over
+tool results, log-probs at rollout equal to the trainer's, environments' lifecycle and reward, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers.tool_policy import QUESTION, calculate, call_turn_ids, fit_tool_policy
+
+TOOL_RESULT = [{"role": "tool", "name": "calculate", "content": "6"}]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tiny_dir, tmp_path_factory):
+    return fit_tool_policy(tiny_dir, tmp_path_factory.mktemp("tool_policy"))
+
+
+@pytest.fixture(scope="module")
+def policy_tokenizer(policy_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(policy_dir)
+
+
+@pytest.fixture
+def tool_prompts(tmp_path, policy_dir):
+    from lightalign import PromptDataModule
+
+    def make(rows=8, **kw):
+        path = tmp_path / "tool_prompts.jsonl"
+        path.write_text("".join(json.dumps({"prompt": QUESTION, "answer": "6"}) + "\n" for _ in range(rows)))
+        kw.setdefault("max_prompt_length", 256)
+        kw.setdefault("tokenizer", str(policy_dir))
+        return PromptDataModule(str(path), **kw)
+
+    return make
+
+
+def eos_ids(tokenizer):
+    return [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+
+
+class SamplerSpy:
+    """Records every id the sampler returned, cut after the first EOS, per call (one call a turn)."""
+
+    def __init__(self, monkeypatch):
+        import lightalign.modules.agent.episodes as episodes
+
+        self.turns, real = [], episodes.sample_groups
+
+        def spy(*args, **kwargs):
+            out = real(*args, **kwargs)
+            rows = []
+            for row in out[0].tolist():
+                ends = [i for i, t in enumerate(row) if t in kwargs["eos"]]
+                rows.append(row[: ends[0] + 1] if ends else row)
+            self.turns.append(rows)
+            return out
+
+        monkeypatch.setattr(episodes, "sample_groups", spy)
+
+
+def test_policy_calls_the_tool_and_the_loss_sees_the_sampled_ids(policy_dir, policy_tokenizer, tool_prompts,
+                                                                 quiet_trainer, monkeypatch):
+    from lightalign import GRPOModule
+    from lightalign.modules.agent.turns import tool_result_ids
+    from lightalign.rewards import accuracy_reward
+
+    calls = []
+
+    def calculate_spy(expression: str) -> str:
+        """Evaluate integer arithmetic.
+
+        Args:
+            expression: e.g. 12*34
+        """
+        calls.append(expression)
+        return calculate(expression)
+
+    calculate_spy.__name__ = "calculate"
+    spy = SamplerSpy(monkeypatch)
+    module = GRPOModule(str(policy_dir), tools=[calculate_spy], reward_funcs=[accuracy_reward], num_generations=4,
+                        max_completion_length=96, temperature=0.05, learning_rate=0.0, generation_backend="generate")
+    quiet_trainer(max_steps=1).fit(module, tool_prompts())
+
+    assert calls == ["2*3"] * 4  # every trajectory called the tool once, with the policy's arguments
+    first, second = spy.turns  # the call turn (4 trajectories of the group), then the answer turn of each
+    call = call_turn_ids(policy_tokenizer)
+    assert first == [call] * 4  # the non-canonical ids the policy was fitted to emit
+    result = tool_result_ids(policy_tokenizer, TOOL_RESULT, eos_ids(policy_tokenizer))
+    assert "6" in policy_tokenizer.decode(result) and "tool" in policy_tokenizer.decode(result)
+    (mb,) = module.rollout_buffer.chunks
+    for r in range(4):
+        row = int(mb["row"][r])
+        ids = mb["completion_ids"][r]
+        extent = mb["completion_attention_mask"][r].bool()
+        trained = mb["completion_mask"][r].bool()
+        # the loss's ids are exactly the sampled ones, turn after turn; the tool result sits between them, untrained
+        assert ids[trained].tolist() == first[row] + second[row]
+        assert ids[extent & ~trained].tolist() == result
+        assert ids[extent].tolist() == first[row] + result + second[row]
+        assert policy_tokenizer.decode(second[row]).startswith("6")
+    assert module.last_samples[0]["reward"] == 1.0 and "[tool calculate] 6" in module.last_samples[0]["completion"]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.3])
+@pytest.mark.parametrize("backend", ["generate", "compact"])
+def test_rollout_logps_equal_the_trainers_over_tool_turns(policy_dir, policy_tokenizer, temperature, backend):
+    """The sampler's log-probs of every sampled token equal the training forward's on the stored rollout (padded and
+    padding-free layouts): turns after the first were sampled on exactly the ids the trainer reads."""
+    from transformers import AutoModelForCausalLM
+
+    from lightalign.modules.adaptations.layouts import grpo_forward, packed_completion_batch
+    from lightalign.modules.agent.episodes import ToolRollouts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    rollouts = ToolRollouts([calculate], None, None, None, None)
+    batch = {"prompts": [QUESTION], "columns": {"answer": ["6"]}}
+    out = rollouts.sample(model, policy_tokenizer, batch, 4, backend=backend, return_logprobs=True,
+                          sampling=dict(max_new_tokens=96, temperature=temperature, top_p=1.0, top_k=0, min_p=None,
+                                        repetition_penalty=1.0, share_prefill=True, continuous_config=None),
+                          max_prompt_length=None, chat_template_kwargs=None)
+    assert out["tool_calls"] >= 1 and (out["tool_mask"] == 0).any()  # a multi-turn rollout
+    loss_mask = out["completion_mask"] * out["tool_mask"]
+    mb = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"], "completion_ids": out["completion_ids"],
+          "completion_mask": loss_mask, "completion_attention_mask": out["completion_mask"]}
+    with torch.no_grad():
+        padded = grpo_forward(model, mb, temperature)[0]
+        packed = grpo_forward(model, {**mb, "packed": packed_completion_batch(mb, out["completion_mask"].sum(-1))},
+                              temperature)[0]
+    trained = loss_mask.bool()
+    torch.testing.assert_close(padded[trained], out["sampling_logps"][trained], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(packed[trained], out["sampling_logps"][trained], atol=2e-4, rtol=1e-4)
+
+
+def test_tool_call_failures_become_messages_never_errors():
+    import time
+
+    from lightalign.modules.agent.tools import run_tool_call
+
+    def slow(seconds: int) -> str:
+        """Sleep.
+
+        Args:
+            seconds: how long
+        """
+        time.sleep(seconds)
+        return "woke"
+
+    def broken(x: int) -> str:
+        """Fail.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("boom")
+
+    tools = {"calculate": calculate, "slow": slow, "broken": broken}
+    fn = lambda name, **args: {"type": "function", "function": {"name": name, "arguments": args}}  # noqa: E731
+    assert run_tool_call(fn("calculate", expression="2*3"), tools, 1.0).content == "6"
+    unknown = run_tool_call(fn("calc", expression="1"), tools, 1.0)
+    assert unknown.failed and "no tool 'calc'" in unknown.content and "calculate" in unknown.content
+    wrong = run_tool_call(fn("calculate", expr="1"), tools, 1.0)
+    assert wrong.failed and "wrong arguments for calculate" in wrong.content
+    raised = run_tool_call(fn("broken", x=1), tools, 1.0)
+    assert raised.failed and raised.content == "error: RuntimeError: boom"
+    start = time.monotonic()
+    late = run_tool_call(fn("slow", seconds=30), tools, 0.2)
+    assert late.failed and "did not return within 0.2 s" in late.content and time.monotonic() - start < 5
+    nameless = run_tool_call({"type": "function", "function": {"arguments": {}}}, tools, 1.0)
+    assert nameless.failed and nameless.name == "unknown"
+
+
+def test_malformed_call_is_answered_with_the_parse_error(policy_tokenizer):
+    from lightalign.modules.agent.turns import parse_turn
+
+    prompt = policy_tokenizer.apply_chat_template(QUESTION, tools=[calculate], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+    bad = policy_tokenizer.encode('<tool_call>{"name": "calc</tool_call><|im_end|>', add_special_tokens=False)
+    message, error = parse_turn(policy_tokenizer, bad, prompt, [])
+    assert message == {} and "JSON" in error
+    good, error = parse_turn(policy_tokenizer, call_turn_ids(policy_tokenizer), prompt, [])
+    assert error is None and good["tool_calls"][0]["function"] == {"name": "calculate",
+                                                                    "arguments": {"expression": "2*3"}}
+
+
+class CountingEnv:
+    """Counts its lifecycle in class-level lists (one instance per trajectory)."""
+
+    resets: list = []
+    closed: list = []
+
+    def reset(self, answer: str, prompt: list, **row) -> None:
+        CountingEnv.resets.append((answer, prompt[-1]["content"]))
+        self.results = []
+
+    def calculate(self, expression: str) -> str:
+        """Evaluate integer arithmetic.
+
+        Args:
+            expression: e.g. 12*34
+        """
+        self.results.append(calculate(expression))
+        return self.results[-1]
+
+    def get_reward(self) -> float:
+        return 2.0 if self.results == ["6"] else 0.0
+
+    def close(self) -> None:
+        CountingEnv.closed.append(self)
+
+
+def test_environment_per_trajectory_owns_the_reward_and_is_closed(policy_dir, tool_prompts, quiet_trainer):
+    from lightalign import GRPOModule
+
+    CountingEnv.resets, CountingEnv.closed = [], []
+    module = GRPOModule(str(policy_dir), environment_factory=CountingEnv, num_generations=4, max_completion_length=96,
+                        temperature=0.05, learning_rate=0.0)
+    assert CountingEnv.closed and not CountingEnv.resets  # the probe instance, built and closed at construction
+    probe_closes = len(CountingEnv.closed)
+    quiet_trainer(max_steps=1).fit(module, tool_prompts())
+    assert CountingEnv.resets == [("6", "What is 2*3?")] * 4
+    assert len(CountingEnv.closed) - probe_closes == 4  # every trajectory's environment, once
+    assert module.reward_names == ["CountingEnv"] and module.last_samples[0]["CountingEnv"] == 2.0
+
+
+def test_environments_are_closed_when_scoring_fails(policy_dir, tool_prompts, quiet_trainer):
+    from lightalign import GRPOModule
+    from lightalign.rewards import RewardFunctionError
+
+    def failing(prompts, completions, **kw):
+        raise ValueError("judge down")
+
+    CountingEnv.closed = []
+    module = GRPOModule(str(policy_dir), environment_factory=CountingEnv, reward_funcs=[failing], num_generations=4,
+                        max_completion_length=96, temperature=0.05, learning_rate=0.0)
+    with pytest.raises(RewardFunctionError, match="failing"):
+        quiet_trainer(max_steps=1).fit(module, tool_prompts())
+    assert len(CountingEnv.closed) == 1 + 4  # the probe, then the rollout's four despite the error
+
+
+def test_budget_ends_a_trajectory_after_its_call(policy_dir, policy_tokenizer, tool_prompts, quiet_trainer):
+    """No room for the tool result and a next turn: the trajectory ends with its call (not truncated: it has EOS)."""
+    from lightalign import GRPOModule
+    from lightalign.rewards import accuracy_reward
+
+    call = call_turn_ids(policy_tokenizer)
+    module = GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], num_generations=4,
+                        max_completion_length=len(call) + 3, temperature=0.05, learning_rate=0.0)
+    quiet_trainer(max_steps=1).fit(module, tool_prompts())
+    (mb,) = module.rollout_buffer.chunks
+    assert mb["completion_mask"].sum(-1).tolist() == [len(call)] * 4
+    assert module.last_samples[0]["completion"].endswith('[call {"name": "calculate", "arguments": '
+                                                         '{"expression": "2*3"}}]')
+
+
+def test_refusals_name_the_knob(policy_dir, tiny_dir, tool_prompts, prompt_data, quiet_trainer, tmp_path):
+    from lightalign import GRPOModule, PPOModule
+    from lightalign.rewards import accuracy_reward
+
+    def undocumented(x):
+        return x
+
+    with pytest.raises(ValueError, match="'undocumented' cannot be described"):
+        GRPOModule(str(policy_dir), tools=[undocumented], reward_funcs=[accuracy_reward])
+    with pytest.raises(ValueError, match="max_tool_calling_iterations must be >= 1"):
+        GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], max_tool_calling_iterations=0)
+    with pytest.raises(ValueError, match="max_tool_calling_iterations is set but there are no tools"):
+        GRPOModule(str(policy_dir), reward_funcs=[accuracy_reward], max_tool_calling_iterations=2)
+    with pytest.raises(TypeError, match="PPOModule has no knob 'tools'"):
+        PPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward])
+    with pytest.raises(ValueError, match="needs reward_funcs"):
+        GRPOModule(str(policy_dir), tools=[calculate])
+    # string prompts cannot carry the tool list
+    module = GRPOModule(str(tiny_dir), from_config=True, tools=[calculate], reward_funcs=[accuracy_reward],
+                        num_generations=4, max_completion_length=8)
+    with pytest.raises(ValueError, match="tools need conversational prompts"):
+        quiet_trainer(max_steps=1).fit(module, prompt_data())
+    # a tokenizer whose turns cannot be parsed: refused at fit start, naming the knob that fixes it
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(policy_dir).save_pretrained(tmp_path / "plain")
+    config_file = tmp_path / "plain" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    del config["response_template"]
+    config_file.write_text(json.dumps(config))
+    module = GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], num_generations=4,
+                        max_completion_length=8)
+    data = tool_prompts(tokenizer=str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="model.response_template"):
+        quiet_trainer(max_steps=1).fit(module, data)
