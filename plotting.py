@@ -26,6 +26,7 @@ DEFAULT_METRICS = {
     "sft": ["train/loss", "val/loss", "train/token_accuracy", "val/token_accuracy"],
 }
 REWARD_SUMMARIES = ("train/reward/mean", "train/reward/std")  # GRPO: the weighted sum over functions, its spread
+FALLBACK_COUNT = "/fallbacks"  # GRPO with reward_fallback_value: reward/<name>/fallbacks counts substitutions, no reward
 PANEL_WIDTH, PANEL_HEIGHT, DPI = 4.5, 3.2, 100  # inches per panel: a panel is 450 x 320 pixels
 MAX_COLUMNS = 3
 
@@ -89,8 +90,10 @@ def read_run_metrics(path: str | Path) -> Curves:
 
 
 def reward_function_metrics(available: Sequence[str]) -> list[str]:
-    """GRPO's per-function rewards (``train/reward/<name>``), sorted; not the weighted mean or its spread."""
-    return sorted(m for m in available if m.startswith("train/reward/") and m not in REWARD_SUMMARIES)
+    """GRPO's per-function rewards (``train/reward/<name>``), sorted; not the weighted mean or its spread, nor the
+    fallback counts."""
+    return sorted(m for m in available if m.startswith("train/reward/") and m not in REWARD_SUMMARIES
+                  and not m.endswith(FALLBACK_COUNT))
 
 
 def default_metrics(available: Sequence[str]) -> list[str]:
@@ -108,8 +111,10 @@ def default_metrics(available: Sequence[str]) -> list[str]:
 
 def panel_of(metric: str) -> str:
     """Metrics that differ only by stage (``train/loss``, ``val/loss``) share a panel; GRPO's per-function rewards
-    share one panel ("reward per function")."""
+    share one panel ("reward per function"), and so do their fallback counts ("reward fallbacks per function")."""
     name = re.sub(r"^(train|val|test)/", "", metric)
+    if name.startswith("reward/") and name.endswith(FALLBACK_COUNT):
+        return "reward fallbacks per function"
     if name.startswith("reward/") and f"train/{name}" not in REWARD_SUMMARIES:
         return "reward per function"
     return name

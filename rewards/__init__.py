@@ -27,15 +27,24 @@ from lightalign.rewards.resolve import (
     reward_func_name,
     reward_func_names,
 )
-from lightalign.rewards.runner import RewardFunctionError, compute_rewards
+from lightalign.rewards.runner import (
+    FallbackReport,
+    RewardFunctionError,
+    RewardScores,
+    check_reward_call_knobs,
+    compute_rewards,
+)
 
 __all__ = [
+    "FallbackReport",
     "FormatReward",
     "LengthPenalty",
     "RewardFunctionError",
     "RewardModel",
+    "RewardScores",
     "RunningRewardNormalizer",
     "accuracy_reward",
+    "check_reward_call_knobs",
     "check_reward_weights",
     "clip_rewards",
     "completion_text",

@@ -27,11 +27,11 @@ from lightalign.modules.generation.sampling import sample_completions
 from lightalign.modules.generation.vllm import check_vllm_knobs
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout
-from lightalign.modules.rollout.scoring import metric_key, score_rollout
+from lightalign.modules.rollout.scoring import fallback_stat, metric_key, score_rollout
 from lightalign.modules.rollout.state import load_rollout_state, save_rollout_state
 from lightalign.modules.rollout.sampler_choice import choose_sampler
 from lightalign.modules.training.policy import PolicyModule
-from lightalign.rewards import check_reward_weights, reward_func_names, resolve_reward_funcs
+from lightalign.rewards import check_reward_call_knobs, check_reward_weights, reward_func_names, resolve_reward_funcs
 
 ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
@@ -44,6 +44,14 @@ class OnlineRLModule(PolicyModule):
             import paths (``lightalign.rewards.accuracy_reward``, ``mypkg.rewards:fn``) or reward-model folders
             (``RewardModule`` exports). ``None`` marks a completion a function cannot score.
         reward_weights: one weight per reward function (default 1 each); the reward is their weighted sum.
+        reward_timeout: seconds each reward function call may take (the functions of a rollout are called at once,
+            each once on the whole batch, on threads); a call that has not returned by then stops training with an
+            error naming the function, or scores with ``reward_fallback_value``. None: no limit.
+        reward_fallback_value: the reward of every row of a call that raised or timed out, and of each NaN or
+            infinite value a function returns (None still means "not applicable"). Each substitution is counted in
+            ``reward/<function>/fallbacks`` and the first per function is warned about. None: such a call stops
+            training with an error naming the function (and the failing row, or the limit). A result of the wrong length or a non-numeric
+            value is always an error.
         num_generations: completions per prompt (the group).
         temperature: sampling temperature; the training forward divides the logits by it too, so the loss sees
             the distribution the completions were sampled from.
@@ -116,6 +124,8 @@ class OnlineRLModule(PolicyModule):
         temperature: float = 1.0,
         reward_funcs: list[str | Callable] | str | Callable | None = None,
         reward_weights: list[float] | None = None,
+        reward_timeout: float | None = 300.0,
+        reward_fallback_value: float | None = None,
         num_generations_eval: int | None = None,
         generation_batch_size: int | None = None,
         max_completion_length: int = 256,
@@ -178,13 +188,14 @@ class OnlineRLModule(PolicyModule):
             raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got {num_generations_eval}.")
         if generation_batch_size is not None:
             check_generation_arithmetic(generation_batch_size, num_generations, None)
-        sources = self.tool_rollouts.reward_sources(None) if self.tool_rollouts is not None else []
+        sources = self.tool_rollouts.reward_sources(reward_timeout) if self.tool_rollouts is not None else []
         if reward_funcs is None and not sources:
             raise ValueError(f"{name} needs reward_funcs: callables or import paths of fn(prompts, completions, "
                              "**columns) (or an environment_factory whose environments define get_reward).")
         given = [] if reward_funcs is None else reward_funcs
         funcs = resolve_reward_funcs(list(given if isinstance(given, (list, tuple)) else [given]))
         check_reward_weights(funcs, reward_weights)
+        check_reward_call_knobs(reward_timeout, reward_fallback_value)
         weights = [*(reward_weights or [1.0] * len(funcs)), *([1.0] * len(sources))]  # an environment's: weight 1
         funcs = [*funcs, *sources]
         super().__init__(model_name_or_path, **kwargs)
@@ -204,7 +215,9 @@ class OnlineRLModule(PolicyModule):
         self.sampling_note = ""
         self.last_samples: list[dict[str, Any]] = []
         self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names),
+                           *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None),
                            *(TOOL_STATS if self.tool_rollouts is not None else ())]
+        self.reward_fallbacks_warned: set[str] = set()  # functions whose first fallback substitution was warned
         self.train_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
                                                 for k in self.stat_names})
         self.eval_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")

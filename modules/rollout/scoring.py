@@ -1,14 +1,17 @@
 """The scoring stage: a rollout's completions through the reward functions, with the statistics every online-RL
-method logs (reward mean/std per function and in total, completion lengths, the truncated share) and the sample
-table of the last rollout (``callbacks/completions.py``)."""
+method logs (reward mean/std per function and in total, completion lengths, the truncated share, and with
+``reward_fallback_value`` the substitutions per function) and the sample table of the last rollout
+(``callbacks/completions.py``)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from lightalign.rewards import compute_rewards, nanstd
+from lightalign.rewards import FallbackReport, compute_rewards, nanstd
+from lightalign.rewards.calling import short_repr
 
 
 def metric_key(name: str) -> str:
@@ -16,13 +19,29 @@ def metric_key(name: str) -> str:
     return name.replace("/", "__").replace(".", "_")
 
 
+def fallback_stat(reward_name: str) -> str:
+    """The statistic counting a reward function's fallback substitutions per rollout."""
+    return f"reward/{reward_name}/fallbacks"
+
+
 def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDict
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each reward function's rewards ``[N, F]`` and their weighted sum ``[N]`` on the module's device (NaN where
     no function scored a completion, as in TRL), logged in ``stats``; sets ``module.last_samples``; while
-    validating, the module's eval metrics see each scored completion's total."""
-    per_func, total = compute_rewards(module.reward_funcs, rollout["prompts"], rollout["completions"],
-                                      rollout["columns"], module.reward_weights)
+    validating, the module's eval metrics see each scored completion's total. With ``reward_fallback_value``, each
+    function's substitutions are counted in ``stats`` and its first one is warned about once per run."""
+    hp = module.hparams
+    per_func, total, fallbacks = compute_rewards(
+        module.reward_funcs, rollout["prompts"], rollout["completions"], rollout["columns"], module.reward_weights,
+        reward_timeout=hp.reward_timeout, reward_fallback_value=hp.reward_fallback_value)
+    if hp.reward_fallback_value is not None:
+        for name in module.reward_names:
+            report = fallbacks.get(name)
+            stats[metric_key(fallback_stat(name))].update(float(report.count if report else 0))
+            if report and name not in module.reward_fallbacks_warned:
+                module.reward_fallbacks_warned.add(name)
+                warnings.warn(_fallback_warning(name, report, rollout, hp.reward_fallback_value), RuntimeWarning,
+                              stacklevel=2)
     total = total.to(module.device).float()
     if (~torch.isnan(total)).any():
         stats[metric_key("reward/mean")].update(torch.nanmean(total))
@@ -48,3 +67,11 @@ def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDi
         scored = total[~torch.isnan(total)]  # eval_metrics see each scored completion's total reward
         module.update_eval_metrics(scored, torch.ones_like(scored, dtype=torch.long))
     return per_func, total
+
+
+def _fallback_warning(name: str, report: FallbackReport, rollout: dict[str, Any], value: float) -> str:
+    i, n = report.first_row, len(rollout["prompts"])
+    return (f"Reward function '{name}' {report.cause}: {report.count} of the {n} completions of this rollout got "
+            f"reward_fallback_value {value:g} instead (the first: index {i}, prompt {short_repr(rollout['prompts'][i])}"
+            f"). Each substitution is counted in the logged {fallback_stat(name)}; this warning is not repeated for "
+            f"'{name}'.")

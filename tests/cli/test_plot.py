@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from lightalign.plotting import DPI, PANEL_HEIGHT, PANEL_WIDTH, default_metrics, find_run_dir, plot_from_args, plot_runs
+from lightalign.plotting import (DPI, PANEL_HEIGHT, PANEL_WIDTH, default_metrics, find_run_dir, panel_of,
+                                 plot_from_args, plot_runs)
 
 pytest.importorskip("matplotlib")
 
@@ -74,6 +75,15 @@ def test_default_selection_per_method():
             "train/reward/std", "train/reward/format", "train/reward/accuracy", "val/reward/mean"]
     assert default_metrics(grpo) == ["train/reward/mean", "val/reward/mean", "train/reward/accuracy",
                                      "train/reward/format", "train/loss", "train/kl", "train/completions/mean_length"]
+
+
+def test_reward_fallback_counts_are_not_drawn_as_rewards():
+    """reward/<name>/fallbacks (reward_fallback_value) counts substitutions: not a reward function's curve."""
+    grpo = ["train/loss", "train/reward/mean", "train/reward/format", "train/reward/format/fallbacks"]
+    assert default_metrics(grpo) == ["train/reward/mean", "train/reward/format", "train/loss"]
+    assert panel_of("train/reward/format/fallbacks") == panel_of("val/reward/format/fallbacks") == (
+        "reward fallbacks per function")
+    assert panel_of("train/reward/format") == "reward per function"
 
 
 def test_grpo_curves_draw_each_reward_function(tmp_path):

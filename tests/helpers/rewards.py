@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -21,3 +23,8 @@ class Recorder:
         out = varied_reward(prompts, completions)
         self.rewards.append(torch.tensor(out, dtype=torch.float))
         return out
+
+
+def hangs_forever(prompts, completions, **kwargs):
+    """A reward function that never returns (a grader stuck on a dead connection)."""
+    threading.Event().wait()

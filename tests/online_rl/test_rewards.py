@@ -111,7 +111,7 @@ def trl_style_reward(completions, difficulty, **kwargs):
 
 def test_trl_reward_function_runs_unchanged():
     prompts = [[{"role": "user", "content": "hi"}]] * 2
-    per_func, total = compute_rewards(
+    per_func, total, _ = compute_rewards(
         [trl_style_reward], prompts, [chat("ab"), chat("abc")], columns={"difficulty": [1, 2], "trainer_state": object()}
     )
     assert per_func.tolist() == [[2.0], [6.0]] and total.tolist() == [2.0, 6.0]
@@ -125,7 +125,7 @@ def test_none_is_nansum_with_weights():
         return [10.0, 20.0, None, None]
 
     with pytest.warns(RuntimeWarning, match="index 3"):
-        per_func, total = compute_rewards([half, other], ["p"] * 4, ["c"] * 4, weights=[2.0, 0.5])
+        per_func, total, _ = compute_rewards([half, other], ["p"] * 4, ["c"] * 4, weights=[2.0, 0.5])
     assert torch.equal(torch.isnan(per_func), torch.tensor([[False, False], [True, False], [False, True], [True, True]]))
     assert total[:3].tolist() == [7.0, 10.0, 6.0]
     assert math.isnan(total[3].item())  # unscorable: NaN total, advantage 0 below (TRL)
@@ -138,7 +138,7 @@ def test_tensor_numpy_and_async_outputs():
         return [0.5] * len(completions)
 
     funcs = [lambda prompts, completions, **kw: torch.ones(2), lambda prompts, completions, **kw: np.zeros(2), judge]
-    per_func, total = compute_rewards(funcs, ["p", "q"], ["a", "b"])
+    per_func, total, _ = compute_rewards(funcs, ["p", "q"], ["a", "b"])
     assert total.tolist() == [1.5, 1.5]
     assert reward_func_names(funcs) == ["<lambda>", "<lambda>_1", "judge"]
 
@@ -255,6 +255,6 @@ def test_reward_model_scores_standard_and_conversational(reward_model_dir):
     # batching and right padding do not change a row's score
     assert RewardModel(str(reward_model_dir), batch_size=1)(prompts, completions) == pytest.approx(first, abs=1e-5)
     conv = [[{"role": "user", "content": p}] for p in prompts]
-    per_func, total = compute_rewards([rm], conv, [chat(c) for c in completions])
+    per_func, total, _ = compute_rewards([rm], conv, [chat(c) for c in completions])
     assert torch.isfinite(total).all() and total.shape == (3,)
     assert "<|im_start|>assistant" in rm.texts(conv[:1], [chat("4")])[0]
