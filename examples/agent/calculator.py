@@ -35,11 +35,12 @@ def calculate(expression: str) -> str:
 
 
 class CalculatorEnv:
-    """One arithmetic question per trajectory: the policy may call ``calculate``; the reward is 1 when one of its
-    calls computed the row's ``answer`` (the environment owns it: ``get_reward``)."""
+    """One arithmetic question per trajectory: the policy may call ``calculate``. The environment owns the reward
+    (``get_reward``): 1 when a call computed the row's ``answer``, 0.5 for a call that ran but computed something
+    else, 0 without a call that ran (none, or only malformed ones)."""
 
     def __init__(self) -> None:
-        self.answer: str | None = None
+        self.answer = ""
         self.results: list[str] = []
 
     def reset(self, answer: str, **row) -> None:
@@ -56,4 +57,6 @@ class CalculatorEnv:
         return result
 
     def get_reward(self) -> float:
-        return 1.0 if self.answer in self.results else 0.0
+        if self.answer in self.results:
+            return 1.0
+        return 0.5 if self.results else 0.0

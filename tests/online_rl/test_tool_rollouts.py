@@ -243,14 +243,16 @@ def test_environments_are_closed_when_scoring_fails(policy_dir, tool_prompts, qu
     assert len(CountingEnv.closed) == 1 + 4  # the probe, then the rollout's four despite the error
 
 
-def test_budget_ends_a_trajectory_after_its_call(policy_dir, policy_tokenizer, tool_prompts, quiet_trainer):
+@pytest.mark.parametrize("method", ["GRPOModule", "RLOOModule"])
+def test_budget_ends_a_trajectory_after_its_call(method, policy_dir, policy_tokenizer, tool_prompts, quiet_trainer):
     """No room for the tool result and a next turn: the trajectory ends with its call (not truncated: it has EOS)."""
-    from lightalign import GRPOModule
+    import lightalign
     from lightalign.rewards import accuracy_reward
 
     call = call_turn_ids(policy_tokenizer)
-    module = GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], num_generations=4,
-                        max_completion_length=len(call) + 3, temperature=0.05, learning_rate=0.0)
+    module = getattr(lightalign, method)(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward],
+                                         num_generations=4, max_completion_length=len(call) + 3, temperature=0.05,
+                                         learning_rate=0.0)
     quiet_trainer(max_steps=1).fit(module, tool_prompts())
     (mb,) = module.rollout_buffer.chunks
     assert mb["completion_mask"].sum(-1).tolist() == [len(call)] * 4

@@ -67,18 +67,24 @@ CASES = [
     ("grpo", 1, 10, 2, 3, 9, 8),
     # DDP GRPO: each rank its own prompts, rollouts and reward normaliser; as the single-process case
     ("grpo", 2, 10, 2, 3, 9, 8),
+    # DDP GRPO with tool calls: multi-turn rollouts (tool results between sampled turns) in flight at the first kill
+    ("grpo_tools", 2, 10, 2, 3, 9, 8),
 ]
 
 
 @pytest.mark.parametrize("method, devices, max_steps, every, kill1, kill2, epoch_steps", CASES,
                          ids=[f"{c[0]}-{c[1]}proc" for c in CASES])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_steps, every, kill1, kill2,
-                                                 epoch_steps):
+                                                 epoch_steps, tiny_dir):
     resume1, resume2 = (kill1 // every) * every, (kill2 // every) * every
     assert kill1 % every and kill2 % every  # killed between checkpoints, work since the last one is redone
     assert resume1 % epoch_steps and resume2 % epoch_steps == 0  # mid-epoch, then at an epoch end
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--max-steps", str(max_steps), "--every", str(every), "--devices", str(devices)]
+    if method == "grpo_tools":
+        from helpers.tool_policy import fit_tool_policy
+
+        common += ["--model", str(fit_tool_policy(tiny_dir, tmp_path / "tool_policy"))]
     # the uninterrupted run and the run that gets killed are independent: run them side by side
     uninterrupted = _start(a, method, *common)
     _wait(_start(b, method, *common, "--kill-at", str(kill1)), expect_kill=True)
@@ -104,3 +110,5 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
     if final_a.get("reference") is not None:  # the synced reference is not the initial policy any more
         assert not all(torch.equal(init[k], final_a["reference"][k]) for k in init)
     assert any(abs(v) > 1e-6 for v in la.values()), la
+    if method == "grpo_tools":  # the rollouts were multi-turn: the policy called the tool
+        assert any(v > 0 for v in _losses(a, "train/tools/call_frequency").values())

@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "assets" / "models" / "tiny")
 DATA = REPO / "examples" / "data"
+sys.path.insert(0, str(REPO / "tests"))  # helpers/
 
 
 class KillAt(L.Callback):
@@ -81,11 +82,11 @@ def varied_reward(prompts, completions, completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
-def tiny_with_dropout(out: Path) -> str:
-    """The tiny model's folder with attention dropout 0.1 (its config has none)."""
+def tiny_with_dropout(out: Path, source: str = TINY) -> str:
+    """The tiny model's folder (or ``source``) with attention dropout 0.1 (its config has none)."""
     folder = out / "model"
     if not folder.exists():
-        shutil.copytree(TINY, folder)
+        shutil.copytree(source, folder)
         config = json.loads((folder / "config.json").read_text())
         config["attention_dropout"] = 0.1
         (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -119,6 +120,17 @@ def build(method: str, model: str, devices: int):
                             normalize_rewards=True, scale_rewards="none", use_adaptive_entropy=True,
                             entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
         return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 4 * devices), tokenizer=TINY), 1
+    if method == "grpo_tools":
+        # the fitted tool policy (tests/helpers/tool_policy.py, weights loaded: no from_config) samples multi-turn
+        # trajectories at temperature 1: calls, malformed calls, answers; a rollout serves 2 micro-batches x 2 passes
+        from helpers.tool_policy import QUESTION, calculate
+
+        common = {k: v for k, v in common.items() if k != "from_config"}
+        module = GRPOModule(model, tools=[calculate], reward_funcs=[varied_reward], num_generations=4,
+                            generation_batch_size=8, steps_per_generation=2, num_iterations=2,
+                            max_completion_length=160, scale_rewards="none", **common)
+        prompts = Dataset.from_list([{"prompt": QUESTION, "answer": "6"}] * (4 * devices))
+        return module, PromptDataModule(prompts, tokenizer=model, max_prompt_length=256), 1
     raise SystemExit(f"unknown method {method}")
 
 
@@ -133,11 +145,12 @@ def main() -> None:
     parser.add_argument("--die-during-save", type=int)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--log-version", type=int, default=0, help="CSVLogger version (one per process run)")
+    parser.add_argument("--model", default=TINY, help="the model folder to start from (copied, with dropout)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     L.seed_everything(1234)
-    module, data, accumulate = build(args.method, tiny_with_dropout(out), args.devices)
+    module, data, accumulate = build(args.method, tiny_with_dropout(out, args.model), args.devices)
     callbacks = [SaveInit(out / "init.pt"),
                  ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
     if args.kill_at:
