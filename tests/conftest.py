@@ -65,6 +65,14 @@ def data_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tool_policy_dir(tmp_path_factory) -> Path:
+    """The tiny model fitted to call a tool (tests/helpers/tool_policy.py), once per test process."""
+    from helpers.tool_policy import fit_tool_policy
+
+    return fit_tool_policy(TINY, tmp_path_factory.mktemp("tool_policy"))
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     from lightalign.hub import load_tokenizer
 

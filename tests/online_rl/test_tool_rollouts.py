@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from helpers.tool_policy import QUESTION, calculate, call_turn_ids, fit_tool_policy
+from helpers.tool_policy import QUESTION, calculate, call_turn_ids
 
 TOOL_RESULT = [{"role": "tool", "name": "calculate", "content": "6"}]
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tiny_dir, tmp_path_factory):
-    return fit_tool_policy(tiny_dir, tmp_path_factory.mktemp("tool_policy"))
+def policy_dir(tool_policy_dir):
+    return tool_policy_dir
 
 
 @pytest.fixture(scope="module")

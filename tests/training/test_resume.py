@@ -65,9 +65,8 @@ CASES = [
     ("dpo", 1, 9, 3, 5, 7, 6),
     # a rollout serves 4 steps, 2 rollouts/epoch: 8 steps/epoch. Kill at 3 -> resume 2 (mid-rollout); 9 -> 8
     ("grpo", 1, 10, 2, 3, 9, 8),
-    # DDP GRPO: each rank its own prompts, rollouts and reward normaliser; as the single-process case
-    ("grpo", 2, 10, 2, 3, 9, 8),
-    # DDP GRPO with tool calls: multi-turn rollouts (tool results between sampled turns) in flight at the first kill
+    # DDP GRPO with tool calls (the single-process case's knobs): each rank its own prompts, multi-turn rollouts
+    # (tool results between sampled turns) in flight at the first kill, and reward normaliser
     ("grpo_tools", 2, 10, 2, 3, 9, 8),
 ]
 
@@ -75,16 +74,14 @@ CASES = [
 @pytest.mark.parametrize("method, devices, max_steps, every, kill1, kill2, epoch_steps", CASES,
                          ids=[f"{c[0]}-{c[1]}proc" for c in CASES])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_steps, every, kill1, kill2,
-                                                 epoch_steps, tiny_dir):
+                                                 epoch_steps, request):
     resume1, resume2 = (kill1 // every) * every, (kill2 // every) * every
     assert kill1 % every and kill2 % every  # killed between checkpoints, work since the last one is redone
     assert resume1 % epoch_steps and resume2 % epoch_steps == 0  # mid-epoch, then at an epoch end
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--max-steps", str(max_steps), "--every", str(every), "--devices", str(devices)]
     if method == "grpo_tools":
-        from helpers.tool_policy import fit_tool_policy
-
-        common += ["--model", str(fit_tool_policy(tiny_dir, tmp_path / "tool_policy"))]
+        common += ["--model", str(request.getfixturevalue("tool_policy_dir"))]
     # the uninterrupted run and the run that gets killed are independent: run them side by side
     uninterrupted = _start(a, method, *common)
     _wait(_start(b, method, *common, "--kill-at", str(kill1)), expect_kill=True)

@@ -121,14 +121,16 @@ def build(method: str, model: str, devices: int):
                             entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
         return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 4 * devices), tokenizer=TINY), 1
     if method == "grpo_tools":
-        # the fitted tool policy (tests/helpers/tool_policy.py, weights loaded: no from_config) samples multi-turn
-        # trajectories at temperature 1: calls, malformed calls, answers; a rollout serves 2 micro-batches x 2 passes
+        # the GRPO case's knobs, with tools: the fitted tool policy (tests/helpers/tool_policy.py, weights loaded: no
+        # from_config) samples multi-turn trajectories at temperature 1 (calls, malformed calls, answers)
         from helpers.tool_policy import QUESTION, calculate
 
         common = {k: v for k, v in common.items() if k != "from_config"}
         module = GRPOModule(model, tools=[calculate], reward_funcs=[varied_reward], num_generations=4,
                             generation_batch_size=8, steps_per_generation=2, num_iterations=2,
-                            max_completion_length=160, scale_rewards="none", **common)
+                            max_completion_length=160, normalize_rewards=True, scale_rewards="none",
+                            use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.01,
+                            entropy_target=100.0, **common)
         prompts = Dataset.from_list([{"prompt": QUESTION, "answer": "6"}] * (4 * devices))
         return module, PromptDataModule(prompts, tokenizer=model, max_prompt_length=256), 1
     raise SystemExit(f"unknown method {method}")
