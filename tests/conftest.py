@@ -66,10 +66,16 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tool_policy_dir(tmp_path_factory) -> Path:
-    """The tiny model fitted to call a tool (tests/helpers/tool_policy.py), once per test process."""
+    """The tiny model fitted to call a tool (tests/helpers/tool_policy.py), once per test run: the pytest-xdist
+    workers share the folder (the base temp folder's parent is common to them) and take turns under a file lock."""
+    from filelock import FileLock
+
     from helpers.tool_policy import fit_tool_policy
 
-    return fit_tool_policy(TINY, tmp_path_factory.mktemp("tool_policy"))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one run's folder either way
+    with FileLock(str(shared / "tool_policy.lock")):
+        return fit_tool_policy(TINY, shared / "tool_policy")
 
 
 @pytest.fixture(scope="session")

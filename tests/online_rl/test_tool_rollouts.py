@@ -106,8 +106,8 @@ def test_policy_calls_the_tool_and_the_loss_sees_the_sampled_ids(policy_dir, pol
     assert module.last_samples[0]["reward"] == 1.0 and "[tool calculate] 6" in module.last_samples[0]["completion"]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.3])
-@pytest.mark.parametrize("backend", ["generate", "compact"])
+@pytest.mark.parametrize("backend, temperature", [("generate", 1.0), ("generate", 0.3), ("compact", 1.0),
+                                                  ("compact", 0.3), ("continuous", 1.0), ("static", 1.0)])
 def test_rollout_logps_equal_the_trainers_over_tool_turns(policy_dir, policy_tokenizer, temperature, backend):
     """The sampler's log-probs of every sampled token equal the training forward's on the stored rollout (padded and
     padding-free layouts): turns after the first were sampled on exactly the ids the trainer reads."""
@@ -122,7 +122,8 @@ def test_rollout_logps_equal_the_trainers_over_tool_turns(policy_dir, policy_tok
     batch = {"prompts": [QUESTION], "columns": {"answer": ["6"]}}
     out = rollouts.sample(model, policy_tokenizer, batch, 4, backend=backend, return_logprobs=True,
                           sampling=dict(max_new_tokens=96, temperature=temperature, top_p=1.0, top_k=0, min_p=None,
-                                        repetition_penalty=1.0, share_prefill=True, continuous_config=None),
+                                        repetition_penalty=1.0, share_prefill=backend != "static",
+                                        continuous_config=None),
                           max_prompt_length=None, chat_template_kwargs=None)
     assert out["tool_calls"] >= 1 and (out["tool_mask"] == 0).any()  # a multi-turn rollout
     loss_mask = out["completion_mask"] * out["tool_mask"]
