@@ -235,12 +235,13 @@ def is_user_error(err: BaseException) -> bool:
     says what to do, so the traceback is noise. Anything else (a bug, an error inside a library) keeps it."""
     from lightalign.datamodules.formats import DataFormatError
     from lightalign.hub import ModelNotFoundError
+    from lightalign.modules.agent.environments import EnvironmentCallError
     from lightalign.rewards.resolve import RewardImportError
     from lightalign.rewards.runner import RewardFunctionError
     from lightalign.strategies.checkpoint_io import CheckpointError
 
     if isinstance(err, (DataFormatError, CheckpointError, RunError, ModelNotFoundError, RewardFunctionError,
-                        RewardImportError)):
+                        RewardImportError, EnvironmentCallError)):
         return True
     if not isinstance(err, (ValueError, TypeError, FileNotFoundError)):
         return False

@@ -57,6 +57,10 @@ def _hub_kwargs(name: str) -> dict[str, Any]:
 
 
 def _hub_unreachable_hint(name: str, example: str = "`--model.model_name_or_path /path/to/model`") -> str:
+    if name.count("/") > 1 or name.startswith((".", "/", "~")):  # a hub id is "org/name": this is a path
+        return (f"There is no folder '{name}' (looked in {Path.cwd()}), and a path like it is not a Hugging Face hub "
+                "name. Check the path; if it is another run's export (e.g. runs/<name>/hf_model), run that config "
+                "first.")
     if _offline_env():
         why = "HF_HUB_OFFLINE is set"
     elif not hub_reachable():

@@ -64,7 +64,12 @@ def call_reward_functions(funcs: Sequence[Callable], names: Sequence[str], promp
     calls = [_with_callers_torch_state(lambda fn=fn: _call(fn, prompts, completions, columns)) for fn in funcs]
     whats = [f"Reward function '{name}'" for name in names]
     results = map_with_deadline(calls, timeout, whats, return_errors=True)
-    for result in results:
+    for what, result in zip(whats, results):
+        if isinstance(result, SystemExit):  # e.g. argparse inside the function: the run must say which one
+            from lightalign.rewards.runner import RewardFunctionError
+
+            raise RewardFunctionError(f"{what} called sys.exit({result.code!r}) instead of returning its rewards "
+                                      "(argparse and click exit this way on bad arguments).") from result
         if isinstance(result, BaseException) and not isinstance(result, Exception):
             raise result
     return results

@@ -24,6 +24,18 @@ from lightalign.rewards.resolve import import_object
 LIFECYCLE_METHODS = ("reset", "get_reward", "close")
 
 
+class EnvironmentCallError(RuntimeError):
+    """An environment's factory or ``reset`` raised: the message names the class, the method and the rollout row."""
+
+
+def _build(factory: Callable, spec: Any) -> Any:
+    try:
+        return factory()
+    except Exception as err:
+        raise EnvironmentCallError(f"environment_factory {spec!r} raised {type(err).__name__} building an "
+                                   f"environment: {err}") from err
+
+
 class EnvironmentFactory:
     """The checked factory: its environments' tool method names and whether they own a reward (probed on one
     instance, closed again, when the module is built)."""
@@ -34,7 +46,7 @@ class EnvironmentFactory:
         if not callable(self.factory):
             raise ValueError(f"environment_factory {spec!r} resolved to a {type(self.factory).__name__}; give a "
                              "class or a function that returns an environment.")
-        probe = self.factory()
+        probe = _build(self.factory, spec)
         cls = type(probe)
         self.class_name = cls.__name__
         if not callable(getattr(probe, "reset", None)):
@@ -57,7 +69,7 @@ class EnvironmentFactory:
         return {getattr(t, "__name__"): t for t in tools}
 
     def build(self, count: int) -> "EpisodeEnvironments":
-        return EpisodeEnvironments([self.factory() for _ in range(count)])
+        return EpisodeEnvironments([_build(self.factory, self.spec) for _ in range(count)])
 
 
 class EpisodeEnvironments:
@@ -70,7 +82,11 @@ class EpisodeEnvironments:
     def reset(self, rows: list[dict[str, Any]]) -> list[str | None]:
         observations = []
         for i, (env, row) in enumerate(zip(self.environments, rows)):
-            out = env.reset(**row)
+            try:
+                out = env.reset(**row)
+            except Exception as err:
+                raise EnvironmentCallError(f"{type(env).__name__}.reset raised {type(err).__name__} on rollout row {i} "
+                                           f"(data columns {sorted(row)}): {err}") from err
             if out is not None and not isinstance(out, str):
                 raise TypeError(f"{type(env).__name__}.reset returned a {type(out).__name__} for rollout row {i}; "
                                 "it returns None or a string appended to the last user message.")

@@ -9,6 +9,7 @@ the ``tool`` message the policy reads next (``ToolCall.content`` starts with ``e
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,9 +97,23 @@ def run_tool_call(call: Any, tools: dict[str, Callable], timeout: float | None) 
         result = call_with_deadline(lambda: fn(**arguments), timeout, f"tool {name!r}")
     except CallTimeout as err:
         return ToolCall(name, f"error: {err}.", True)
+    except SystemExit as err:  # argparse or click inside the tool: the run goes on
+        return ToolCall(name, f"error: {name} exited (sys.exit({err.code!r})) instead of returning a result.", True)
     except Exception as err:  # noqa: BLE001 - the policy reads what went wrong, the run goes on
         return ToolCall(name, f"error: {type(err).__name__}: {err}", True)
-    return ToolCall(name, result if isinstance(result, str) else str(result), False)
+    return ToolCall(name, _as_text(result), False)
+
+
+def _as_text(result: Any) -> str:
+    """A tool's result as the ``tool`` message's text: strings as they are, JSON for what JSON can hold."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, (dict, list, tuple, int, float, bool)) or result is None:
+        try:
+            return json.dumps(result, ensure_ascii=False)
+        except (TypeError, ValueError):
+            pass
+    return str(result)
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -36,6 +36,19 @@ from lightalign.rewards import check_reward_call_knobs, check_reward_weights, re
 ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
 
+def methods_with_knob(knob: str) -> list[str]:
+    """The public online-RL methods (classes under ``OnlineRLModule``) whose constructor declares ``knob``."""
+    found, todo = [], list(OnlineRLModule.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if not cls.__name__.startswith("_") and cls.__module__.startswith("lightalign.modules.") and any(
+                knob in inspect.signature(c.__init__).parameters for c in cls.__mro__ if c is not OnlineRLModule
+                and issubclass(c, OnlineRLModule)):
+            found.append(cls.__name__)
+    return sorted(set(found) - {"CriticFreeModule"})
+
+
 class OnlineRLModule(PolicyModule):
     """The online-RL loop on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults).
 
@@ -162,7 +175,9 @@ class OnlineRLModule(PolicyModule):
         if unknown:
             knob = unknown[0]
             instead = self.knob_equivalents.get(knob)
+            elsewhere = [] if instead else methods_with_knob(knob)
             raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
+                            + (f"; {' and '.join(elsewhere)} take it" if elsewhere else "")
                             + f" (`lightalign fit --model.help {name}` lists its knobs).")
         if kwargs.get("neftune_noise_alpha") is not None:
             raise ValueError(f"neftune_noise_alpha is not supported by {name}: NEFTune adds noise to the policy's "

@@ -246,3 +246,14 @@ def test_a_hanging_reward_function_ends_the_console_script_with_one_error_line(r
     assert ("Reward function 'hangs_forever' did not return within 2 s on a call of 32 completions" in errors[0]
             and "raise model.reward_timeout" in errors[0]), errors[0]
     assert seconds_since(start) < 120
+
+
+def test_a_function_that_exits_is_an_error_naming_it():
+    """argparse inside a reward function exits on a bad argument: the run names the function instead of ending
+    silently with the function's exit status."""
+
+    def parses_args(prompts, completions, **kwargs):
+        raise SystemExit(4)
+
+    with pytest.raises(RewardFunctionError, match=r"'parses_args' called sys.exit\(4\) instead of returning"):
+        compute_rewards([constant, parses_args], PROMPTS, COMPLETIONS, reward_timeout=5)

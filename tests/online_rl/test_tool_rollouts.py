@@ -160,7 +160,23 @@ def test_tool_call_failures_become_messages_never_errors():
         """
         raise RuntimeError("boom")
 
-    tools = {"calculate": calculate, "slow": slow, "broken": broken}
+    def exits(x: int) -> str:
+        """Exit like argparse on a bad argument.
+
+        Args:
+            x: anything
+        """
+        raise SystemExit(2)
+
+    def structured(x: int) -> dict:
+        """Return a mapping.
+
+        Args:
+            x: anything
+        """
+        return {"value": x}
+
+    tools = {"calculate": calculate, "slow": slow, "broken": broken, "exits": exits, "structured": structured}
     fn = lambda name, **args: {"type": "function", "function": {"name": name, "arguments": args}}  # noqa: E731
     assert run_tool_call(fn("calculate", expression="2*3"), tools, 1.0).content == "6"
     unknown = run_tool_call(fn("calc", expression="1"), tools, 1.0)
@@ -172,6 +188,10 @@ def test_tool_call_failures_become_messages_never_errors():
     start = time.monotonic()
     late = run_tool_call(fn("slow", seconds=30), tools, 0.2)
     assert late.failed and "did not return within 0.2 s" in late.content and time.monotonic() - start < 5
+    for timeout in (None, 1.0):  # on this thread, and on a deadline thread
+        exited = run_tool_call(fn("exits", x=1), tools, timeout)
+        assert exited.failed and "exits exited (sys.exit(2))" in exited.content
+    assert run_tool_call(fn("structured", x=3), tools, 1.0).content == '{"value": 3}'  # JSON, not a Python repr
     nameless = run_tool_call({"type": "function", "function": {"arguments": {}}}, tools, 1.0)
     assert nameless.failed and nameless.name == "unknown"
 
@@ -274,7 +294,7 @@ def test_refusals_name_the_knob(policy_dir, tiny_dir, tool_prompts, prompt_data,
         GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], max_tool_calling_iterations=0)
     with pytest.raises(ValueError, match="max_tool_calling_iterations is set but there are no tools"):
         GRPOModule(str(policy_dir), reward_funcs=[accuracy_reward], max_tool_calling_iterations=2)
-    with pytest.raises(TypeError, match="PPOModule has no knob 'tools'"):
+    with pytest.raises(TypeError, match="PPOModule has no knob 'tools'; GRPOModule and RLOOModule take it"):
         PPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward])
     with pytest.raises(ValueError, match="needs reward_funcs"):
         GRPOModule(str(policy_dir), tools=[calculate])
@@ -296,3 +316,21 @@ def test_refusals_name_the_knob(policy_dir, tiny_dir, tool_prompts, prompt_data,
     data = tool_prompts(tokenizer=str(tmp_path / "plain"))
     with pytest.raises(ValueError, match="model.response_template"):
         quiet_trainer(max_steps=1).fit(module, data)
+
+
+class FailingResetEnv(CountingEnv):
+    def reset(self, answer: str, **row) -> None:
+        raise KeyError("sandbox")
+
+
+def test_an_environment_whose_reset_raises_is_named_with_the_row(policy_dir, tool_prompts, quiet_trainer):
+    from lightalign import GRPOModule
+    from lightalign.modules.agent.environments import EnvironmentCallError
+
+    CountingEnv.closed = []
+    module = GRPOModule(str(policy_dir), environment_factory=FailingResetEnv, num_generations=4,
+                        max_completion_length=96, learning_rate=0.0)
+    with pytest.raises(EnvironmentCallError, match=r"FailingResetEnv.reset raised KeyError on rollout row 0 \(data "
+                                                   r"columns \['answer', 'prompt'\]\): 'sandbox'"):
+        quiet_trainer(max_steps=1).fit(module, tool_prompts())
+    assert len(CountingEnv.closed) == 1 + 4  # the probe, then every environment of the failed rollout
