@@ -84,9 +84,17 @@ class ToolRollouts:
             tokenizer.response_template = self.response_template
         check_tool_template(tokenizer, "tools")
         data = getattr(datamodule, "train_dataset", None)
-        if data is not None and len(data) and not isinstance(data[0]["prompt"], list):
+        if data is None or not len(data):
+            return
+        if not isinstance(data[0]["prompt"], list):
             raise ValueError("tools need conversational prompts (a list of messages per row), so the chat template "
                              "can render the tool list; the training prompts are strings.")
+        limit = getattr(datamodule, "max_prompt_length", None)
+        if limit is not None and "prompt_input_ids" in data.column_names:  # the tool list adds the same to each row
+            lengths = [len(ids) for ids in data["prompt_input_ids"]]
+            longest = max(range(len(lengths)), key=lengths.__getitem__)
+            self._render(tokenizer, data[longest]["prompt"], getattr(datamodule, "chat_template_kwargs", None), limit,
+                         longest, "training prompt")
 
     # ------------------------------------------------------------------------------------------- one rollout
     @torch.no_grad()
@@ -205,12 +213,12 @@ class ToolRollouts:
         return turn_ids, turn_logps
 
     def _render(self, tokenizer: Any, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None,
-                max_prompt_length: int | None, prompt_row: int) -> list[int]:
+                max_prompt_length: int | None, prompt_row: int, where: str = "prompt of the batch") -> list[int]:
         text = tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False, add_generation_prompt=True,
                                              **(chat_template_kwargs or {}))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if max_prompt_length is not None and len(ids) > max_prompt_length:
-            raise ValueError(f"Prompt {prompt_row} of the batch is {len(ids)} tokens with the tool list rendered, more "
+            raise ValueError(f"The {where} {prompt_row} is {len(ids)} tokens with the tool list rendered, more "
                              f"than data.max_prompt_length ({max_prompt_length}); cutting it would cut the tool list. "
                              "Raise data.max_prompt_length.")
         return ids

@@ -334,3 +334,17 @@ def test_an_environment_whose_reset_raises_is_named_with_the_row(policy_dir, too
                                                    r"columns \['answer', 'prompt'\]\): 'sandbox'"):
         quiet_trainer(max_steps=1).fit(module, tool_prompts())
     assert len(CountingEnv.closed) == 1 + 4  # the probe, then every environment of the failed rollout
+
+
+def test_a_prompt_too_long_with_its_tool_list_is_refused_at_fit_start(policy_dir, tool_prompts, quiet_trainer):
+    """The tool list is rendered into every prompt: one that no longer fits data.max_prompt_length is refused before
+    any rollout (cutting it would cut the tool list)."""
+    from lightalign import GRPOModule
+    from lightalign.rewards import accuracy_reward
+
+    module = GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], num_generations=4,
+                        max_completion_length=8)
+    module.generate = lambda *a, **k: pytest.fail("refused after sampling started")
+    with pytest.raises(ValueError, match=r"training prompt 0 is \d+ tokens with the tool list rendered, more than "
+                                         r"data.max_prompt_length \(64\)"):
+        quiet_trainer(max_steps=1).fit(module, tool_prompts(max_prompt_length=64))
