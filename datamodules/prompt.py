@@ -35,6 +35,19 @@ def _tokenize_prompts(batch: dict[str, list], tokenizer: Any, max_prompt_length:
     return {"prompt_input_ids": ids_out}
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids left-padded into ``(ids, mask)`` ``[rows, longest]``: generation continues at the right edge."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if len(row):
+            ids[i, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
 class PromptCollator:
     """Left-pads prompt ids (generation continues at the right edge) and passes raw prompts and columns through.
 
@@ -46,13 +59,7 @@ class PromptCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        longest = max(len(r["prompt_input_ids"]) for r in rows)
-        ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, row in enumerate(rows):
-            n = len(row["prompt_input_ids"])
-            ids[i, longest - n :] = torch.tensor(row["prompt_input_ids"], dtype=torch.long)
-            mask[i, longest - n :] = 1
+        ids, mask = left_pad([r["prompt_input_ids"] for r in rows], self.pad_token_id)
         extra = [k for k in rows[0] if k not in ("prompt", "prompt_input_ids")]
         return {
             "prompt_input_ids": ids,

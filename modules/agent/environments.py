@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightalign.modules.agent.tools import check_unique_names, tool_schema
+from lightalign.modules.agent.tools import tool_name, tool_schema
 from lightalign.rewards.deadline import CallTimeout, map_with_deadline
 from lightalign.rewards.resolve import import_object
 
@@ -63,10 +63,10 @@ class EnvironmentFactory:
         close_environment(probe)
 
     def tools_of(self, environment: Any, extra: Sequence[Callable]) -> dict[str, Callable]:
-        """The tools one trajectory may call: its environment's methods and the plain ``tools``."""
-        tools = [getattr(environment, name) for name in self.tool_names] + list(extra)
-        check_unique_names(tools, f"the tools of {self.class_name} and the tools knob")
-        return {getattr(t, "__name__"): t for t in tools}
+        """The tools one trajectory may call: its environment's methods and the plain ``tools`` (names checked
+        unique when the module is built)."""
+        tools = {name: getattr(environment, name) for name in self.tool_names}
+        return {**tools, **{tool_name(t): t for t in extra}}
 
     def build(self, count: int) -> "EpisodeEnvironments":
         return EpisodeEnvironments([_build(self.factory, self.spec) for _ in range(count)])

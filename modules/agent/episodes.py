@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from lightalign.modules.agent.environments import EnvironmentFactory, EnvironmentReward, EpisodeEnvironments
-from lightalign.modules.agent.tools import ToolCall, check_unique_names, resolve_tools, run_tool_call, tool_name, tool_schema
-from lightalign.modules.agent.turns import check_tool_template, left_pad, parse_turn, tool_result_ids
+from lightalign.modules.agent.tools import (ToolCall, check_unique_names, resolve_tools, run_tool_call, tool_name,
+                                            tool_schema)
+from lightalign.datamodules.prompt import left_pad
+from lightalign.modules.agent.turns import check_tool_template, parse_turn, tool_result_ids
 from lightalign.modules.generation.samplers import Sampler, sample_groups
 from lightalign.modules.generation.sampling import cut_after_eos, eos_token_ids
 from lightalign.rewards.deadline import map_with_deadline
@@ -52,7 +54,7 @@ class ToolRollouts:
         self.tools = resolve_tools(tools)
         self.environments = None if environment_factory is None else EnvironmentFactory(environment_factory)
         if self.environments is not None:
-            check_unique_names([*self.tools, *[_named(n) for n in self.environments.tool_names]],
+            check_unique_names([*map(tool_name, self.tools), *self.environments.tool_names],
                                "the tools knob and the environment's methods")
         self.schemas = [tool_schema(t) for t in self.tools] + (self.environments.schemas if self.environments else [])
         self.max_iterations = max_tool_calling_iterations
@@ -155,7 +157,8 @@ class ToolRollouts:
                     if return_logprobs:
                         logps[i] += turn_logps[k][: len(ids)]
                     ended_with_eos[i] = bool(ids) and ids[-1] in eos
-                    message, error = parse_turn(tokenizer, ids, prefix, self.schemas) if ended_with_eos[i] else ({}, None)
+                    message, error = ({}, None) if not ended_with_eos[i] else parse_turn(tokenizer, ids, prefix,
+                                                                                           self.schemas)
                     if message:
                         conversation[i].append({"role": "assistant", "content": message.get("content") or "",
                                                 **({"tool_calls": message["tool_calls"]} if message.get("tool_calls")
@@ -180,8 +183,8 @@ class ToolRollouts:
                     failures += sum(c.failed for c in done)
                     tool_messages = [c.message() for c in done]
                     suffix = tool_result_ids(tokenizer, tool_messages, eos, chat_template_kwargs)
-                    if len(seq[i]) + len(suffix) >= budget or (
-                            max_positions is not None and len(prompt_ids[i]) + len(seq[i]) + len(suffix) >= max_positions):
+                    after = len(seq[i]) + len(suffix)
+                    if after >= budget or (max_positions is not None and len(prompt_ids[i]) + after >= max_positions):
                         continue  # no room for the results and a next turn: the trajectory ends after its call
                     conversation[i] += tool_messages
                     seq[i] += suffix
@@ -278,9 +281,3 @@ def _transcript(conversation: list[dict[str, Any]]) -> str:
         lines.append(" ".join([m["content"], *(f"[call {c}]" for c in calls)]).strip())
     return "\n".join(lines)
 
-
-def _named(name: str) -> Callable:
-    def fn() -> None: ...
-
-    fn.__name__ = name
-    return fn

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightalign.rewards.calling import short_repr
 from lightalign.rewards.deadline import CallTimeout, call_with_deadline
 from lightalign.rewards.resolve import import_object
 
@@ -50,12 +51,11 @@ def resolve_tools(specs: Sequence[str | Callable] | str | Callable | None) -> li
                              "and a docstring give its schema).")
         tool_schema(fn)
         tools.append(fn)
-    check_unique_names(tools, "tools")
+    check_unique_names([tool_name(t) for t in tools], "tools")
     return tools
 
 
-def check_unique_names(tools: Sequence[Callable], where: str) -> None:
-    names = [tool_name(t) for t in tools]
+def check_unique_names(names: Sequence[str], where: str) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"Two tools are named {twice[0]!r} in {where}: the policy calls a tool by name, so names "
@@ -79,13 +79,14 @@ def run_tool_call(call: Any, tools: dict[str, Callable], timeout: float | None) 
     Never raises: every failure is the ``tool`` message's text."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        return ToolCall("unknown", f"error: the tool call {_short(call)} has no function name; call a tool as the "
-                                   "system prompt shows.", True)
+        return ToolCall("unknown", f"error: the tool call {short_repr(call)} has no function name; call a tool as "
+                                   "the system prompt shows.", True)
     name, arguments = function["name"], function.get("arguments", {})
     if name not in tools:
         return ToolCall(name, f"error: there is no tool {name!r}; the tools are {sorted(tools)}.", True)
     if not isinstance(arguments, dict):
-        return ToolCall(name, f"error: the arguments of {name} must be a JSON object, got {_short(arguments)}.", True)
+        return ToolCall(name, f"error: the arguments of {name} must be a JSON object, got {short_repr(arguments)}.",
+                        True)
     fn = tools[name]
     try:
         inspect.signature(fn).bind(**arguments)
@@ -114,8 +115,3 @@ def _as_text(result: Any) -> str:
         except (TypeError, ValueError):
             pass
     return str(result)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 
 
 class ToolCallFormatError(ValueError):
@@ -63,15 +62,3 @@ def tool_result_ids(tokenizer: Any, tool_messages: list[dict[str, Any]], eos: Se
         raise ToolCallFormatError("The chat template renders the assistant turn differently once tool messages "
                                   "follow it, so tool results cannot be appended to the sampled ids exactly.")
     return full[len(prefix):]
-
-
-def left_pad(rows: list[list[int]], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of ids left-padded into ``(ids, mask)``: generation continues at the right edge."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
-    return ids.to(device), mask.to(device)

@@ -63,8 +63,8 @@ class OnlineRLModule(PolicyModule):
         reward_fallback_value: the reward of every row of a call that raised or timed out, and of each NaN or
             infinite value a function returns (None still means "not applicable"). Each substitution is counted in
             ``reward/<function>/fallbacks`` and the first per function is warned about. None: such a call stops
-            training with an error naming the function (and the failing row, or the limit). A result of the wrong length or a non-numeric
-            value is always an error.
+            training with an error naming the function (and the failing row, or the limit). A result of the wrong
+            length or a non-numeric value is always an error.
         num_generations: completions per prompt (the group).
         temperature: sampling temperature; the training forward divides the logits by it too, so the loss sees
             the distribution the completions were sampled from.

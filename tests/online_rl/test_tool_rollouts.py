@@ -298,6 +298,8 @@ def test_refusals_name_the_knob(policy_dir, tiny_dir, tool_prompts, prompt_data,
         PPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward])
     with pytest.raises(ValueError, match="needs reward_funcs"):
         GRPOModule(str(policy_dir), tools=[calculate])
+    with pytest.raises(ValueError, match="Two tools are named 'calculate' in the tools knob and the environment's"):
+        GRPOModule(str(policy_dir), tools=[calculate], environment_factory=CountingEnv)
     # string prompts cannot carry the tool list
     module = GRPOModule(str(tiny_dir), from_config=True, tools=[calculate], reward_funcs=[accuracy_reward],
                         num_generations=4, max_completion_length=8)
