@@ -25,6 +25,10 @@ __all__ = ["CallTimeout", "call_reward_functions", "describe_failed_call", "shor
 TIMEOUT_KNOB = "model.reward_timeout"
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names the function and the row."""
+
+
 def short_repr(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -66,8 +70,6 @@ def call_reward_functions(funcs: Sequence[Callable], names: Sequence[str], promp
     results = map_with_deadline(calls, timeout, whats, return_errors=True)
     for what, result in zip(whats, results):
         if isinstance(result, SystemExit):  # e.g. argparse inside the function: the run must say which one
-            from lightalign.rewards.runner import RewardFunctionError
-
             raise RewardFunctionError(f"{what} called sys.exit({result.code!r}) instead of returning its rewards "
                                       "(argparse and click exit this way on bad arguments).") from result
         if isinstance(result, BaseException) and not isinstance(result, Exception):

@@ -24,14 +24,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightalign.rewards.calling import CallTimeout, call_reward_functions, describe_failed_call, short_repr
+from lightalign.rewards.calling import (CallTimeout, RewardFunctionError, call_reward_functions, describe_failed_call,
+                                        short_repr)
 from lightalign.rewards.resolve import check_reward_weights, reward_func_names
 
 __all__ = ["FallbackReport", "RewardFunctionError", "RewardScores", "check_reward_call_knobs", "compute_rewards"]
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function failed or returned something unusable; the message names the function and the row."""
 
 
 @dataclass(frozen=True)
