@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,10 @@ class CompletionSamples(L.Callback):
         # rank-0-only writes below (under DDP the other ranks would wait at their next collective forever)
         self._log_dir = trainer.log_dir or trainer.default_root_dir
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and trainer.global_step > 0:
+            drop_rows_after(self.path(trainer), trainer.global_step)
+
     def path(self, trainer: L.Trainer) -> Path:
         return Path(self._log_dir or trainer.default_root_dir) / self.filename
 
@@ -53,6 +58,27 @@ class CompletionSamples(L.Callback):
                 header = "| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n"
                 body = "".join("| " + " | ".join(_cell(v) for v in r.values()) + " |\n" for r in rows)
                 experiment.add_text("completions", header + body, global_step=step)
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """A resumed run continues the table: the rows the interrupted run wrote after its checkpoint (``step``) are
+    dropped, since the resumed run samples and writes those steps again (as ``metrics.csv`` is continued). The file
+    is rewritten atomically (temp file + rename). Returns the rows dropped."""
+    if not path.is_file():
+        return 0
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        fieldnames, rows = list(reader.fieldnames or []), list(reader)
+    kept = [r for r in rows if r.get("step") not in ("", None) and int(float(r["step"])) <= step]
+    if len(kept) == len(rows):
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(kept)
+    os.replace(tmp, path)
+    return len(rows) - len(kept)
 
 
 def _cell(value: Any) -> str:

@@ -130,3 +130,25 @@ def test_conversational_prompts_get_generation_prompt(tiny_dir, write_jsonl, tok
     dm = PromptDataModule(write_jsonl([{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}]), tokenizer=str(tiny_dir))
     dm.setup("fit")
     assert tokenizer.decode(dm.train_dataset[0]["prompt_input_ids"]).endswith("<|im_start|>assistant\n")
+
+
+def test_a_resumed_run_continues_the_completions_table_without_repeating_steps(tmp_path, grpo_module, prompt_data):
+    """Interrupted after step 3 with its last checkpoint at step 2, resumed to step 4: the table holds each step once
+    (the interrupted run's step-3 rows are dropped; the resumed run samples and writes step 3 again)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_steps, ckpt_path=None):
+        L.seed_everything(0)
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, enable_progress_bar=False,
+                            enable_model_summary=False, logger=L.pytorch.loggers.CSVLogger(tmp_path, version=0),
+                            callbacks=[CompletionSamples(every_n_steps=1, max_rows=2),
+                                       ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                                       save_top_k=-1)])
+        trainer.fit(grpo_module(generation_batch_size=8), prompt_data(), ckpt_path=ckpt_path)
+
+    fit(3)  # checkpoints at step 2; the table has steps 1, 2, 3
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=2.ckpt")
+    fit(4, str(checkpoint))
+    with open(tmp_path / "lightning_logs" / "version_0" / "completions.csv") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f)]
+    assert steps == [1, 1, 2, 2, 3, 3, 4, 4]
