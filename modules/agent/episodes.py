@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightalign.modules.agent.environments import EnvironmentFactory, EnvironmentReward, EpisodeEnvironments
+from lightalign.modules.agent.environments import EnvironmentFactory, EnvironmentReward
 from lightalign.modules.agent.tools import (ToolCall, check_unique_names, resolve_tools, run_tool_call, tool_name,
                                             tool_schema)
 from lightalign.datamodules.prompt import left_pad
