@@ -120,6 +120,22 @@ def check_writable(folder: Path, what: str, knob: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- metrics
+def row_step(row: dict[str, str]) -> int | None:
+    """The ``step`` of a logged CSV row (None where the row has none)."""
+    value = row.get("step")
+    return None if value in ("", None) else int(float(value))
+
+
+def write_csv_atomically(path: Path, fieldnames: list[str], rows: list[dict[str, Any]]) -> None:
+    """``rows`` under ``fieldnames`` as ``path``, written to a temp file and renamed over it (never half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=fieldnames)
+        out.writeheader()
+        out.writerows(rows)
+    os.replace(tmp, path)
+
+
 def continue_metrics_csv(logger: CSVLogger, resume_step: int) -> int:
     """Keep the rows of the run's ``metrics.csv`` logged before ``resume_step`` (the checkpoint's global step) and
     make the logger append after them; call it before the logger has written anything. Rows the interrupted run
@@ -139,16 +155,11 @@ def continue_metrics_csv(logger: CSVLogger, resume_step: int) -> int:
         reader = csv.DictReader(f)
         fieldnames = list(reader.fieldnames or [])
         rows = list(reader)
-    kept = [row for row in rows if row.get("step") not in ("", None) and int(float(row["step"])) < resume_step]
+    kept = [row for row in rows if (step := row_step(row)) is not None and step < resume_step]
     with warnings.catch_warnings():  # "Previous log files in this directory will be deleted": not on resume
         warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
         writer = logger.experiment
-    tmp = path.with_name(f".metrics.csv.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
-        out = csv.DictWriter(f, fieldnames=fieldnames)
-        out.writeheader()
-        out.writerows(kept)
-    os.replace(tmp, path)
+    write_csv_atomically(path, fieldnames, kept)
     writer.metrics_keys = list(fieldnames)  # the writer appends under this header (or rewrites it with new keys)
     aside.unlink()
     return len(rows) - len(kept)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+
+from lightalign.runs import row_step, write_csv_atomically
 
 
 class CompletionSamples(L.Callback):
@@ -69,15 +70,9 @@ def drop_rows_after(path: Path, step: int) -> int:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         fieldnames, rows = list(reader.fieldnames or []), list(reader)
-    kept = [r for r in rows if r.get("step") not in ("", None) and int(float(r["step"])) <= step]
-    if len(kept) == len(rows):
-        return 0
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fieldnames)
-        writer.writeheader()
-        writer.writerows(kept)
-    os.replace(tmp, path)
+    kept = [r for r in rows if (logged := row_step(r)) is not None and logged <= step]
+    if len(kept) < len(rows):
+        write_csv_atomically(path, fieldnames, kept)
     return len(rows) - len(kept)
 
 
