@@ -76,6 +76,6 @@ def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, 
         "completion_ids": completion_ids, "completion_mask": completion_mask, "truncated": truncated,
         "prompts": prompts, "completions": completions, "texts": texts, "columns": columns,
     }
-    if logps is not None:
-        rollout["sampling_logps"] = logps * completion_mask
+    if logps is not None:  # 0 under the mask's zeros, also where a sampler left NaN (an engine's unscored token)
+        rollout["sampling_logps"] = logps.masked_fill(completion_mask == 0, 0.0)
     return rollout

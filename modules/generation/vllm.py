@@ -12,7 +12,8 @@ The pieces, each usable alone:
 * ``vllm_sampling_params``: our sampling knobs as vLLM ``SamplingParams`` fields (a pure function);
 * ``vllm_weight_name`` / ``vllm_weights``: the policy's parameters under the names vLLM's ``load_weights``
   expects (LoRA deltas added to their base weights, wrapper prefixes dropped, sharded parameters gathered);
-* ``padded_completions``: the engine's completions as the tensor every sampler returns (``generation/samplers.py``);
+* ``padded_completions``: the engine's completions (and their log-probs) as the ``Samples`` every sampler returns
+  (``generation/samplers.py``);
 * ``ColocatedEngine`` / ``ServerEngine``: the two ways to reach vLLM; ``VLLMRollouts``: the Lightning callback
   that builds the engine at fit start, pushes weights after each optimizer step and hands the module the
   sampler its rollouts go through.
@@ -27,6 +28,8 @@ import importlib.util
 from typing import Any, Iterable, Iterator
 
 import torch
+
+from lightalign.modules.generation.samplers import Samples
 
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
@@ -89,11 +92,13 @@ def check_vllm_knobs(use_vllm: bool = False, vllm_mode: str = "colocate", vllm_m
 def vllm_sampling_params(*, num_generations: int, temperature: float, top_p: float, top_k: int | None,
                          min_p: float | None, repetition_penalty: float, max_completion_length: int,
                          eos_token_ids: Iterable[int], generation_kwargs: dict[str, Any] | None = None,
-                         seed: int | None = None) -> dict[str, Any]:
+                         seed: int | None = None, logprobs: bool = False) -> dict[str, Any]:
     """vLLM ``SamplingParams`` fields sampling what our knobs ask ``generate`` for: ``num_generations`` samples
     per prompt, the same temperature / top_p / top_k (None or 0: off) / min_p (None: off) / repetition penalty,
     at most ``max_completion_length`` tokens, stopping at every EOS id of the model and tokenizer (the EOS token is
-    kept in the completion, as ``generate`` keeps it), token ids returned as they are (no detokenisation needed)."""
+    kept in the completion, as ``generate`` keeps it), token ids returned as they are (no detokenisation needed).
+    ``logprobs``: also the sampled token's log-prob at each position (vLLM's ``logprobs=0``: no alternatives); they
+    are the sampling distribution's only when the engine runs with ``logprobs_mode="processed_logprobs"``."""
     params = {
         "n": int(num_generations), "temperature": float(temperature), "top_p": float(top_p),
         "top_k": int(top_k or 0), "min_p": float(min_p or 0.0), "repetition_penalty": float(repetition_penalty),
@@ -107,6 +112,8 @@ def vllm_sampling_params(*, num_generations: int, temperature: float, top_p: flo
         params[GENERATION_KWARGS_TO_VLLM[key]] = value
     if seed is not None:
         params["seed"] = int(seed)
+    if logprobs:
+        params["logprobs"] = 0
     return params
 
 
@@ -159,17 +166,31 @@ def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 # ------------------------------------------------------------------------------------------------ rollouts
 def padded_completions(completions: list[list[int]], prompts: int, num_generations: int, pad_token_id: int | None,
-                       device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """An engine's completions (``num_generations`` lists of token ids per prompt, prompt-major) as the
-    ``[prompts * num_generations, longest]`` tensor every sampler returns, right-padded with ``pad_token_id``, and
-    each one's length (a completion can end without EOS before the longest: at the engine's context length)."""
+                       device: torch.device | None = None, logps: list[list[float]] | None = None) -> Samples:
+    """An engine's completions (``num_generations`` lists of token ids per prompt, prompt-major) as the ``Samples``
+    every sampler returns (``generation/samplers.py``): ids ``[prompts * num_generations, longest]`` right-padded
+    with ``pad_token_id``; with ``logps`` (each completion's per-token log-probs, NaN where the engine scored none)
+    those as float32 ``[rows, longest]``, 0 after each completion's end; and each one's length (a completion can
+    end without EOS before the longest: at the engine's context length)."""
     if len(completions) != prompts * num_generations:
         raise ValueError(f"the engine returned {len(completions)} completions for {prompts} prompts x "
                          f"{num_generations} generations.")
+    if logps is not None and [len(row) for row in logps] != [len(ids) for ids in completions]:
+        raise ValueError("the engine's log-probs do not align with its completions: one per sampled token of each "
+                         f"completion expected, got {[len(row) for row in logps]} for completions of "
+                         f"{[len(ids) for ids in completions]} tokens.")
     pad = pad_token_id if pad_token_id is not None else 0
     width = max(1, max(len(ids) for ids in completions))
     out = torch.full((len(completions), width), pad, dtype=torch.long)
     for row, ids in enumerate(completions):
         out[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
     lengths = torch.tensor([len(ids) for ids in completions], dtype=torch.long)
-    return (out, lengths) if device is None else (out.to(device), lengths.to(device))
+    out_logps = None
+    if logps is not None:
+        out_logps = torch.zeros((len(completions), width), dtype=torch.float32)
+        for row, values in enumerate(logps):
+            out_logps[row, : len(values)] = torch.tensor(list(values), dtype=torch.float32)
+    if device is not None:
+        out, lengths = out.to(device), lengths.to(device)
+        out_logps = None if out_logps is None else out_logps.to(device)
+    return Samples(out, out_logps, lengths)

@@ -9,7 +9,13 @@
   Every rank asks for its own prompts' completions; rank 0 alone pushes weights.
 * ``VLLMRollouts``: a Lightning callback (``GRPOModule.configure_callbacks`` adds it when ``use_vllm`` is on):
   builds the engine at fit start, pushes the policy's weights then and after every optimizer step, and sets
-  the module's sampler (``module.use_sampler``), which the rollout samples through.
+  the module's sampler (``module.external_sampler``), which the rollout samples through.
+
+Both engines' ``generate(prompts, params) -> (completions, logps)``: the token ids of ``params["n"]`` completions
+per prompt (prompt-major) and, when ``params`` asks for ``logprobs``, each sampled token's log-prob in the
+distribution it was sampled from (vLLM's ``processed_logprobs``: after temperature, top-k/top-p/min-p and penalties;
+NaN where vLLM gave none, as TRL keeps it), else None. The colocated engine is built in that mode; a server must be
+started with ``--logprobs-mode processed_logprobs`` and is refused when log-probs are asked of it otherwise.
 
 Pure helpers (knob checks, sampling-parameter mapping, weight names, rollout assembly) live in
 ``generation/vllm.py``. See docs/vllm.md for what was and was not run.
@@ -27,7 +33,7 @@ import lightning as L
 import torch
 
 from lightalign.modules.generation.generate import SAMPLING_KNOBS
-from lightalign.modules.generation.samplers import Samples, Sampler
+from lightalign.modules.generation.samplers import Sampler
 from lightalign.modules.generation.vllm import INSTALL_HINT, padded_completions, vllm_sampling_params, vllm_weights
 
 
@@ -39,6 +45,38 @@ def _import_vllm():
     return vllm
 
 
+PROCESSED = "processed_logprobs"  # vLLM's logprobs_mode whose log-probs are the distribution actually sampled from
+
+
+def _sampled_logprobs(sample: Any) -> list[float]:
+    """Each sampled token's log-prob in a vLLM ``CompletionOutput`` (``logprobs``: one ``{token_id: Logprob}`` per
+    position, holding the sampled token and any top alternatives); NaN where vLLM gave none."""
+    if sample.logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs although they were asked for (SamplingParams.logprobs=0).")
+    if len(sample.logprobs) != len(sample.token_ids):
+        raise RuntimeError(f"vLLM returned {len(sample.logprobs)} log-prob positions for {len(sample.token_ids)} "
+                           "sampled tokens.")
+    out = []
+    for token, position in zip(sample.token_ids, sample.logprobs):
+        entry = None if position is None else position.get(token)
+        value = None if entry is None else entry.logprob
+        out.append(float("nan") if value is None else float(value))
+    return out
+
+
+def _choice_logprobs(choice: dict[str, Any]) -> list[float]:
+    """Each sampled token's log-prob in a ``/v1/completions`` choice (``logprobs.token_logprobs``, aligned with
+    ``token_ids``: ``logprobs.tokens`` name them as ``token_id:<id>``); NaN where the server gave none."""
+    logprobs = choice.get("logprobs")
+    if logprobs is None:
+        raise RuntimeError("the vLLM server returned no log-probs although they were asked for (logprobs=0).")
+    tokens = [f"token_id:{token}" for token in choice["token_ids"]]
+    if logprobs["tokens"] != tokens:
+        raise RuntimeError(f"the vLLM server's log-probs are for tokens {logprobs['tokens'][:8]}..., not the sampled "
+                           f"{tokens[:8]}...")
+    return [float("nan") if value is None else float(value) for value in logprobs["token_logprobs"]]
+
+
 class ColocatedEngine:
     """A ``vllm.LLM`` in this process, on this process's GPU (one engine per training rank)."""
 
@@ -48,7 +86,8 @@ class ColocatedEngine:
         vllm = _import_vllm()
         kwargs = dict(model=model_name_or_path, tensor_parallel_size=1, gpu_memory_utilization=gpu_memory_utilization,
                       max_model_len=max_model_length, enable_sleep_mode=enable_sleep_mode, model_impl=model_impl,
-                      seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)
+                      seed=seed, dtype=dtype, trust_remote_code=trust_remote_code,
+                      logprobs_mode=PROCESSED)  # after temperature and the sampling filters (vLLM>=0.10.2, as TRL)
         if distributed:  # the engine joins the ranks Lightning already launched instead of spawning its own
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.llm = vllm.LLM(**kwargs)
@@ -56,7 +95,8 @@ class ColocatedEngine:
         if enable_sleep_mode:
             self.llm.sleep(level=2)  # weights and KV cache released until the first push
 
-    def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], params: dict[str, Any]
+                 ) -> tuple[list[list[int]], list[list[float]] | None]:
         vllm = _import_vllm()
         if self.sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
@@ -64,7 +104,9 @@ class ColocatedEngine:
                                     sampling_params=vllm.SamplingParams(**params), use_tqdm=False)
         if self.sleep_mode:
             self.llm.sleep(level=2)
-        return [list(sample.token_ids) for request in outputs for sample in request.outputs]
+        samples = [sample for request in outputs for sample in request.outputs]
+        logps = [_sampled_logprobs(sample) for sample in samples] if "logprobs" in params else None
+        return [list(sample.token_ids) for sample in samples], logps
 
     def load_weights(self, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], send: bool = True) -> None:
         """``weights()``: a fresh iterator of (vLLM name, tensor); each tensor is used before the next is made
@@ -86,6 +128,7 @@ class ServerEngine:
         self.model_id = self._get("/v1/models")["data"][0]["id"]
         self.group = None
         self.meta: list[tuple[str, str, list[int]]] | None = None
+        self.logprobs_mode: str | None = None  # the server's, read when log-probs are first asked for
 
     def _request(self, path: str, payload: dict[str, Any] | None = None, method: str = "POST") -> Any:
         data = None if payload is None else json.dumps(payload).encode()
@@ -102,12 +145,37 @@ class ServerEngine:
     def _get(self, path: str) -> Any:
         return self._request(path, method="GET")
 
-    def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[list[int]]:
+    def check_logprobs_mode(self) -> None:
+        """Refuse a server whose log-probs are not the sampling distribution's (its ``--logprobs-mode``, read from
+        the dev route ``/server_info``)."""
+        if self.logprobs_mode is None:
+            try:
+                config = self._get("/server_info?config_format=json")["vllm_config"]
+                self.logprobs_mode = config["model_config"]["logprobs_mode"]
+            except (ConnectionError, KeyError, TypeError) as err:
+                raise ConnectionError(
+                    f"could not read the logprobs mode of the vLLM server at {self.base_url} from /server_info "
+                    f"({err}); the sampler's log-probs need a server started with VLLM_SERVER_DEV_MODE=1 and "
+                    f"--logprobs-mode {PROCESSED}.") from err
+        if self.logprobs_mode != PROCESSED:
+            raise ValueError(
+                f"the vLLM server at {self.base_url} runs with --logprobs-mode {self.logprobs_mode}: its log-probs are "
+                "not those of the distribution it samples from (temperature, top-k/top-p/min-p applied), which the "
+                f"sampler's log-probs must be. Restart it with `--logprobs-mode {PROCESSED}`.")
+
+    def generate(self, prompts: list[list[int]], params: dict[str, Any]
+                 ) -> tuple[list[list[int]], list[list[float]] | None]:
         params = {k: v for k, v in params.items() if k != "detokenize"}
         payload = {"model": self.model_id, "prompt": prompts, "return_token_ids": True, **params}
+        if "logprobs" in params:
+            self.check_logprobs_mode()
+            payload["return_tokens_as_token_ids"] = True  # logprobs.tokens as "token_id:<id>", checked below
         choices = self._request("/v1/completions", payload)["choices"]
         choices = sorted(choices, key=lambda c: c.get("index", 0))  # prompt-major: a prompt's n samples together
-        return [list(choice["token_ids"]) for choice in choices]
+        completions = [list(choice["token_ids"]) for choice in choices]
+        if "logprobs" not in params:
+            return completions, None
+        return completions, [_choice_logprobs(choice) for choice in choices]
 
     def _connect(self) -> None:
         """Join the server's weight-transfer group as rank 0 (its workers are ranks 1..)."""
@@ -161,20 +229,19 @@ class VLLMSampler(Sampler):
 
     def sample(self, model, prompt_ids, prompt_mask, num_generations, *, eos, pad_token_id, max_new_tokens,
                share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
-        if return_logprobs:
-            raise ValueError("the vllm sampler does not return the sampler's log-probs here; use a transformers "
-                             "generation_backend for a run that needs them.")
         generation_kwargs = {k: v for k, v in sampling.items() if k not in SAMPLING_KNOBS}
         seed = int(torch.randint(0, 2**31 - 1, ()))  # from the run's torch RNG: seeded runs sample alike
         params = vllm_sampling_params(
             num_generations=num_generations, temperature=sampling.get("temperature", 1.0),
             top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k"), min_p=sampling.get("min_p"),
             repetition_penalty=sampling.get("repetition_penalty", 1.0), max_completion_length=max_new_tokens,
-            eos_token_ids=eos, generation_kwargs=generation_kwargs or None, seed=seed)
+            eos_token_ids=eos, generation_kwargs=generation_kwargs or None, seed=seed, logprobs=return_logprobs)
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        completions = self.engine.generate(prompts, params)
-        ids, lengths = padded_completions(completions, len(prompts), num_generations, pad_token_id, prompt_ids.device)
-        return Samples(ids, None, lengths)
+        completions, logps = self.engine.generate(prompts, params)
+        if return_logprobs and logps is None:
+            raise RuntimeError("the vLLM engine returned no log-probs although they were asked for.")
+        return padded_completions(completions, len(prompts), num_generations, pad_token_id, prompt_ids.device,
+                                  logps=logps if return_logprobs else None)
 
     def push(self, model: torch.nn.Module, step: int, sender: bool = True) -> None:
         self.engine.load_weights(lambda: vllm_weights(model), send=sender)

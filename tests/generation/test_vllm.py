@@ -1,7 +1,8 @@
 """use_vllm up to the GPU boundary: knob validation (a CPU machine is refused with the CPU alternative), the sampling
 knobs as vLLM SamplingParams fields, the policy's weights under vLLM's names, and the plumbing of a GRPO fit through
 a fake engine that records its calls (weights pushed at fit start and after every optimizer step, the rollout built
-from the engine's token ids). The real engine runs only in the ``gpu`` tests (skipped without CUDA; docs/vllm.md)."""
+from the engine's token ids); the sampler's log-probs from a fake engine, a fake ``vllm`` module (colocated) and a
+fake HTTP server (server mode). The real engine runs only in the ``gpu`` tests (skipped without CUDA; docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ def test_sampling_params_map_our_knobs():
     assert vllm_sampling_params(num_generations=2, temperature=1.0, top_p=1.0, top_k=50, min_p=0.05,
                                 repetition_penalty=1.0, max_completion_length=8, eos_token_ids=[2]
                                 )["top_k"] == 50
+    assert vllm_sampling_params(num_generations=2, temperature=1.0, top_p=1.0, top_k=None, min_p=None,
+                                repetition_penalty=1.0, max_completion_length=8, eos_token_ids=[2], logprobs=True
+                                )["logprobs"] == 0  # the sampled token's log-prob only (no alternatives)
 
 
 def test_weight_names():
@@ -97,7 +101,8 @@ def test_engine_completions_become_the_rollout_cut_at_eos_or_their_end(tokenizer
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     completions = [[11, 12, eos], [13], [14, eos, 15], [16, 17, 18, 19]]
-    ids, lengths = padded_completions(completions, 2, 2, pad)
+    ids, logps, lengths = padded_completions(completions, 2, 2, pad)
+    assert logps is None
     out_ids, mask, truncated = cut_after_eos(ids, [eos], pad, lengths)
     assert out_ids.tolist() == [[11, 12, eos, pad], [13, pad, pad, pad], [14, eos, pad, pad], [16, 17, 18, 19]]
     assert mask.sum(-1).tolist() == [3, 1, 2, 4]
@@ -121,7 +126,7 @@ class RecordingEngine:
         self.generate_calls.append((prompts, params))
         g = torch.Generator().manual_seed(params["seed"])
         return [torch.randint(3, 200, (int(torch.randint(1, params["max_tokens"] + 1, (), generator=g)),),
-                              generator=g).tolist() for _ in prompts for _ in range(params["n"])]
+                              generator=g).tolist() for _ in prompts for _ in range(params["n"])], None
 
 
 def test_fit_pushes_weights_after_each_optimizer_step_and_samples_through_the_engine(grpo_module, quiet_trainer,
@@ -149,6 +154,225 @@ def test_fit_pushes_weights_after_each_optimizer_step_and_samples_through_the_en
     assert module.external_sampler is None  # released at fit end
 
 
+# ------------------------------------------------------------------------------------------------ sampler log-probs
+EOS = 2
+NAN = float("nan")
+# (prompt's first token, generation) -> (the engine's completion, its log-probs); rows keyed so misordering shows
+ENGINE_ROWS = {
+    (5, 0): ([11, 12, EOS], [-0.5, -1.5, -0.25]),
+    (5, 1): ([13], [-2.0]),  # ended without EOS before the longest (the engine's context limit)
+    (8, 0): ([14, EOS, 15], [-0.75, -0.125, NAN]),  # cut at its EOS: what follows is 0, NaN included
+    (8, 1): ([16, 17, 18, 19], [-1.0, NAN, -3.0, -0.5]),  # a token vLLM could not score: NaN, as TRL keeps it
+    (13, 0): ([20, 21], [-0.375, -0.625]),
+    (13, 1): ([22, 23, 24, EOS], [-1.25, -0.0625, -4.0, -0.03125]),
+}
+KEPT = [3, 1, 2, 4, 2, 4]  # each row's tokens through its first EOS
+
+
+class LogprobEngine:
+    """Stands in for an engine at the ``generate`` boundary: known completions and log-probs per prompt."""
+
+    def __init__(self):
+        self.params: list[dict] = []
+
+    def generate(self, prompts, params):
+        self.params.append(params)
+        rows = [ENGINE_ROWS[(prompt[0], g)] for prompt in prompts for g in range(params["n"])]
+        return [ids for ids, _ in rows], ([logps for _, logps in rows] if "logprobs" in params else None)
+
+
+def _vllm_rollout(tokenizer, engine, return_logprobs):
+    from types import SimpleNamespace
+
+    from lightalign.modules.generation.sampling import sample_completions
+    from lightalign.modules.generation.vllm_engines import VLLMSampler
+
+    model = torch.nn.Linear(1, 1)  # the engine samples; the rollout reads only the generation config's EOS
+    model.generation_config = SimpleNamespace(eos_token_id=EOS)
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 13, 14]])  # left-padded
+    batch = {"prompt_input_ids": prompts, "prompt_attention_mask": (prompts != 0).long(), "prompts": ["a", "b", "c"],
+             "columns": {}}
+    torch.manual_seed(0)
+    return sample_completions(model, tokenizer, batch, 2, backend=VLLMSampler(engine), return_logprobs=return_logprobs,
+                              max_new_tokens=4, temperature=0.7, top_p=0.9)
+
+
+def test_vllm_sampler_returns_the_engines_logprobs_under_the_completion_mask(tokenizer):
+    """``sampling_logps`` are the engine's log-probs, row by row (3 prompts x 2 generations, prompt-major), through
+    each completion's first EOS; 0 after it (also where the engine had NaN there); NaN kept under the mask."""
+    engine = LogprobEngine()
+    out = _vllm_rollout(tokenizer, engine, return_logprobs=True)
+    assert engine.params[0]["logprobs"] == 0
+    assert out["completion_mask"].sum(-1).tolist() == KEPT
+    logps = out["sampling_logps"]
+    assert logps.shape == out["completion_ids"].shape == (6, 4)
+    for row, (key, kept) in enumerate(zip(ENGINE_ROWS, KEPT)):
+        ids, expected = ENGINE_ROWS[key]
+        assert out["completion_ids"][row, :kept].tolist() == ids[:kept], key
+        torch.testing.assert_close(logps[row, :kept], torch.tensor(expected[:kept]), equal_nan=True, msg=str(key))
+        assert (logps[row, kept:] == 0).all(), key
+    plain = LogprobEngine()
+    assert "sampling_logps" not in _vllm_rollout(tokenizer, plain, return_logprobs=False)
+    assert "logprobs" not in plain.params[0]
+
+
+def test_engine_logprobs_must_align_with_its_completions():
+    with pytest.raises(ValueError, match="log-probs do not align"):
+        padded_completions([[11, 12], [13]], 1, 2, 0, logps=[[-0.5, -1.0], [-0.5, -1.0]])
+
+
+def _fake_vllm(built, sampled_with):
+    """A ``vllm`` module whose ``LLM`` records its kwargs and answers ``RequestOutput``-shaped objects: each
+    position's log-probs hold the sampled token between a likelier and a less likely alternative."""
+    import types
+
+    FakeLogprob = lambda logprob, rank: types.SimpleNamespace(logprob=logprob, rank=rank)  # noqa: E731 (Logprob)
+
+    def expected(prompt, g, i):
+        return NAN if (g, i) == (1, 1) else -1.0 - i - 0.5 * g - prompt / 64
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+        def generate(self, requests, sampling_params, use_tqdm):
+            params = sampling_params.kwargs
+            sampled_with.append(params)
+            outputs = []
+            for request in requests:
+                p = request["prompt_token_ids"][0]
+                samples = []
+                for g in range(params["n"]):
+                    ids = [p + 1 + g, p + 2 + g, p + 3 + g]
+                    logprobs = [{900: FakeLogprob(-0.01, 1), token: FakeLogprob(expected(p, g, i), 2),
+                                 901: FakeLogprob(-9.0, 3)} for i, token in enumerate(ids)]
+                    samples.append(types.SimpleNamespace(token_ids=ids, logprobs=logprobs if "logprobs" in params
+                                                         else None))
+                outputs.append(types.SimpleNamespace(outputs=samples))
+            return outputs
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams = LLM, SamplingParams
+    return module, expected
+
+
+def test_colocated_engine_is_built_for_processed_logprobs_and_reads_the_sampled_tokens(monkeypatch):
+    import sys
+
+    from lightalign.modules.generation.vllm_engines import ColocatedEngine
+
+    built, sampled_with = {}, []
+    module, expected = _fake_vllm(built, sampled_with)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    engine = ColocatedEngine("tiny", gpu_memory_utilization=0.3, max_model_length=None, enable_sleep_mode=False,
+                             model_impl="vllm", seed=0)
+    assert built["logprobs_mode"] == "processed_logprobs"  # after temperature and the sampling filters
+    params = vllm_sampling_params(num_generations=2, temperature=0.7, top_p=0.9, top_k=None, min_p=None,
+                                  repetition_penalty=1.0, max_completion_length=3, eos_token_ids=[EOS], logprobs=True)
+    ids, logps = engine.generate([[5, 6], [40, 41]], params)
+    assert sampled_with[-1]["logprobs"] == 0
+    assert ids == [[6, 7, 8], [7, 8, 9], [41, 42, 43], [42, 43, 44]]
+    want = [[expected(p, g, i) for i in range(3)] for p in (5, 40) for g in range(2)]
+    torch.testing.assert_close(torch.tensor(logps), torch.tensor(want), equal_nan=True)
+    ids_only, none = engine.generate([[5, 6]], {k: v for k, v in params.items() if k != "logprobs"})
+    assert none is None and ids_only == ids[:2] and "logprobs" not in sampled_with[-1]
+
+
+@pytest.fixture
+def vllm_server():
+    """A ``vllm serve`` stand-in on localhost answering the routes ``ServerEngine`` reads, as vLLM does:
+    ``/v1/models``, the dev route ``/server_info`` (its logprobs mode; 404 without dev mode) and ``/v1/completions``
+    (choices carry ``index``; they are sent out of order; ``logprobs`` holds ``tokens`` / ``token_logprobs``)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    state = {"mode": "processed_logprobs", "dev": True, "requests": []}
+
+    def logprob(prompt, g, i):
+        return None if (g, i) == (0, 1) else -0.5 - i - g / 4 - prompt / 64
+
+    class Handler(BaseHTTPRequestHandler):
+        log_message = lambda self, *args: None  # noqa: E731
+
+        def reply(self, body, status=200):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/v1/models":
+                return self.reply({"data": [{"id": "tiny"}]})
+            if self.path == "/server_info?config_format=json" and state["dev"]:
+                return self.reply({"vllm_config": {"model_config": {"logprobs_mode": state["mode"]}}})
+            self.reply({"detail": "Not Found"}, 404)
+
+        def do_POST(self):
+            payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state["requests"].append((self.path, payload))
+            choices = []
+            for k, prompt in enumerate(payload["prompt"]):
+                for g in range(payload["n"]):
+                    ids = [prompt[-1] + 1 + g, prompt[-1] + 2 + g]
+                    choice = {"index": k * payload["n"] + g, "token_ids": ids, "logprobs": None}
+                    if payload.get("logprobs") is not None:
+                        as_ids = payload.get("return_tokens_as_token_ids")
+                        choice["logprobs"] = {"tokens": [f"token_id:{t}" if as_ids else f"<{t}>" for t in ids],
+                                              "token_logprobs": [logprob(prompt[-1], g, i) for i in range(2)],
+                                              "top_logprobs": [None, None], "text_offset": [0, 0]}
+                    choices.append(choice)
+            self.reply({"choices": choices[::-1]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state["url"], state["logprob"] = f"http://127.0.0.1:{server.server_address[1]}", logprob
+    yield state
+    server.shutdown()
+    server.server_close()
+
+
+def test_server_engine_asks_for_logprobs_and_reads_them_back(vllm_server):
+    from lightalign.modules.generation.vllm_engines import ServerEngine
+
+    engine = ServerEngine(vllm_server["url"], group_port=51216, timeout=10, sender=True)
+    params = vllm_sampling_params(num_generations=2, temperature=0.7, top_p=1.0, top_k=None, min_p=None,
+                                  repetition_penalty=1.0, max_completion_length=2, eos_token_ids=[EOS], logprobs=True)
+    ids, logps = engine.generate([[5, 6], [40]], params)
+    path, payload = vllm_server["requests"][-1]
+    assert path == "/v1/completions" and payload["logprobs"] == 0 and payload["return_tokens_as_token_ids"]
+    assert ids == [[7, 8], [8, 9], [41, 42], [42, 43]]  # prompt-major, whatever order the choices came in
+    lp = vllm_server["logprob"]
+    want = [[NAN if lp(p, g, i) is None else lp(p, g, i) for i in range(2)] for p in (6, 40) for g in range(2)]
+    torch.testing.assert_close(torch.tensor(logps), torch.tensor(want), equal_nan=True)
+
+
+def test_server_without_processed_logprobs_is_refused_only_when_logprobs_are_asked(vllm_server):
+    from lightalign.modules.generation.vllm_engines import ServerEngine
+
+    vllm_server["mode"] = "raw_logprobs"
+    engine = ServerEngine(vllm_server["url"], group_port=51216, timeout=10, sender=True)
+    params = vllm_sampling_params(num_generations=2, temperature=0.7, top_p=1.0, top_k=None, min_p=None,
+                                  repetition_penalty=1.0, max_completion_length=2, eos_token_ids=[EOS])
+    ids, logps = engine.generate([[5, 6]], params)  # no log-probs asked: the mode does not matter
+    assert ids == [[7, 8], [8, 9]] and logps is None and "logprobs" not in vllm_server["requests"][-1][1]
+    sent = len(vllm_server["requests"])
+    with pytest.raises(ValueError, match=r"--logprobs-mode raw_logprobs.*`--logprobs-mode processed_logprobs`"):
+        engine.generate([[5, 6]], {**params, "logprobs": 0})
+    assert len(vllm_server["requests"]) == sent  # refused before sampling
+    vllm_server["dev"] = False  # /server_info is a dev route
+    with pytest.raises(ConnectionError, match="VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs"):
+        ServerEngine(vllm_server["url"], group_port=51216, timeout=10, sender=True).generate(
+            [[5, 6]], {**params, "logprobs": 0})
+
+
 @pytest.mark.gpu
 def test_colocated_engine_samples_and_takes_pushed_weights(tiny_dir, tmp_path):
     """Real vLLM on a GPU: the tiny model saved, served colocated, a greedy completion changes after the weights
@@ -165,13 +389,16 @@ def test_colocated_engine_samples_and_takes_pushed_weights(tiny_dir, tmp_path):
                              enable_sleep_mode=False, model_impl="vllm", seed=0)
     params = vllm_sampling_params(num_generations=2, temperature=1.0, top_p=1.0, top_k=1, min_p=None,
                                   repetition_penalty=1.0, max_completion_length=8, eos_token_ids=[2])
-    first = engine.generate([[5, 6, 7]], params)
+    first, logps = engine.generate([[5, 6, 7]], {**params, "logprobs": 0})
     assert len(first) == 2 and first[0] == first[1]
+    # processed log-probs: after top_k=1 the sampled token had probability 1 (raw log-probs would be below 0)
+    assert [len(row) for row in logps] == [len(ids) for ids in first]
+    assert all(abs(value) < 1e-4 for row in logps for value in row)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p))
     engine.load_weights(lambda: vllm_weights(model))
-    assert engine.generate([[5, 6, 7]], params) != first
+    assert engine.generate([[5, 6, 7]], params) != (first, None)
 
 
 @pytest.mark.slow
