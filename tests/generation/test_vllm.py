@@ -216,7 +216,9 @@ def test_vllm_sampler_returns_the_engines_logprobs_under_the_completion_mask(tok
     assert "logprobs" not in plain.params[0]
 
 
-def test_engine_logprobs_must_align_with_its_completions():
+def test_engine_logprobs_padded_with_zeros_and_aligned_with_the_completions():
+    samples = padded_completions([[11, 12], [13]], 1, 2, 0, logps=[[-0.5, -1.0], [NAN]])
+    torch.testing.assert_close(samples.logps, torch.tensor([[-0.5, -1.0], [NAN, 0.0]]), equal_nan=True)
     with pytest.raises(ValueError, match="log-probs do not align"):
         padded_completions([[11, 12], [13]], 1, 2, 0, logps=[[-0.5, -1.0], [-0.5, -1.0]])
 
