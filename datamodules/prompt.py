@@ -112,6 +112,22 @@ class PromptDataModule(TokenizedDataModule):
     def default_collator(self) -> Callable:
         return PromptCollator(self.tokenizer.pad_token_id)
 
+    def rollout_prompts(self, index: int) -> dict[str, Any]:
+        """The prompt batch of this rank's rollout ``index`` (counted from the run's start, over epochs): the
+        batch the training loader hands to that rollout's first step, computed without iterating the loader (the
+        order is a pure function of seed, epoch and rank), so a sampler can start on it ahead of the training loop
+        (``max_staleness``)."""
+        order_of = self.make_epoch_sampler()
+        per_epoch = len(order_of) // self.prompts_per_generation
+        if per_epoch < 1:
+            raise DataFormatError(f"The training data has {len(order_of)} prompts per rank, fewer than one generation "
+                                  f"batch needs ({self.prompts_per_generation}).")
+        epoch, position = divmod(index, per_epoch)
+        order_of.set_epoch(epoch)
+        start = position * self.prompts_per_generation
+        rows = order_of.order()[start:start + self.prompts_per_generation]
+        return self.collate_fn()([self.train_dataset[i] for i in rows])
+
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
         if "prompt" not in raw.column_names:
             raise DataFormatError(

@@ -201,7 +201,8 @@ class GRPOModule(CriticFreeModule):
             vespo_lambda_neg=hp.vespo_lambda_neg, off_policy_mask_threshold=hp.off_policy_mask_threshold,
             use_bias_correction_kl=hp.use_bias_correction_kl, entropy_mask=entropy_mask,
             entropies=entropies if control.enabled else None, entropy_coef=control.applied_coef(),
-            loss_scale=scale,
+            loss_scale=scale, importance_sampling_ratio=mb.get("is_ratio"),
+            sampling_per_token_logps=mb.get("sampling_logps"),
         )
         if control.enabled:
             selected = mask if entropy_mask is None else entropy_mask

@@ -70,6 +70,11 @@ class RLOOModule(CriticFreeModule):
             if len(reward_clip_range) != 2 or not float(reward_clip_range[0]) < float(reward_clip_range[1]):
                 raise ValueError(f"reward_clip_range must be [low, high] with low < high, or null; got "
                                  f"{list(reward_clip_range)}.")
+        mode = kwargs.get("vllm_importance_sampling_mode", "sequence_mask")
+        if str(mode).startswith("token_"):
+            raise ValueError(f"vllm_importance_sampling_mode={mode!r}: RLOO's loss is one clipped ratio per completion, "
+                             "so its importance-sampling weight is per completion too; use 'sequence_mask' or "
+                             "'sequence_truncate'.")
         super().__init__(model_name_or_path, num_generations=num_generations, **kwargs)
 
     @property
@@ -78,7 +83,7 @@ class RLOOModule(CriticFreeModule):
 
     def needs_old_logps(self) -> bool:
         # the KL penalty needs the sampling policy's log-probs at rollout time
-        return self.hparams.beta > 0 or self.reuses_rollout()
+        return self.hparams.beta > 0 or super().needs_old_logps()
 
     # ------------------------------------------------------------------------------------- advantages
     def rollout_advantages(self, chunks: list[dict[str, torch.Tensor]]) -> None:
@@ -106,7 +111,8 @@ class RLOOModule(CriticFreeModule):
         # there only for the KL penalty, and a second forward's rounding (or dropout) must not clip anything
         old = mb.get("old_logps") if self.reuses_rollout() else None
         loss, stats = rloo_loss(logps, old, mb["advantages"], mb["completion_mask"],
-                                epsilon=hp.epsilon, epsilon_high=hp.epsilon_high)
+                                epsilon=hp.epsilon, epsilon_high=hp.epsilon_high,
+                                importance_sampling_ratio=mb.get("is_ratio"))
         s = self.train_stats
         s[metric_key("loss")].update(loss.detach())
         s[metric_key("clip_ratio")].update(stats["clip_ratio/region_mean"])

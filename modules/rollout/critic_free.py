@@ -6,12 +6,13 @@ padding-free), and they follow TRL's rollout schedule: ``steps_per_generation`` 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 from lightalign.modules.agent.episodes import ToolRollouts
 from lightalign.modules.adaptations.layouts import packed_completion_batch, prompt_group_batch
+from lightalign.modules.offpolicy.component import CloseSampler, OffPolicyRollouts
 from lightalign.modules.rollout.module import OnlineRLModule
 
 
@@ -50,6 +51,26 @@ class CriticFreeModule(OnlineRLModule):
             passes wrong arguments becomes an ``error:`` tool message and counts in ``tools/failure_frequency``.
         response_template: how the tokenizer's assistant turns are parsed into ``content`` and ``tool_calls``
             (transformers' response-template dict), for a tokenizer that has none.
+        max_staleness: asynchronous rollouts: with it > 0 a sampling process samples the next rollouts while the
+            current one trains, on a copy of the policy's weights at most ``max_staleness`` optimizer steps old
+            (as many rollouts ahead as fit: ``max_staleness`` // optimizer steps per rollout; at least one). Each
+            rollout keeps its sampler's log-probs, and the loss is corrected by the importance-sampling ratio
+            (``vllm_importance_sampling_*``). 0: each rollout is sampled by the policy that trains on it
+            (synchronous). Seeded runs are reproducible and resume exactly (rollouts in flight are kept in the
+            checkpoint); docs/async.md.
+        async_sampler_threads: torch threads of the sampling process (the training process keeps the rest of
+            its threads); default half of them. Only with ``max_staleness > 0``.
+        vllm_importance_sampling_correction: when the rollouts are not sampled by the policy being trained
+            (``max_staleness > 0`` or ``use_vllm``), weight the policy term of the loss by the importance-sampling
+            ratio ``pi_policy / pi_sampler`` of the sampled tokens at rollout time (TRL's name and default).
+            The mismatch itself (``sampling/*``) is logged either way. No effect on synchronous rollouts.
+        vllm_importance_sampling_mode: ``token_truncate`` / ``sequence_truncate`` clip the ratio (per token, or one
+            per completion: the product of its tokens' ratios) to [``clip_min``, ``clip_max``];
+            ``token_mask`` / ``sequence_mask`` set ratios outside it to 0 (those tokens or completions get no
+            policy gradient). RLOO's loss is per completion: ``sequence_*`` only.
+        vllm_importance_sampling_clip_min: the ratio's lower bound (None: none).
+        vllm_importance_sampling_clip_max: the ratio's upper bound (None: none; TRL's former name:
+            ``vllm_importance_sampling_cap``).
         **kwargs: ``OnlineRLModule`` arguments (rewards, sampling, reference, vLLM) and ``PolicyModule`` ones.
     """
 
@@ -67,8 +88,18 @@ class CriticFreeModule(OnlineRLModule):
         max_tool_calling_iterations: int | None = None,
         tool_timeout: float | None = 60.0,
         response_template: dict[str, Any] | None = None,
+        max_staleness: int = 0,
+        async_sampler_threads: int | None = None,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                               "sequence_mask"] = "sequence_mask",
+        vllm_importance_sampling_clip_min: float | None = None,
+        vllm_importance_sampling_clip_max: float | None = 3.0,
         **kwargs: Any,
     ) -> None:
+        if "vllm_importance_sampling_cap" in kwargs:
+            raise TypeError("vllm_importance_sampling_cap is TRL's former name of vllm_importance_sampling_clip_max; "
+                            "use that.")
         if num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {num_iterations}.")
         if steps_per_generation is not None and steps_per_generation < 1:
@@ -87,7 +118,16 @@ class CriticFreeModule(OnlineRLModule):
         # read by OnlineRLModule.__init__ (the environment's reward source, the tool statistics)
         object.__setattr__(self, "tool_rollouts", ToolRollouts.build(
             tools, environment_factory, max_tool_calling_iterations, tool_timeout, response_template))
+        object.__setattr__(self, "off_policy", OffPolicyRollouts(
+            max_staleness, async_sampler_threads, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
+            vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max))
         super().__init__(model_name_or_path, **kwargs)
+
+    def configure_callbacks(self) -> list:
+        callbacks = super().configure_callbacks()
+        if self.hparams.max_staleness:
+            callbacks.append(CloseSampler(self.off_policy))
+        return callbacks
 
     def micro_batches_per_rollout(self) -> int:
         steps = self.hparams.steps_per_generation

@@ -25,6 +25,7 @@ from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
 from lightalign.modules.generation.config import SamplingConfig
 from lightalign.modules.generation.sampling import sample_completions
 from lightalign.modules.generation.vllm import check_vllm_knobs
+from lightalign.modules.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout
 from lightalign.modules.rollout.scoring import fallback_stat, metric_key, score_rollout
@@ -128,6 +129,7 @@ class OnlineRLModule(PolicyModule):
     method_stats: tuple[str, ...] = ()  # the method's own logged statistics, beside ROLLOUT_STATS
     _unregistered_attributes = PolicyModule._unregistered_attributes | {"reward_funcs"}
     tool_rollouts: ToolRollouts | None = None  # multi-turn tool rollouts, set by a method that takes tools
+    off_policy: OffPolicyRollouts | None = None  # rollouts sampled ahead / by vLLM, corrected; set by a method
 
     def __init__(
         self,
@@ -231,7 +233,8 @@ class OnlineRLModule(PolicyModule):
         self.last_samples: list[dict[str, Any]] = []
         self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names),
                            *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None),
-                           *(TOOL_STATS if self.tool_rollouts is not None else ())]
+                           *(TOOL_STATS if self.tool_rollouts is not None else ()),
+                           *(self.off_policy.stat_names(use_vllm) if self.off_policy is not None else ())]
         self.reward_fallbacks_warned: set[str] = set()  # functions whose first fallback substitution was warned
         self.train_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
                                                 for k in self.stat_names})
@@ -262,9 +265,14 @@ class OnlineRLModule(PolicyModule):
         raise NotImplementedError
 
     def needs_old_logps(self) -> bool:
-        """Whether the rollout stores the sampling policy's log-probs (default: when an updated policy trains on
-        it)."""
-        return self.reuses_rollout()
+        """Whether the rollout stores the policy's log-probs at rollout time (default: when an updated policy trains
+        on it, or when something other than the policy sampled it)."""
+        return self.reuses_rollout() or self.sampler_is_stale()
+
+    def sampler_is_stale(self) -> bool:
+        """Whether the rollouts are sampled by something other than the policy being trained (a sampler ahead on
+        older weights, or vLLM): then their sampler's log-probs are kept and compared with the policy's."""
+        return self.off_policy is not None and self.off_policy.sampler_is_stale(self)
 
     def rollout_advantages(self, chunks: list[dict[str, torch.Tensor]]) -> None:
         """The method's advantage stage: write ``advantages`` (and whatever its loss reads) into the micro-batches
@@ -308,6 +316,8 @@ class OnlineRLModule(PolicyModule):
             raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
         if self.tool_rollouts is not None:
             self.tool_rollouts.check_setup(self.tokenizer, datamodule)
+        if self.off_policy is not None:
+            self.off_policy.check_setup(self)
         datamodule.configure_rollout(gen // self.hparams.num_generations, steps * self.passes())
 
     def configure_model(self) -> None:
@@ -360,6 +370,12 @@ class OnlineRLModule(PolicyModule):
                 chat_template_kwargs=getattr(datamodule, "chat_template_kwargs", None))
         return sample_completions(self.model, self.tokenizer, batch, num_generations, backend=sampler,
                                   return_logprobs=return_logprobs, **self.sampling.sampling_kwargs())
+
+    def sample_rollout(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This step's rollout: sampled now by the policy, or by the method's off-policy sampler (ahead, vLLM)."""
+        if self.off_policy is not None:
+            return self.off_policy.sample(self, batch)
+        return self.generate(batch, self.hparams.num_generations)
 
     def score(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each function's rewards ``[N, F]`` and their weighted sum ``[N]`` (NaN: no function scored it), logged
@@ -414,12 +430,13 @@ class OnlineRLModule(PolicyModule):
         if len(batch["prompts"]) != prompts_expected:
             raise ValueError(f"Expected {prompts_expected} prompts per rollout (generation_batch_size {gen} / "
                              f"num_generations {hp.num_generations}), got {len(batch['prompts'])}.")
-        rollout = self.generate(batch, hp.num_generations)  # 1. sample
+        rollout = self.sample_rollout(batch)  # 1. sample
         self.generation_count += 1
         with closing_environments(rollout):
             per_func, total = self.score(rollout, self.train_stats)  # 2. score
         lengths = rollout["completion_mask"].sum(-1)  # tokens through the last EOS (tool results included)
-        tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                           *(("sampling_logps",) if self.sampler_is_stale() else ()))}
         if "tool_mask" in rollout:  # tool results: attended to, not trained on (nor in the KL)
             tensors["completion_attention_mask"] = rollout["completion_mask"]
             tensors["completion_mask"] = rollout["completion_mask"] * rollout["tool_mask"]
@@ -437,6 +454,8 @@ class OnlineRLModule(PolicyModule):
                 mb["old_logps"], _ = self.token_logps(self.model, mb)
             if self.uses_reference:
                 mb["ref_logps"] = self.reference_logps(mb)
+        if self.off_policy is not None:  # the sampler's log-probs against the policy's: logged, corrected
+            self.off_policy.correct(self, chunks)
         self.rollout_advantages(chunks)  # 5. the method's advantages
         return chunks
 
@@ -492,8 +511,12 @@ class OnlineRLModule(PolicyModule):
         load_rollout_state(self, checkpoint)
 
     def rank_state(self) -> dict[str, Any]:
-        """This rank's rollout buffer (on the CPU) and position, and the method's per-rank state."""
-        return self.rollout_buffer.state_dict()
+        """This rank's rollout buffer (on the CPU) and position, the rollouts sampled ahead, and the method's
+        per-rank state."""
+        state = self.rollout_buffer.state_dict()
+        if self.off_policy is not None:
+            state.update(self.off_policy.state_dict())
+        return state
 
     def load_rank_state(self, state: dict[str, Any]) -> None:
         """The method's per-rank state (beside the buffer)."""

@@ -68,6 +68,9 @@ CASES = [
     # DDP GRPO with tool calls (the single-process case's knobs): each rank its own prompts, multi-turn rollouts
     # (tool results between sampled turns) in flight at the first kill, and reward normaliser
     ("grpo_tools", 2, 10, 2, 3, 9, 8),
+    # DDP GRPO sampled one rollout ahead (max_staleness 4) by a sampling process per rank: the first kill comes
+    # with the next rollout sampled ahead (kept in the step-2 checkpoint), the resumed runs sample on in step
+    ("grpo_async", 2, 10, 2, 3, 9, 8),
 ]
 
 
@@ -86,6 +89,10 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
     uninterrupted = _start(a, method, *common)
     _wait(_start(b, method, *common, "--kill-at", str(kill1)), expect_kill=True)
     assert not (b / "final.pt").exists()
+    if method == "grpo_async":  # the checkpoint the first resume starts from holds every rank's next rollout
+        kept = torch.load(next((b / "ckpt").glob(f"*step={resume1}.ckpt")), weights_only=False)
+        ranks = kept["lightalign_rollout"]["ranks"]
+        assert len(ranks) == devices and all(list(r["ahead_rollouts"]) == [1] for r in ranks), ranks
     _wait(_start(b, method, *common, "--resume", "--kill-at", str(kill2), "--log-version", "1"), expect_kill=True)
     assert torch.load(b / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == resume2
     _wait(_start(b, method, *common, "--resume", "--log-version", "2"))

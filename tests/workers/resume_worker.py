@@ -120,6 +120,14 @@ def build(method: str, model: str, devices: int):
                             normalize_rewards=True, scale_rewards="none", use_adaptive_entropy=True,
                             entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
         return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 4 * devices), tokenizer=TINY), 1
+    if method == "grpo_async":
+        # the GRPO case's knobs, sampled one rollout ahead (a rollout trains 4 optimizer steps: max_staleness 4) by
+        # a sampling process per rank: a checkpoint inside a rollout holds the next one, sampled or in flight
+        module = GRPOModule(model, reward_funcs=[varied_reward], num_generations=4, generation_batch_size=8,
+                            steps_per_generation=2, num_iterations=2, max_completion_length=6, max_staleness=4,
+                            normalize_rewards=True, scale_rewards="none", use_adaptive_entropy=True,
+                            entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 4 * devices), tokenizer=TINY), 1
     if method == "grpo_tools":
         # the GRPO case's knobs, with tools: the fitted tool policy (tests/helpers/tool_policy.py, weights loaded: no
         # from_config) samples multi-turn trajectories at temperature 1 (calls, malformed calls, answers)

@@ -1,0 +1,221 @@
+"""``OffPolicyRollouts``: the component a method composes to train on rollouts its policy did not sample itself
+(a sampler running ahead on older weights, ``max_staleness``; or vLLM) and to correct for it.
+
+Its stages in the online-RL loop (``modules/rollout/module.py``): ``sample`` gives the rollout, with the sampler's
+own per-token log-probs (``sampling_logps``) whenever the sampler is not the policy; after the policy's log-probs
+of the rollout (``old_logps``) are computed, ``correct`` compares the two (logged as ``sampling/*``) and, with
+``vllm_importance_sampling_correction``, stores each micro-batch's importance-sampling ratio (``is_ratio``), which
+the method's loss multiplies its policy term by. With ``max_staleness: 0`` and no vLLM nothing here runs: the
+rollout is sampled by the policy, as in the synchronous loop.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightalign.modules.offpolicy.ahead import AheadSampler
+from lightalign.modules.offpolicy.correction import (check_importance_sampling_knobs, importance_sampling_ratio,
+                                                    sampling_mismatch)
+from lightalign.modules.rollout.scoring import metric_key
+
+MISMATCH_STATS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "sampling/kl")
+RATIO_STATS = ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+               "sampling/importance_sampling_ratio/max", "sampling/importance_sampling_ratio/out_of_bounds")
+AHEAD_STATS = ("sampling/staleness", "sampling/wait_seconds")
+
+
+def optimizer_steps_per_rollout(micro_batches: int, passes: int, accumulate: int) -> int | None:
+    """Optimizer steps one rollout trains (None when a step straddles two rollouts)."""
+    calls = micro_batches * passes
+    return calls // accumulate if calls % accumulate == 0 else None
+
+
+class OffPolicyRollouts:
+    """Asynchronous rollouts (``max_staleness``, ``async_sampler_threads``) and the importance-sampling correction
+    (``vllm_importance_sampling_*``): the knobs are described in ``CriticFreeModule``'s docstring."""
+
+    def __init__(self, max_staleness: int = 0, async_sampler_threads: int | None = None, correction: bool = True,
+                 mode: str = "sequence_mask", clip_min: float | None = None, clip_max: float | None = 3.0) -> None:
+        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an integer >= 0 (optimizer steps the sampler's weights may lag "
+                             f"the policy; 0: synchronous rollouts), got {max_staleness!r}.")
+        if async_sampler_threads is not None:
+            if async_sampler_threads < 1:
+                raise ValueError(f"async_sampler_threads must be >= 1 or null, got {async_sampler_threads}.")
+            if max_staleness == 0:
+                raise ValueError("async_sampler_threads sets the threads of the sampling process, which runs only "
+                                 "with max_staleness > 0; set max_staleness or drop async_sampler_threads.")
+        check_importance_sampling_knobs(correction, mode, clip_min, clip_max)
+        self.max_staleness, self.sampler_threads = max_staleness, async_sampler_threads
+        self.correction, self.mode, self.clip_min, self.clip_max = correction, mode, clip_min, clip_max
+        self.ahead: AheadSampler | None = None
+        self.trainer_threads: int | None = None  # the training process's torch threads before the split
+        self.loaded_state: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------- what runs
+    @staticmethod
+    def sampler_is_stale(module: Any) -> bool:
+        """Whether rollouts are sampled by something other than the policy being trained."""
+        return module.off_policy.max_staleness > 0 or bool(module.hparams.use_vllm)
+
+    def stat_names(self, use_vllm: bool) -> tuple[str, ...]:
+        if not (use_vllm or self.max_staleness):
+            return ()
+        return (*MISMATCH_STATS, *(RATIO_STATS if self.correction else ()),
+                *(AHEAD_STATS if self.max_staleness else ()))
+
+    def depth(self, module: Any) -> int:
+        """Rollouts sampled ahead: as many as fit in ``max_staleness`` optimizer steps."""
+        steps = optimizer_steps_per_rollout(module.micro_batches_per_rollout(), module.passes(),
+                                            module.trainer.accumulate_grad_batches)
+        return self.max_staleness // steps
+
+    def check_setup(self, module: Any) -> None:
+        """Refuse, at fit start, an asynchronous setting this run cannot honour."""
+        if not self.max_staleness:
+            return
+        name = type(module).__name__
+        steps = optimizer_steps_per_rollout(module.micro_batches_per_rollout(), module.passes(),
+                                            module.trainer.accumulate_grad_batches)
+        if steps is None:
+            raise ValueError(f"{name}: max_staleness counts optimizer steps, so a rollout must train whole optimizer "
+                             f"steps: steps_per_generation x num_iterations ({module.micro_batches_per_rollout()} x "
+                             f"{module.passes()}) must be a multiple of accumulate_grad_batches "
+                             f"({module.trainer.accumulate_grad_batches}).")
+        if self.max_staleness < steps:
+            raise ValueError(f"{name}: max_staleness={self.max_staleness} is less than the {steps} optimizer steps one "
+                             f"rollout trains, so no rollout can be sampled ahead; set max_staleness >= {steps} (one "
+                             "rollout ahead) or 0 (synchronous).")
+        if module.hparams.use_vllm:
+            raise ValueError(f"{name}: max_staleness > 0 samples in a separate process with a transformers backend; "
+                             "with use_vllm set it to 0 (vLLM rollouts are corrected by "
+                             "vllm_importance_sampling_correction).")
+        if module.tool_rollouts is not None:
+            raise ValueError(f"{name}: max_staleness > 0 is not available with tools or environment_factory (tool "
+                             "calls run in the training process between sampled turns); set max_staleness: 0.")
+        strategy = type(module.trainer.strategy).__name__
+        if "FSDP" in strategy or "DeepSpeed" in strategy:
+            raise ValueError(f"{name}: max_staleness > 0 keeps a full copy of the policy in a sampling process, which "
+                             f"a sharded strategy ({strategy}) does not have; use ddp or a single device, or "
+                             "max_staleness: 0.")
+
+    # ------------------------------------------------------------------------------------- sample
+    def sample(self, module: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rollout (``module.generation_count``): sampled now by the policy, or taken from the sampler ahead."""
+        num_generations = module.hparams.num_generations
+        if not self.max_staleness:  # sampled now: by the policy, or by vLLM with the sampler's log-probs
+            if self.sampler_is_stale(module):
+                return module.generate(batch, num_generations, return_logprobs=True)
+            return module.generate(batch, num_generations)
+        index = module.generation_count
+        ahead = self._started(module, batch)
+        depth, step = ahead.depth, module.global_step
+        if index not in ahead.pending():  # nothing asked for yet: this rollout and the next `depth`, today's weights
+            ahead.drain()
+            ahead.done.clear()  # (a checkpoint's rollouts for other indices: not this run's schedule)
+            for slot in range(depth):
+                ahead.push(slot, module.model)
+            for i in range(index, index + depth + 1):
+                self._submit(module, ahead, i, step)
+        rollout, version, _ = ahead.take(index)
+        if index + depth not in ahead.pending():  # rollout `index` is done with its slot: the next one's weights
+            ahead.push(ahead.slot_of(index + depth), module.model)
+            self._submit(module, ahead, index + depth, step)
+        if step - version > self.max_staleness:
+            raise RuntimeError(f"Rollout {index} was sampled with the weights of optimizer step {version} and trains "
+                               f"from step {step}: {step - version} steps old, more than max_staleness "
+                               f"({self.max_staleness}).")
+        check_same_prompts(batch, rollout, num_generations, index)
+        stats = module.train_stats
+        stats[metric_key("sampling/staleness")].update(torch.tensor(float(step - version)))
+        stats[metric_key("sampling/wait_seconds")].update(torch.tensor(ahead.waited))
+        ahead.waited = 0.0
+        return {k: v.to(module.device) if isinstance(v, torch.Tensor) else v for k, v in rollout.items()}
+
+    def _submit(self, module: Any, ahead: AheadSampler, index: int, step: int) -> None:
+        seed = int(torch.randint(0, 2**31 - 1, ()))  # the run's RNG: a seeded run samples alike, resumed or not
+        batch = module.trainer.datamodule.rollout_prompts(index)
+        ahead.submit(index, step, batch, module.hparams.num_generations, seed)
+
+    def _started(self, module: Any, probe: dict[str, Any]) -> AheadSampler:
+        if self.ahead is None:
+            self.ahead = AheadSampler(self.depth(module), 1)
+            self.ahead.load_state_dict(self.loaded_state)
+        if not self.ahead.started:
+            total = torch.get_num_threads()
+            threads = self.sampler_threads or max(1, total // 2)
+            self.ahead.threads = threads
+            self.trainer_threads = total
+            torch.set_num_threads(max(1, total - threads))
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer crosses into a new process
+            self.ahead.start(module.model, module.tokenizer, module.sampling_backend(),
+                             module.sampling.sampling_kwargs(), probe=probe)
+        return self.ahead
+
+    def close(self) -> None:
+        """Stop the sampling process and give the training process its threads back."""
+        if self.ahead is not None:
+            self.ahead.close()
+        if self.trainer_threads is not None:
+            torch.set_num_threads(self.trainer_threads)
+            self.trainer_threads = None
+
+    # ------------------------------------------------------------------------------------- correct
+    def correct(self, module: Any, chunks: list[dict[str, torch.Tensor]]) -> None:
+        """Compare the sampler's log-probs with the policy's (``old_logps``) per micro-batch, log it, and store the
+        importance-sampling ratio (``is_ratio``) with ``vllm_importance_sampling_correction``."""
+        if not self.sampler_is_stale(module):
+            return
+        stats = module.train_stats
+        for mb in chunks:
+            mask = mb["completion_mask"]
+            mismatch = sampling_mismatch(mb["old_logps"], mb["sampling_logps"], mask)
+            stats[metric_key("sampling/sampling_logp_difference/mean")].update(mismatch["logp_difference_mean"])
+            stats[metric_key("sampling/sampling_logp_difference/max")].update(mismatch["logp_difference_max"])
+            stats[metric_key("sampling/kl")].update(mismatch["kl"])
+            if not self.correction:
+                continue
+            ratio, ratio_stats = importance_sampling_ratio(mb["old_logps"], mb["sampling_logps"], mask, self.mode,
+                                                           self.clip_min, self.clip_max)
+            mb["is_ratio"] = ratio
+            for name in ("min", "mean", "max"):
+                stats[metric_key(f"sampling/importance_sampling_ratio/{name}")].update(ratio_stats[f"ratio_{name}"])
+            stats[metric_key("sampling/importance_sampling_ratio/out_of_bounds")].update(
+                ratio_stats["out_of_bounds_fraction"])
+
+    # ------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        if self.ahead is None:
+            return dict(self.loaded_state)
+        return self.ahead.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded_state = {"ahead_rollouts": state.get("ahead_rollouts", {})}
+        if self.ahead is not None:
+            self.ahead.load_state_dict(self.loaded_state)
+
+
+def check_same_prompts(batch: dict[str, Any], rollout: dict[str, Any], num_generations: int, index: int) -> None:
+    """The rollout sampled ahead is for the prompts the training loader hands this step (never silently other)."""
+    expected = [p for p in batch["prompts"] for _ in range(num_generations)]
+    if rollout["prompts"] != expected:
+        raise RuntimeError(f"The rollout sampled ahead for rollout {index} has other prompts than the training loader "
+                           "gives this step: the prompt order was changed outside PromptDataModule (a custom loader "
+                           "or sampler); set max_staleness: 0.")
+
+
+class CloseSampler(L.Callback):
+    """Stops the sampling process when the fit ends or fails."""
+
+    def __init__(self, off_policy: OffPolicyRollouts) -> None:
+        self.off_policy = off_policy
+
+    def on_fit_end(self, trainer: L.Trainer, module: Any) -> None:
+        self.off_policy.close()
+
+    def on_exception(self, trainer: L.Trainer, module: Any, exception: BaseException) -> None:
+        self.off_policy.close()
