@@ -1,7 +1,8 @@
 """GRPO's loss as a pure function of tensors: TRL's loss types (surrogates and token normalisations),
 ``epsilon``/``epsilon_high`` clipping, ``delta``, token- or sequence-level importance sampling, the k3 KL penalty
-``beta`` (optionally bias-corrected), the off-policy sequence mask, the high-entropy token mask and the entropy
-bonus. GRPOModule calls ``grpo_loss``; the per-token terms live in ``grpo_surrogates.py``."""
+``beta`` (optionally bias-corrected), the off-policy sequence mask, the high-entropy token mask, the entropy bonus
+and the sampler-mismatch importance weight (``modules/offpolicy/correction.py``). GRPOModule calls ``grpo_loss``;
+the per-token terms live in ``grpo_surrogates.py``."""
 
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ def grpo_loss(
     entropies: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     loss_scale: float = 1.0,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    sampling_per_token_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's loss with TRL's loss types (``GRPOTrainer._compute_loss``).
 
@@ -114,9 +117,14 @@ def grpo_loss(
       - ``sapo``: ``-(4 / tau) sigmoid(tau (r - 1)) A`` (``tau`` = ``sapo_temperature_pos`` if ``A > 0`` else ``_neg``);
       - ``vespo``: ``-sg(phi(W)) A logp``, ``phi`` the Gamma weight of the sequence ratio ``W`` (``vespo_*`` knobs).
     The policy term is multiplied by the off-policy mask (``off_policy_mask_threshold``: rows with ``A < 0`` whose
-    mean ``old_logp - logp`` exceeds it get 0) and by ``entropy_mask`` (the high-entropy tokens,
-    ``top_entropy_quantile``); then ``beta * k3_t`` is added on every token, ``k3_t = exp(ref - logp) - (ref -
-    logp) - 1``, times ``r`` (with its gradient) when ``use_bias_correction_kl``.
+    mean ``base_logp - logp`` exceeds it get 0, ``base_logp`` = ``sampling_per_token_logps`` when given (a NaN
+    difference counts as 0), else ``old_logp``), by ``entropy_mask`` (the high-entropy tokens,
+    ``top_entropy_quantile``) and by ``rho``, the detached ``importance_sampling_ratio`` ``pi_old / pi_sampler``
+    (``[B, T]`` per token or ``[B, 1]`` per row, from ``modules/offpolicy/correction.py``), except for ``vespo``,
+    where ``sum_t log rho`` (each ``log rho`` clamped to [log 1e-8, 20]) is added to ``log W`` instead, so ``W`` is
+    ``pi / pi_sampler``. Then ``beta * k3_t`` is added on every token, ``k3_t = exp(ref - logp) - (ref - logp) - 1``
+    (not multiplied by ``rho``), times ``r`` (with its gradient) when ``use_bias_correction_kl``. So per token:
+    ``loss_t = policy_t * opm_i * entropy_mask_t * rho + beta * k3_t``, as TRL 1.16 (``vllm_importance_sampling_*``).
 
     Reduction over the ``[B, T]`` masked losses (``S`` = masked sum, ``n_i`` = tokens of row ``i``):
       - ``grpo``, ``sapo``: ``mean_i(sum_t loss / max(n_i, 1))`` (an empty row counts in the mean with 0, like TRL);
@@ -172,9 +180,16 @@ def grpo_loss(
     if beta > 0 and ref_per_token_logps is None:
         raise ValueError(f"beta={beta} > 0 needs ref_per_token_logps (the reference model's [B, T] log-probs); "
                          "pass them or set beta=0.0.")
-    for name, extra in (("entropy_mask", entropy_mask), ("entropies", entropies)):
+    for name, extra in (("entropy_mask", entropy_mask), ("entropies", entropies),
+                        ("sampling_per_token_logps", sampling_per_token_logps)):
         if extra is not None and extra.shape != per_token_logps.shape:
             raise ValueError(f"{name} must be [B, T] = {tuple(per_token_logps.shape)}, got {tuple(extra.shape)}.")
+    if importance_sampling_ratio is not None and (
+            importance_sampling_ratio.dim() != 2 or importance_sampling_ratio.shape[0] != per_token_logps.shape[0]
+            or importance_sampling_ratio.shape[1] not in (1, per_token_logps.shape[1])):
+        b, t = per_token_logps.shape
+        raise ValueError(f"importance_sampling_ratio must be [B, T] = [{b}, {t}] (token modes) or [B, 1] = [{b}, 1] "
+                         f"(sequence modes), got {tuple(importance_sampling_ratio.shape)}.")
     dtype = torch.float64 if per_token_logps.dtype == torch.float64 else torch.float32
     mask = completion_mask.bool()
     zero = torch.zeros((), dtype=dtype, device=per_token_logps.device)
@@ -187,19 +202,27 @@ def grpo_loss(
     adv = advantages.to(dtype).detach().unsqueeze(1)  # [B, 1]
     log_ratio = logp - old
     ratio = torch.exp(log_importance_weights(log_ratio, mask, importance_sampling_level))
+    rho = None
+    if importance_sampling_ratio is not None:  # [B, T]: 1 on padding, so nothing there reaches a gradient or a sum
+        rho = importance_sampling_ratio.detach().to(dtype)
+        if rho.shape[1] != 1:
+            rho = torch.where(mask, rho, torch.ones((), dtype=dtype, device=rho.device))
     if loss_type == "cispo":
         policy = cispo_surrogate(ratio, logp, adv, eps_high)
     elif loss_type == "sapo":
         policy = sapo_surrogate(ratio, adv, sapo_temperature_pos, sapo_temperature_neg)
     elif loss_type == "vespo":
-        phi = vespo_weights(log_ratio, mask, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        phi = vespo_weights(log_ratio, mask, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, rho)
         policy = -phi * adv * logp
     else:
         policy = clipped_surrogate(ratio, adv, epsilon, eps_high, delta)
     if off_policy_mask_threshold is not None:
-        policy = policy * off_policy_mask(logp, old, mask, adv, off_policy_mask_threshold)
+        base = old if sampling_per_token_logps is None else masked(sampling_per_token_logps).detach()
+        policy = policy * off_policy_mask(logp, base, mask, adv, off_policy_mask_threshold)
     if entropy_mask is not None:
         policy = policy * entropy_mask.to(dtype).detach()
+    if rho is not None and loss_type != "vespo":
+        policy = policy * rho
     per_token_loss = policy
     if beta > 0:
         ref_minus_logp = masked(ref_per_token_logps).detach() - logp

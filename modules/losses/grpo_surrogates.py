@@ -53,11 +53,19 @@ def sapo_surrogate(ratio: torch.Tensor, adv: torch.Tensor, temperature_pos: floa
 
 @torch.no_grad()
 def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, k_pos: float, lambda_pos: float,
-                  k_neg: float, lambda_neg: float) -> torch.Tensor:
+                  k_neg: float, lambda_neg: float, importance_sampling_ratio: torch.Tensor | None = None,
+                  ) -> torch.Tensor:
     """VESPO's Gamma weight per row ``[B, 1]`` (detached): ``phi(w) = exp(lambda) w^k exp(-lambda w)`` (so
     ``phi(1) = 1``), ``w`` the sequence ratio ``exp(sum_t log r_t)`` (each ``log r_t`` clamped to [-20, 20], the
-    sum to [log 1e-8, 20]); ``k, lambda`` are the ``_pos`` pair where ``A >= 0``, else ``_neg``."""
+    sum to [log 1e-8, 20]); ``k, lambda`` are the ``_pos`` pair where ``A >= 0``, else ``_neg``.
+
+    ``importance_sampling_ratio`` (``pi_old / pi_sampler``, ``[B, T]`` holding 1 on padding, or ``[B, 1]``): its
+    log, clamped to [log 1e-8, 20] per entry (so a masked-out 0 counts as log 1e-8), is summed per row into the
+    sequence log-ratio before the clamp, making ``w`` the ratio ``pi / pi_sampler`` (TRL's ``get_gamma_weights``)."""
     seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask.to(log_ratio.dtype)).sum(-1, keepdim=True)
+    if importance_sampling_ratio is not None:
+        log_is = torch.clamp(torch.log(importance_sampling_ratio), math.log(1e-8), 20.0)
+        seq = seq + log_is.sum(-1, keepdim=True)
     log_w = torch.clamp(seq, math.log(1e-8), 20.0)
     nonneg = adv >= 0
     k = torch.where(nonneg, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
@@ -70,7 +78,10 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor
 def off_policy_mask(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
                     threshold: float) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence mask ``[B, 1]``: 0 for a row with ``A < 0`` whose mean per-token
-    ``log pi_old - log pi`` exceeds ``threshold``, 1 otherwise."""
+    ``log pi_old - log pi`` exceeds ``threshold``, 1 otherwise. ``old_logp`` may be the sampler's log-probs
+    (``grpo_loss``'s ``sampling_per_token_logps``): a token whose difference is NaN (the sampler could not score it)
+    counts as 0, so one unscorable token cannot drop its row."""
     m = mask.to(logp.dtype)
-    kl = ((old_logp - logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    per_token = torch.nan_to_num(old_logp - logp, nan=0.0)
+    kl = (per_token * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
     return ((adv >= 0) | (kl <= threshold)).to(logp.dtype)
