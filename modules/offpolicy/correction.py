@@ -91,8 +91,9 @@ def importance_sampling_ratio(
     become the largest finite value, so an unscorable extreme gives a ratio of 0 or inf (then constrained), never NaN.
     Returns ``(ratio, stats)``:
 
-      - ``ratio``: detached, float32 (float64 if either log-prob tensor is), ``[B, T]`` for the token modes (1 on
-        padding, which no loss reads) or ``[B, 1]`` for the sequence modes; multiply it into the policy term.
+      - ``ratio``: detached, float32 (float64 if either log-prob tensor is), ``[B, T]`` for the token modes or
+        ``[B, 1]`` for the sequence modes; exactly 1 on padding and for a sequence with no real token (neutral,
+        whatever the bounds). Multiply it into the policy term.
       - ``stats`` (detached scalars): ``ratio_min``, ``ratio_mean``, ``ratio_max`` of the ratio *after* truncation
         or masking (TRL logs those as ``sampling/importance_sampling_ratio/min|mean|max``), over the real tokens
         (token modes) or over the sequences with at least one real token (sequence modes; TRL also counts a
@@ -119,8 +120,7 @@ def importance_sampling_ratio(
         ratio = raw
     else:
         ratio = torch.clamp(raw, min=clip_min, max=clip_max)
-    if mode not in SEQUENCE_MODES:
-        ratio = torch.where(real, ratio, torch.ones_like(ratio))
+    ratio = torch.where(counted, ratio, torch.ones_like(ratio))  # neutral where there is nothing to correct
 
     values = ratio[counted]
     if values.numel() == 0:

@@ -51,7 +51,8 @@ def outside(raw, clip_min, clip_max):
     return (clip_min is not None and raw < clip_min) or (clip_max is not None and raw > clip_max)
 
 
-BOUNDS = [(0.5, 3.0), (None, 3.0), (0.5, None), (None, None)]
+# (1.5, None): the raw ratio of padding and of the empty row (1) lies below clip_min, and must still read 1
+BOUNDS = [(0.5, 3.0), (None, 3.0), (0.5, None), (None, None), (1.5, None)]
 
 
 @pytest.mark.parametrize("clip_min,clip_max", BOUNDS)
