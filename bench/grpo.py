@@ -11,9 +11,12 @@ Run by hand from the repository root, in a separate venv so TRL never enters the
 `--shape reasoning` is the RL-for-reasoning workload: the short arithmetic prompts, `--max-completion-length` 256
 and an EOS logit bias (`--eos-bias`, default 2.3 there) added to the model's output logits by a forward hook on its
 output embedding in both frameworks (generation and training alike: it is part of the benchmark model), so the
-random-weight model's completions end at geometric, varied lengths (EOS probability about 1% per token: mean about
+random-weight model's completions end at geometric, varied lengths; on lightalign's side the hook is registered by the
+model's class (bench/eos_bias.py), so the asynchronous sampling process, which rebuilds the class, has it too (EOS probability about 1% per token: mean about
 95 tokens, some hit 256). It runs each `--variants` entry: `lightalign:<generation_backend>` (generate, continuous,
-static, compact; a `+padding_free` suffix trains that variant padding-free instead of with --prompt-sharing)
+static, compact; a `+padding_free` suffix trains that variant padding-free instead of with --prompt-sharing, and
+`+async<N>` samples ahead in a sampling process with `max_staleness: N`: the training process then logs the time it
+waited as its generation share, and the sampling process's busy share is reported beside it)
 and `trl:generate` / `trl:continuous` (TRL's `use_transformers_continuous_batching`, its paged cache sized like
 lightalign's instead of from half the machine's RAM, which is TRL's CPU default).
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -63,19 +67,26 @@ class Meter:
         self.seen = 0
         self.rollouts: list[dict] = []  # one per generation, in order: rollout k serves optimizer step k + 1
 
-    def step_end(self, step: int) -> None:
-        """Called after every micro-batch / optimizer step with the optimizer steps done so far (acts on changes)."""
+    def step_end(self, step: int, helper_cpu: float = 0.0) -> None:
+        """Called after every micro-batch / optimizer step with the optimizer steps done so far (acts on changes);
+        ``helper_cpu``: CPU seconds so far of the run's own helper processes (lightalign's sampling process)."""
         if step == self.seen:
             return
         self.seen = step
         if step == self.warmup:
-            self.start, self.cpu, self.busy = time.perf_counter(), time.process_time(), machine_busy_seconds()
+            self.start, self.busy = time.perf_counter(), machine_busy_seconds()
+            self.cpu = time.process_time() + helper_cpu
         elif step == self.last:
             self.end = time.perf_counter()
-            self.cpu, self.busy = time.process_time() - self.cpu, machine_busy_seconds() - self.busy
+            self.cpu = time.process_time() + helper_cpu - self.cpu
+            self.busy = machine_busy_seconds() - self.busy
 
-    def rollout(self, lengths: list[int], gen_seconds: float) -> None:
-        self.rollouts.append({"n": len(lengths), "tokens": sum(lengths), "gen_s": gen_seconds, "reward_s": 0.0})
+    def rollout(self, lengths: list[int], gen_seconds: float, sampler_seconds: float | None = None) -> None:
+        """One rollout: its completion lengths, the seconds the training process spent on (or waited for) its
+        sampling, and (sampled ahead) the seconds the sampling process took."""
+        self.rollouts.append({"n": len(lengths), "tokens": sum(lengths), "gen_s": gen_seconds, "reward_s": 0.0,
+                              "sampler_s": gen_seconds if sampler_seconds is None else sampler_seconds,
+                              "reward": None})
 
     def summary(self) -> dict:
         if self.end is None:
@@ -90,8 +101,10 @@ class Meter:
                 "mean_completion_length": tokens / n, "seconds": seconds, "completions": n,
                 "cpu_per_wall": self.cpu / seconds,  # ~threads when nothing else runs
                 "others_cpu_share": max(0.0, self.busy - self.cpu) / (seconds * (os.cpu_count() or 1)),
-                "generation_share": sum(r["gen_s"] for r in timed) / seconds,
-                "reward_share": sum(r["reward_s"] for r in timed) / seconds}
+                "generation_share": sum(r["gen_s"] for r in timed) / seconds,  # sampling, or waiting for it
+                "sampler_busy_share": sum(r["sampler_s"] for r in timed) / seconds,
+                "reward_share": sum(r["reward_s"] for r in timed) / seconds,
+                "rewards": [r["reward"] for r in self.rollouts[:self.last]]}
 
 
 def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
@@ -102,33 +115,42 @@ def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dic
 
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            meter.step_end(trainer.global_step)
+            ahead = pl_module.off_policy.ahead
+            meter.step_end(trainer.global_step, process_cpu_seconds(ahead.process.pid) if ahead and ahead.process else 0.0)
 
     class TimedGRPOModule(GRPOModule):
-        def generate(self, batch, num_generations):
+        def sample_rollout(self, batch):  # sampling, or (sampled ahead) waiting for the sampling process
             start = time.perf_counter()
-            out = super().generate(batch, num_generations)
-            if self.training:
-                meter.rollout(out["completion_mask"].sum(-1).tolist(), time.perf_counter() - start)
+            out = super().sample_rollout(batch)
+            ahead = self.off_policy.ahead
+            meter.rollout(out["completion_mask"].sum(-1).tolist(), time.perf_counter() - start,
+                          None if ahead is None else self.off_policy.sampled_seconds)
             return out
 
         def score(self, rollout, stats):
             start = time.perf_counter()
             out = super().score(rollout, stats)
-            meter.rollouts[-1]["reward_s"] = time.perf_counter() - start
+            if self.training:
+                meter.rollouts[-1]["reward_s"] = time.perf_counter() - start
+                meter.rollouts[-1]["reward"] = float(out[1].nanmean())
             return out
 
-        def configure_model(self):
-            super().configure_model()
-            add_eos_bias(self.model, self.tokenizer_eos, args.eos_bias)
-
-    backend, _, layout = (args.backend or "").partition("+")  # e.g. compact+padding_free
-    if layout not in ("", "padding_free"):
-        raise SystemExit(f"unknown lightalign layout {layout!r} in variant {args.backend!r} (known: padding_free)")
-    TimedGRPOModule.tokenizer_eos = eos_id(args.model_dir)
+    parts = (args.backend or "").split("+")  # e.g. compact+padding_free+async1
+    backend, extras = parts[0], parts[1:]
+    staleness = [int(e.removeprefix("async")) for e in extras if e.startswith("async")]
+    layout = "padding_free" if "padding_free" in extras else ""
+    if set(extras) - {"padding_free", *(f"async{n}" for n in staleness)}:
+        raise SystemExit(f"unknown lightalign variant suffix in {args.backend!r} (known: padding_free, async<N>)")
     L.seed_everything(args.seed, verbose=False)
+    from eos_bias import EOSBiasedQwen2ForCausalLM  # the EOS bias in the model's own class (see bench/eos_bias.py)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.model_dir)
+    config.bench_eos_bias, config.bench_eos_token = args.eos_bias, eos_id(args.model_dir)
+    policy = EOSBiasedQwen2ForCausalLM.from_pretrained(args.model_dir, config=config, dtype="float32")
     module = TimedGRPOModule(
-        args.model_dir, reward_funcs=[digit_fraction_reward], num_generations=args.num_generations,
+        args.model_dir, model=policy, max_staleness=staleness[0] if staleness else 0,
+        reward_funcs=[digit_fraction_reward], num_generations=args.num_generations,
         generation_batch_size=args.generation_batch, max_completion_length=args.max_completion_length,
         temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=args.lr, lr_scheduler_type="constant",
         prompt_sharing=args.prompt_sharing == "on" and not layout, padding_free=layout == "padding_free",
@@ -144,6 +166,12 @@ def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dic
     return {"attn": module.model.config._attn_implementation, "backend": args.backend or "default",
             "shape": f"generation_batch_size={gen} steps_per_generation={steps} micro_batch={micro} "
                      f"accumulate_grad_batches={trainer.accumulate_grad_batches}"}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a running process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
@@ -244,8 +272,9 @@ def run_one(args: argparse.Namespace) -> dict:
     os.environ["HF_DATASETS_CACHE"] = str(workdir / "datasets")  # no dataset cache hit across runs
     meter = Meter(args.warmup, args.steps)
     extra = (run_lightalign if args.framework == "lightalign" else run_trl)(args, meter, workdir)
-    return {"framework": args.framework, "variant": f"{args.framework}:{extra['backend']}", **meter.summary(), "threads": torch.get_num_threads(),
-            "peak_rss_mb": harness.peak_rss_mb(), **extra}
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the sampling process, if any
+    return {"framework": args.framework, "variant": f"{args.framework}:{extra['backend']}", **meter.summary(),
+            "threads": args.threads, "peak_rss_mb": harness.peak_rss_mb() + children, **extra}
 
 
 def spawn(args: argparse.Namespace, variant: str) -> dict | None:
@@ -384,14 +413,16 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"[{r + 1}/{args.repeats}] {framework:>10}: {res['completions_per_sec']:6.2f} completions/s "
                       f"{res['completion_tokens_per_sec']:6.0f} tokens/s  "
                       f"mean length {res['mean_completion_length']:5.2f}"
-                      f"  generation {100 * res['generation_share']:4.1f}%  reward {100 * res['reward_share']:4.2f}%"
+                      f"  generation {100 * res['generation_share']:4.1f}% (sampler busy "
+                      f"{100 * res['sampler_busy_share']:4.1f}%)  reward {100 * res['reward_share']:4.2f}%"
                       f"  peak RSS {res['peak_rss_mb']:6.0f} MB\n{'':>16}threads {res['threads']} (CPU/wall "
                       f"{res['cpu_per_wall']:.2f}, other processes {100 * res['others_cpu_share']:.0f}% of the machine)"
                       f"  attn {res['attn']}  {res['shape']}", flush=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
-    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "reward_share",
+    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "sampler_busy_share",
+            "reward_share",
             "others_cpu_share", "model_flops_per_sec")
     summary = {v: {k: harness.median_of(runs, k, variant=v) for k in keys}
                for v in dict.fromkeys(r["variant"] for r in runs)}

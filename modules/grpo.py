@@ -186,6 +186,7 @@ class GRPOModule(CriticFreeModule):
         with self.training_forward_context():
             logps, entropies = self.token_logps(self.model, mb, entropy_grad=control.enabled,
                                                 with_entropy=hp.log_entropy or control.enabled or hp.top_entropy_quantile < 1)
+        is_ratio = self.off_policy.importance_ratio(self, mb, logps)  # rollouts sampled ahead / by vLLM
         mask = mb["completion_mask"].bool()
         entropy_mask = None if hp.top_entropy_quantile >= 1 else self._high_entropy_mask(entropies.detach(), mask)
         num_items, scale = None, 1.0
@@ -201,7 +202,7 @@ class GRPOModule(CriticFreeModule):
             vespo_lambda_neg=hp.vespo_lambda_neg, off_policy_mask_threshold=hp.off_policy_mask_threshold,
             use_bias_correction_kl=hp.use_bias_correction_kl, entropy_mask=entropy_mask,
             entropies=entropies if control.enabled else None, entropy_coef=control.applied_coef(),
-            loss_scale=scale, importance_sampling_ratio=mb.get("is_ratio"),
+            loss_scale=scale, importance_sampling_ratio=is_ratio,
             sampling_per_token_logps=mb.get("sampling_logps"),
         )
         if control.enabled:

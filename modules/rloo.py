@@ -110,9 +110,10 @@ class RLOOModule(CriticFreeModule):
         # on-policy (one pass, one optimizer step per rollout) the ratio is 1 by definition: the old log-probs are
         # there only for the KL penalty, and a second forward's rounding (or dropout) must not clip anything
         old = mb.get("old_logps") if self.reuses_rollout() else None
+        is_ratio = self.off_policy.importance_ratio(self, mb, logps)  # rollouts sampled ahead / by vLLM
         loss, stats = rloo_loss(logps, old, mb["advantages"], mb["completion_mask"],
                                 epsilon=hp.epsilon, epsilon_high=hp.epsilon_high,
-                                importance_sampling_ratio=mb.get("is_ratio"))
+                                importance_sampling_ratio=is_ratio)
         s = self.train_stats
         s[metric_key("loss")].update(loss.detach())
         s[metric_key("clip_ratio")].update(stats["clip_ratio/region_mean"])

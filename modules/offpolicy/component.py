@@ -2,10 +2,10 @@
 (a sampler running ahead on older weights, ``max_staleness``; or vLLM) and to correct for it.
 
 Its stages in the online-RL loop (``modules/rollout/module.py``): ``sample`` gives the rollout, with the sampler's
-own per-token log-probs (``sampling_logps``) whenever the sampler is not the policy; after the policy's log-probs
-of the rollout (``old_logps``) are computed, ``correct`` compares the two (logged as ``sampling/*``) and, with
-``vllm_importance_sampling_correction``, stores each micro-batch's importance-sampling ratio (``is_ratio``), which
-the method's loss multiplies its policy term by. With ``max_staleness: 0`` and no vLLM nothing here runs: the
+own per-token log-probs (``sampling_logps``) whenever the sampler is not the policy; in each training step
+``importance_ratio`` compares them with the policy's (logged as ``sampling/*``) and, with
+``vllm_importance_sampling_correction``, gives the importance-sampling ratio the method's loss multiplies its policy
+term by. With ``max_staleness: 0`` and no vLLM nothing here runs: the
 rollout is sampled by the policy, as in the synchronous loop.
 """
 
@@ -55,6 +55,7 @@ class OffPolicyRollouts:
         self.ahead: AheadSampler | None = None
         self.trainer_threads: int | None = None  # the training process's torch threads before the split
         self.loaded_state: dict[str, Any] = {}
+        self.sampled_seconds = 0.0  # the sampling process's seconds on the last rollout taken
 
     # ------------------------------------------------------------------------------------- what runs
     @staticmethod
@@ -121,7 +122,7 @@ class OffPolicyRollouts:
                 ahead.push(slot, module.model)
             for i in range(index, index + depth + 1):
                 self._submit(module, ahead, i, step)
-        rollout, version, _ = ahead.take(index)
+        rollout, version, self.sampled_seconds = ahead.take(index)
         if index + depth not in ahead.pending():  # rollout `index` is done with its slot: the next one's weights
             ahead.push(ahead.slot_of(index + depth), module.model)
             self._submit(module, ahead, index + depth, step)
@@ -165,27 +166,29 @@ class OffPolicyRollouts:
             self.trainer_threads = None
 
     # ------------------------------------------------------------------------------------- correct
-    def correct(self, module: Any, chunks: list[dict[str, torch.Tensor]]) -> None:
-        """Compare the sampler's log-probs with the policy's (``old_logps``) per micro-batch, log it, and store the
-        importance-sampling ratio (``is_ratio``) with ``vllm_importance_sampling_correction``."""
+    def importance_ratio(self, module: Any, mb: dict[str, torch.Tensor], logps: torch.Tensor) -> torch.Tensor | None:
+        """The micro-batch's importance-sampling ratio (``vllm_importance_sampling_*``) of the policy's log-probs
+        over the sampler's, or None (the sampler is the policy, or the correction is off); the mismatch is logged
+        either way. The policy's log-probs are the rollout's ``old_logps`` when the rollout is reused (several
+        passes or optimizer steps), else this forward's own (detached): the policy has not moved since the
+        rollout started training, so no second forward is needed."""
         if not self.sampler_is_stale(module):
-            return
+            return None
+        mask, sampler = mb["completion_mask"], mb["sampling_logps"]
+        policy = mb["old_logps"] if "old_logps" in mb else logps.detach()
         stats = module.train_stats
-        for mb in chunks:
-            mask = mb["completion_mask"]
-            mismatch = sampling_mismatch(mb["old_logps"], mb["sampling_logps"], mask)
-            stats[metric_key("sampling/sampling_logp_difference/mean")].update(mismatch["logp_difference_mean"])
-            stats[metric_key("sampling/sampling_logp_difference/max")].update(mismatch["logp_difference_max"])
-            stats[metric_key("sampling/kl")].update(mismatch["kl"])
-            if not self.correction:
-                continue
-            ratio, ratio_stats = importance_sampling_ratio(mb["old_logps"], mb["sampling_logps"], mask, self.mode,
-                                                           self.clip_min, self.clip_max)
-            mb["is_ratio"] = ratio
-            for name in ("min", "mean", "max"):
-                stats[metric_key(f"sampling/importance_sampling_ratio/{name}")].update(ratio_stats[f"ratio_{name}"])
-            stats[metric_key("sampling/importance_sampling_ratio/out_of_bounds")].update(
-                ratio_stats["out_of_bounds_fraction"])
+        mismatch = sampling_mismatch(policy, sampler, mask)
+        stats[metric_key("sampling/sampling_logp_difference/mean")].update(mismatch["logp_difference_mean"])
+        stats[metric_key("sampling/sampling_logp_difference/max")].update(mismatch["logp_difference_max"])
+        stats[metric_key("sampling/kl")].update(mismatch["kl"])
+        if not self.correction:
+            return None
+        ratio, ratio_stats = importance_sampling_ratio(policy, sampler, mask, self.mode, self.clip_min, self.clip_max)
+        for name in ("min", "mean", "max"):
+            stats[metric_key(f"sampling/importance_sampling_ratio/{name}")].update(ratio_stats[f"ratio_{name}"])
+        stats[metric_key("sampling/importance_sampling_ratio/out_of_bounds")].update(
+            ratio_stats["out_of_bounds_fraction"])
+        return ratio
 
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -265,9 +265,9 @@ class OnlineRLModule(PolicyModule):
         raise NotImplementedError
 
     def needs_old_logps(self) -> bool:
-        """Whether the rollout stores the policy's log-probs at rollout time (default: when an updated policy trains
-        on it, or when something other than the policy sampled it)."""
-        return self.reuses_rollout() or self.sampler_is_stale()
+        """Whether the rollout stores the sampling policy's log-probs (default: when an updated policy trains on
+        it)."""
+        return self.reuses_rollout()
 
     def sampler_is_stale(self) -> bool:
         """Whether the rollouts are sampled by something other than the policy being trained (a sampler ahead on
@@ -454,8 +454,6 @@ class OnlineRLModule(PolicyModule):
                 mb["old_logps"], _ = self.token_logps(self.model, mb)
             if self.uses_reference:
                 mb["ref_logps"] = self.reference_logps(mb)
-        if self.off_policy is not None:  # the sampler's log-probs against the policy's: logged, corrected
-            self.off_policy.correct(self, chunks)
         self.rollout_advantages(chunks)  # 5. the method's advantages
         return chunks
 

@@ -34,7 +34,7 @@ def record_rollouts(module):
     """Every rollout the component hands the loop (index, the optimizer step it trains from, the version its
     weights were taken at) and every corrected micro-batch."""
     taken, corrected = [], []
-    sample, correct = module.off_policy.sample, module.off_policy.correct
+    sample, ratio_of = module.off_policy.sample, module.off_policy.importance_ratio
 
     def recording_sample(mod, batch):
         rollout = sample(mod, batch)
@@ -42,9 +42,11 @@ def record_rollouts(module):
                       "in_flight": dict(mod.off_policy.ahead.in_flight)})
         return rollout
 
-    def recording_correct(mod, chunks):
-        correct(mod, chunks)
-        corrected.append([{k: v.detach().clone() for k, v in mb.items()} for mb in chunks])
+    def recording_ratio(mod, mb, logps):
+        ratio = ratio_of(mod, mb, logps)
+        corrected.append({**{k: v.detach().clone() for k, v in mb.items()}, "logps": logps.detach().clone(),
+                          "is_ratio": ratio, "index": mod.generation_count - 1, "step": mod.global_step})
+        return ratio
 
     take = None
 
@@ -61,7 +63,7 @@ def record_rollouts(module):
         return recording_take
 
     module.off_policy.sample = recording_sample
-    module.off_policy.correct = recording_correct
+    module.off_policy.importance_ratio = recording_ratio
     started = module.off_policy._started
 
     def starting(mod, probe):
@@ -121,12 +123,14 @@ def test_the_importance_ratio_is_the_policys_over_the_samplers_and_reaches_the_l
         grpo_module, quiet_trainer, prompt_data, steps=4, max_staleness=1,
         vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1.01)
     stale_ratios = 0
-    for t, chunks in zip(taken, corrected):
-        mb = chunks[0]
+    assert [mb["index"] for mb in corrected] == [t["index"] for t in taken]  # one micro-batch per rollout here
+    for t, mb in zip(taken, corrected):
         rows = mb["row"]
         sampler = sampled_token_logps(module, weights[versions[t["index"]]], t["rollout"])[rows]
         mask = mb["completion_mask"]
-        expected, _ = importance_sampling_ratio(mb["old_logps"], sampler, mask, "token_truncate", None, 1.01)
+        # the policy's side is the training forward's own log-probs (one pass, one step per rollout: no old pass)
+        assert "old_logps" not in mb
+        expected, _ = importance_sampling_ratio(mb["logps"], sampler, mask, "token_truncate", None, 1.01)
         torch.testing.assert_close(mb["is_ratio"] * mask, expected * mask, atol=1e-3, rtol=1e-3)
         if t["step"] != versions[t["index"]]:
             stale_ratios += int(((mb["is_ratio"] - 1).abs() * mask).max() > 1e-3)
@@ -198,3 +202,51 @@ def test_rloo_takes_only_sequence_importance_weights(tiny_dir):
     with pytest.raises(ValueError, match="RLOO's loss is one clipped ratio per completion"):
         RLOOModule(str(tiny_dir), from_config=True, reward_funcs=[varied_reward],
                    vllm_importance_sampling_mode="token_mask")
+
+
+class PlainLoop:
+    """What the loop did before rollouts could be sampled ahead: the policy samples, nothing is corrected."""
+
+    max_staleness = 0
+    ahead = None
+
+    def check_setup(self, module):
+        pass
+
+    def sampler_is_stale(self, module):
+        return False
+
+    def sample(self, module, batch):
+        return module.generate(batch, module.hparams.num_generations)
+
+    def importance_ratio(self, module, mb, logps):
+        return None
+
+    def state_dict(self):
+        return {}
+
+
+def test_max_staleness_0_trains_bit_for_bit_as_the_plain_synchronous_loop(tmp_path, tiny_dir, quiet_trainer,
+                                                                          prompt_data):
+    import json
+    import shutil
+
+    folder = tmp_path / "dropout"  # dropout on: any extra forward or RNG draw would change the weights
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+
+    def fit(plain: bool):
+        from lightalign import GRPOModule
+
+        L.seed_everything(0)
+        module = GRPOModule(str(folder), from_config=True, reward_funcs=[varied_reward], num_generations=4,
+                            generation_batch_size=8, steps_per_generation=2, max_completion_length=6,
+                            learning_rate=2e-2, max_staleness=0)
+        if plain:
+            object.__setattr__(module, "off_policy", PlainLoop())
+        quiet_trainer(max_steps=4).fit(module, prompt_data())
+        return module.model.state_dict()
+
+    synchronous, plain = fit(False), fit(True)
+    assert all(torch.equal(synchronous[k], plain[k]) for k in plain)
