@@ -112,6 +112,11 @@ class PromptDataModule(TokenizedDataModule):
     def default_collator(self) -> Callable:
         return PromptCollator(self.tokenizer.pad_token_id)
 
+    def rollout_index(self, epoch: int, batch_idx: int) -> int:
+        """The index (from the first epoch's start) of the rollout whose prompts the training loader hands out as
+        batch ``batch_idx`` of ``epoch`` (each rollout's batch is handed out ``repeat`` times in a row)."""
+        return epoch * (len(self.make_epoch_sampler()) // self.prompts_per_generation) + batch_idx // self.repeat
+
     def rollout_prompts(self, index: int) -> dict[str, Any]:
         """The prompt batch of this rank's rollout ``index`` (counted from the run's start, over epochs): the
         batch the training loader hands to that rollout's first step, computed without iterating the loader (the

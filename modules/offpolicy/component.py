@@ -106,13 +106,16 @@ class OffPolicyRollouts:
 
     # ------------------------------------------------------------------------------------- sample
     def sample(self, module: Any, batch: dict[str, Any]) -> dict[str, Any]:
-        """This rollout (``module.generation_count``): sampled now by the policy, or taken from the sampler ahead."""
+        """This step's rollout: sampled now by the policy, or taken from the sampler ahead. Rollouts sampled ahead
+        are numbered by their place in the training loader's order (epoch, batch), so the prompts asked for ahead
+        are the ones the loader hands out when their turn comes, also in a run resumed or fitted again."""
         num_generations = module.hparams.num_generations
         if not self.max_staleness:  # sampled now: by the policy, or by vLLM with the sampler's log-probs
             if self.sampler_is_stale(module):
                 return module.generate(batch, num_generations, return_logprobs=True)
             return module.generate(batch, num_generations)
-        index = module.generation_count
+        trainer = module.trainer
+        index = trainer.datamodule.rollout_index(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx)
         ahead = self._started(module, batch)
         depth, step = ahead.depth, module.global_step
         if index not in ahead.pending():  # nothing asked for yet: this rollout and the next `depth`, today's weights
@@ -158,9 +161,12 @@ class OffPolicyRollouts:
         return self.ahead
 
     def close(self) -> None:
-        """Stop the sampling process and give the training process its threads back."""
+        """Stop the sampling process and give the training process its threads back; the rollouts asked for are
+        dropped (a later fit of the same module starts its own)."""
         if self.ahead is not None:
             self.ahead.close()
+            self.ahead = None
+        self.loaded_state = {}
         if self.trainer_threads is not None:
             torch.set_num_threads(self.trainer_threads)
             self.trainer_threads = None

@@ -156,4 +156,4 @@ def sampling_mismatch(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor,
         return {"logp_difference_mean": zero, "logp_difference_max": zero.clone(), "kl": zero.clone()}
     gap = r.abs()
     return {"logp_difference_mean": gap.mean(), "logp_difference_max": gap.max(),
-            "kl": (torch.exp(r) - 1 - r).mean()}
+            "kl": (torch.exp(r) - 1 - r).mean().clamp(min=0.0)}

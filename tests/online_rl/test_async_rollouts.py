@@ -48,19 +48,17 @@ def record_rollouts(module):
                           "is_ratio": ratio, "index": mod.generation_count - 1, "step": mod.global_step})
         return ratio
 
-    take = None
+    versions = {}  # rollout index -> the optimizer step of the weights it was sampled with
 
     def install_take(ahead):
-        nonlocal take
         take = ahead.take
 
         def recording_take(index):
             rollout, version, seconds = take(index)
-            recording_take.versions[index] = version
+            versions[index] = version
             return rollout, version, seconds
-        recording_take.versions = {}
+        recording_take.installed = True
         ahead.take = recording_take
-        return recording_take
 
     module.off_policy.sample = recording_sample
     module.off_policy.importance_ratio = recording_ratio
@@ -68,11 +66,11 @@ def record_rollouts(module):
 
     def starting(mod, probe):
         ahead = started(mod, probe)
-        if not hasattr(ahead.take, "versions"):
+        if not hasattr(ahead.take, "installed"):
             install_take(ahead)
         return ahead
     module.off_policy._started = starting
-    return taken, corrected, lambda: module.off_policy.ahead.take.versions
+    return taken, corrected, lambda: versions
 
 
 def fit_async(grpo_module, quiet_trainer, prompt_data, steps=6, **knobs):
@@ -167,8 +165,20 @@ def test_a_sampling_process_that_dies_is_an_error_not_a_hang(grpo_module, quiet_
     module = grpo_module(reward_funcs=[varied_reward], max_staleness=1, generation_batch_size=8)
     with pytest.raises(SamplerProcessError, match=r"sampling process exited \(code -9\)"):
         quiet_trainer(max_steps=6, callbacks=[KillSampler()]).fit(module, prompt_data())
-    assert module.off_policy.ahead.process is None  # stopped on the way out
+    assert module.off_policy.ahead is None  # stopped on the way out
     assert torch.get_num_threads() == threads  # the training process has its threads back
+
+
+def test_a_module_fitted_twice_samples_ahead_for_the_second_fits_loader(grpo_module, quiet_trainer, prompt_data):
+    L.seed_everything(0)
+    module = grpo_module(reward_funcs=[varied_reward], max_staleness=2, generation_batch_size=8)
+    data = prompt_data()
+    quiet_trainer(max_steps=3).fit(module, data)
+    assert module.off_policy.ahead is None  # the first fit's sampling process and rollouts are gone
+    taken, _, _ = record_rollouts(module)
+    quiet_trainer(max_steps=3).fit(module, data)  # its loader starts over: rollouts 0, 1, 2 of its own order
+    assert module.generation_count == 6
+    assert [t["rollout"]["prompts"][::4] for t in taken] == [data.rollout_prompts(i)["prompts"] for i in range(3)]
 
 
 def test_a_policy_whose_forward_is_more_than_its_class_and_weights_is_refused_with_the_measured_gap(
