@@ -142,10 +142,6 @@ class AheadSampler:
                 f"the first prompts; tolerance {COPY_TOLERANCE:g}): the policy's forward depends on something else "
                 "(a forward hook, a patched method). Use max_staleness: 0, or put that change into the model's class.")
 
-    @property
-    def started(self) -> bool:
-        return self.process is not None
-
     def close(self) -> None:
         """Stop the sampling process (the rollouts in flight are dropped)."""
         if self.process is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightalign.modules.offpolicy.ahead import AheadSampler
 from lightalign.modules.offpolicy.correction import (check_importance_sampling_knobs, importance_sampling_ratio,
@@ -58,10 +59,9 @@ class OffPolicyRollouts:
         self.sampled_seconds = 0.0  # the sampling process's seconds on the last rollout taken
 
     # ------------------------------------------------------------------------------------- what runs
-    @staticmethod
-    def sampler_is_stale(module: Any) -> bool:
+    def sampler_is_stale(self, module: Any) -> bool:
         """Whether rollouts are sampled by something other than the policy being trained."""
-        return module.off_policy.max_staleness > 0 or bool(module.hparams.use_vllm)
+        return self.max_staleness > 0 or bool(module.hparams.use_vllm)
 
     def stat_names(self, use_vllm: bool) -> tuple[str, ...]:
         if not (use_vllm or self.max_staleness):
@@ -138,7 +138,7 @@ class OffPolicyRollouts:
         stats[metric_key("sampling/staleness")].update(torch.tensor(float(step - version)))
         stats[metric_key("sampling/wait_seconds")].update(torch.tensor(ahead.waited))
         ahead.waited = 0.0
-        return {k: v.to(module.device) if isinstance(v, torch.Tensor) else v for k, v in rollout.items()}
+        return move_data_to_device(rollout, module.device)
 
     def _submit(self, module: Any, ahead: AheadSampler, index: int, step: int) -> None:
         seed = int(torch.randint(0, 2**31 - 1, ()))  # the run's RNG: a seeded run samples alike, resumed or not
@@ -146,13 +146,13 @@ class OffPolicyRollouts:
         ahead.submit(index, step, batch, module.hparams.num_generations, seed)
 
     def _started(self, module: Any, probe: dict[str, Any]) -> AheadSampler:
+        """The sampling process, started on first use: ``async_sampler_threads`` (default half) of the training
+        process's torch threads go to it, the training process keeps the rest until ``close``."""
         if self.ahead is None:
-            self.ahead = AheadSampler(self.depth(module), 1)
-            self.ahead.load_state_dict(self.loaded_state)
-        if not self.ahead.started:
             total = torch.get_num_threads()
             threads = self.sampler_threads or max(1, total // 2)
-            self.ahead.threads = threads
+            self.ahead = AheadSampler(self.depth(module), threads)
+            self.ahead.load_state_dict(self.loaded_state)
             self.trainer_threads = total
             torch.set_num_threads(max(1, total - threads))
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer crosses into a new process

@@ -36,9 +36,8 @@ def build_slot_model(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> torch
     model = spec.cls._from_config(spec.config, dtype=dtype)
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     model.tie_weights()
-    shared = {t.data_ptr() for t in weights.values()}
-    untied = [k for k in missing if k in dict(model.named_parameters()) and
-              dict(model.named_parameters())[k].data_ptr() not in shared]
+    shared, params = {t.data_ptr() for t in weights.values()}, dict(model.named_parameters())
+    untied = [k for k in missing if k in params and params[k].data_ptr() not in shared]
     if unexpected or untied:
         raise RuntimeError(f"The sampling copy of the policy does not fit its class {spec.cls.__name__}: weights "
                            f"without a place {unexpected[:3]}, parameters without weights {untied[:3]}.")
