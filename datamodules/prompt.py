@@ -112,22 +112,26 @@ class PromptDataModule(TokenizedDataModule):
     def default_collator(self) -> Callable:
         return PromptCollator(self.tokenizer.pad_token_id)
 
+    def rollouts_per_epoch(self) -> int:
+        """Generation batches one epoch of this rank's prompts holds (an incomplete last one is dropped)."""
+        per_epoch = len(self.make_epoch_sampler()) // self.prompts_per_generation
+        if per_epoch < 1:
+            raise DataFormatError(f"The training data has {len(self.make_epoch_sampler())} prompts per rank, fewer "
+                                  f"than one generation batch needs ({self.prompts_per_generation}).")
+        return per_epoch
+
     def rollout_index(self, epoch: int, batch_idx: int) -> int:
         """The index (from the first epoch's start) of the rollout whose prompts the training loader hands out as
         batch ``batch_idx`` of ``epoch`` (each rollout's batch is handed out ``repeat`` times in a row)."""
-        return epoch * (len(self.make_epoch_sampler()) // self.prompts_per_generation) + batch_idx // self.repeat
+        return epoch * self.rollouts_per_epoch() + batch_idx // self.repeat
 
     def rollout_prompts(self, index: int) -> dict[str, Any]:
         """The prompt batch of this rank's rollout ``index`` (counted from the run's start, over epochs): the
         batch the training loader hands to that rollout's first step, computed without iterating the loader (the
         order is a pure function of seed, epoch and rank), so a sampler can start on it ahead of the training loop
         (``max_staleness``)."""
+        epoch, position = divmod(index, self.rollouts_per_epoch())
         order_of = self.make_epoch_sampler()
-        per_epoch = len(order_of) // self.prompts_per_generation
-        if per_epoch < 1:
-            raise DataFormatError(f"The training data has {len(order_of)} prompts per rank, fewer than one generation "
-                                  f"batch needs ({self.prompts_per_generation}).")
-        epoch, position = divmod(index, per_epoch)
         order_of.set_epoch(epoch)
         start = position * self.prompts_per_generation
         rows = order_of.order()[start:start + self.prompts_per_generation]
