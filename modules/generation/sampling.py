@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightalign.modules.generation.samplers import Sampler, sample_groups
+from lightalign.modules.generation.samplers import Sampler, Samples, sample_groups
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
@@ -58,12 +58,19 @@ def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, 
     was_training = model.training
     model.eval()
     try:
-        completion_ids, logps, lengths = sample_groups(
+        samples = sample_groups(
             model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations, backend=backend,
             eos=eos, pad_token_id=tokenizer.pad_token_id, max_new_tokens=max_new_tokens, share_prefill=share_prefill,
             continuous_config=continuous_config, return_logprobs=return_logprobs, **sampling)
     finally:
         model.train(was_training)
+    return assemble_rollout(tokenizer, batch, num_generations, samples, eos)
+
+
+def assemble_rollout(tokenizer: Any, batch: dict[str, Any], num_generations: int, samples: Samples,
+                     eos: list[int]) -> dict[str, Any]:
+    """The rollout ``sample_completions`` returns, from a sampler's ``Samples`` for ``batch`` (see there)."""
+    completion_ids, logps, lengths = samples
     completion_ids, completion_mask, truncated = cut_after_eos(completion_ids, eos, tokenizer.pad_token_id, lengths)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     prompts = [p for p in batch["prompts"] for _ in range(num_generations)]

@@ -50,6 +50,7 @@ def check_vllm_knobs(use_vllm: bool = False, vllm_mode: str = "colocate", vllm_m
                      vllm_gpu_memory_utilization: float = 0.3, vllm_tensor_parallel_size: int = 1,
                      vllm_max_model_length: int | None = None, vllm_server_port: int = 8000,
                      vllm_group_port: int = 51216, vllm_server_timeout: float = 240.0,
+                     vllm_weight_sync_timeout: float = 1800.0,
                      generation_kwargs: dict[str, Any] | None = None, cache_implementation: str | None = None,
                      cuda_available: bool | None = None, **_: Any) -> None:
     """The vLLM knobs of GRPOModule / RLOOModule, checked at construction (before any model is loaded)."""
@@ -68,6 +69,8 @@ def check_vllm_knobs(use_vllm: bool = False, vllm_mode: str = "colocate", vllm_m
             raise ValueError(f"{name} must be a TCP port (1-65535), got {port}.")
     if vllm_server_timeout < 0:
         raise ValueError(f"vllm_server_timeout must be >= 0 seconds, got {vllm_server_timeout}.")
+    if not vllm_weight_sync_timeout > 0:
+        raise ValueError(f"vllm_weight_sync_timeout must be > 0 seconds, got {vllm_weight_sync_timeout}.")
     if not use_vllm:
         return
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available

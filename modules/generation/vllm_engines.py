@@ -23,10 +23,12 @@ Pure helpers (knob checks, sampling-parameter mapping, weight names, rollout ass
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import lightning as L
@@ -122,20 +124,25 @@ class ColocatedEngine:
 class ServerEngine:
     """A running ``vllm serve`` server: completions over HTTP, weights over vLLM's NCCL weight-transfer group."""
 
-    def __init__(self, base_url: str, *, group_port: int, timeout: float, sender: bool) -> None:
+    def __init__(self, base_url: str, *, group_port: int, timeout: float, sender: bool,
+                 weight_sync_timeout: float = 1800.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.group_port, self.timeout, self.sender = group_port, timeout, sender
+        self.weight_sync_timeout = weight_sync_timeout
         self.model_id = self._get("/v1/models")["data"][0]["id"]
         self.group = None
         self.meta: list[tuple[str, str, list[int]]] | None = None
         self.logprobs_mode: str | None = None  # the server's, read when log-probs are first asked for
 
-    def _request(self, path: str, payload: dict[str, Any] | None = None, method: str = "POST") -> Any:
+    def _request(self, path: str, payload: dict[str, Any] | None = None, method: str = "POST",
+                 timeout: float | None = None) -> Any:
+        """``timeout``: seconds (default ``vllm_server_timeout``; 0: none)."""
         data = None if payload is None else json.dumps(payload).encode()
         request = urllib.request.Request(self.base_url + path, data=data, method=method,
                                          headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout or None) as response:
+            with urllib.request.urlopen(request, timeout=(self.timeout if timeout is None else timeout) or None
+                                        ) as response:
                 body = response.read()
         except OSError as err:
             raise ConnectionError(f"vLLM server at {self.base_url}{path} failed: {err}. Is `vllm serve` running "
@@ -177,6 +184,40 @@ class ServerEngine:
             return completions, None
         return completions, [_choice_logprobs(choice) for choice in choices]
 
+    def _meet(self, what: str, path: str, payload: dict[str, Any], trainer_side: Callable[[], Any]) -> Any:
+        """One collective with the server's workers: ``trainer_side`` (this process's NCCL part, which has no timeout
+        and cannot be interrupted) runs on a daemon thread while the request to ``path`` drives the server's part on
+        this one; both must finish within ``vllm_weight_sync_timeout``. A server that fails answers the request with
+        an error, one that hangs is reported when the time is up: a clear error instead of a hang (the abandoned
+        thread ends with the process)."""
+        done: list[Any] = []
+
+        def run() -> None:
+            try:
+                done.append(("ok", trainer_side()))
+            except BaseException as err:  # noqa: BLE001 - raised on the calling thread below
+                done.append(("error", err))
+
+        deadline = time.monotonic() + self.weight_sync_timeout
+        thread = threading.Thread(target=run, name=f"lightalign-vllm-{what.replace(' ', '-')}", daemon=True)
+        thread.start()
+        try:
+            self._request(path, payload, timeout=self.weight_sync_timeout)
+        except ConnectionError as err:
+            raise ConnectionError(f"The vLLM server failed the {what}: {err} (vllm_weight_sync_timeout: "
+                                  f"{self.weight_sync_timeout:g} s).") from err
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            raise TimeoutError(f"The {what} with the vLLM server at {self.base_url} did not finish within "
+                               f"vllm_weight_sync_timeout ({self.weight_sync_timeout:g} s): the server answered, this "
+                               "process's NCCL side is still waiting (a worker gone, a blocked network path on "
+                               f"vllm_group_port {self.group_port}). Raise vllm_weight_sync_timeout for a model that "
+                               "takes longer to send.")
+        kind, value = done[0]
+        if kind == "error":
+            raise value
+        return value
+
     def _connect(self) -> None:
         """Join the server's weight-transfer group as rank 0 (its workers are ranks 1..)."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
@@ -184,10 +225,8 @@ class ServerEngine:
 
         info = {"master_address": get_ip(), "master_port": self.group_port, "rank_offset": 1,
                 "world_size": self._get("/get_world_size")["world_size"] + 1, "packed": True}
-        with ThreadPoolExecutor(max_workers=1) as pool:  # both sides meet inside the same rendezvous
-            pending = pool.submit(self._request, "/init_weight_transfer_engine", {"init_info": info})
-            self.group = trainer_init(info)
-            pending.result()
+        self.group = self._meet("weight-transfer set-up", "/init_weight_transfer_engine", {"init_info": info},
+                                lambda: trainer_init(info))
 
     def load_weights(self, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], send: bool = True) -> None:
         """``weights()``: a fresh iterator of (vLLM name, tensor). The server must know every tensor's name, dtype
@@ -205,12 +244,15 @@ class ServerEngine:
         info = {"names": [m[0] for m in self.meta], "dtype_names": [m[1] for m in self.meta],
                 "shapes": [m[2] for m in self.meta]}
         self._request("/start_weight_update", {})
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers receive while this process broadcasts
-            pending = pool.submit(self._request, "/update_weights", {"update_info": info})
-            packed_nccl_broadcast_producer(weights(), group=self.group, src=0,
-                                           post_iter_func=lambda item: item[1].contiguous())
-            pending.result()
-        self._request("/finish_weight_update", {})
+        try:
+            self._meet("weight update", "/update_weights", {"update_info": info},
+                       lambda: packed_nccl_broadcast_producer(weights(), group=self.group, src=0,
+                                                              post_iter_func=lambda item: item[1].contiguous()))
+        except BaseException:
+            with contextlib.suppress(ConnectionError):  # the server leaves its update state; the error is the news
+                self._request("/finish_weight_update", {})
+            raise
+        self._request("/finish_weight_update", {}, timeout=self.weight_sync_timeout)
         try:  # prefixes cached under the old weights must not be reused
             self._request("/reset_prefix_cache", {})
         except ConnectionError as err:
@@ -229,8 +271,12 @@ class VLLMSampler(Sampler):
 
     def sample(self, model, prompt_ids, prompt_mask, num_generations, *, eos, pad_token_id, max_new_tokens,
                share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
+        """``sampling["seed"]``: vLLM's sampling seed, given by a caller on another thread (drawn on the training
+        thread); default drawn here from the run's torch RNG (seeded runs sample alike)."""
+        seed = sampling.pop("seed", None)
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, ()))
         generation_kwargs = {k: v for k, v in sampling.items() if k not in SAMPLING_KNOBS}
-        seed = int(torch.randint(0, 2**31 - 1, ()))  # from the run's torch RNG: seeded runs sample alike
         params = vllm_sampling_params(
             num_generations=num_generations, temperature=sampling.get("temperature", 1.0),
             top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k"), min_p=sampling.get("min_p"),
@@ -253,7 +299,7 @@ def build_engine(module: Any, trainer: L.Trainer) -> Any:
     if hp.vllm_mode == "server":
         base_url = hp.vllm_server_base_url or f"http://{hp.vllm_server_host}:{hp.vllm_server_port}"
         return ServerEngine(base_url, group_port=hp.vllm_group_port, timeout=hp.vllm_server_timeout,
-                            sender=trainer.global_rank == 0)
+                            sender=trainer.global_rank == 0, weight_sync_timeout=hp.vllm_weight_sync_timeout)
     if trainer.world_size > 1:  # vLLM's external launcher reads the rendezvous Lightning set up
         os.environ.setdefault("RANK", str(trainer.global_rank))
         os.environ.setdefault("LOCAL_RANK", str(trainer.local_rank))
@@ -266,29 +312,35 @@ def build_engine(module: Any, trainer: L.Trainer) -> Any:
                            distributed=trainer.world_size > 1)
 
 
+def push_weights(sampler: VLLMSampler, trainer: L.Trainer, module: Any) -> None:
+    """The policy's weights into the engine (rank 0 sends; every rank waits until they are in)."""
+    sampler.push(module.model, trainer.global_step, sender=trainer.global_rank == 0)
+    if trainer.world_size > 1:
+        trainer.strategy.barrier("vllm_weights")  # no rank samples before the new weights are in
+
+
 class VLLMRollouts(L.Callback):
     """Builds the vLLM engine at fit start, pushes the policy's weights to it then and after every optimizer step
-    (so each rollout is sampled by the policy being trained), and routes the module's sampling through it.
+    (so each rollout is sampled by the policy being trained), and routes the module's sampling through it. With
+    rollouts sampled ahead (``max_staleness``) the off-policy component pushes instead, between rollouts
+    (``modules/offpolicy/engine_ahead.py``).
 
-    ``engine_factory(module, trainer)``: how the engine is made (default ``build_engine``; tests pass a fake)."""
+    ``engine_factory(module, trainer)``: how the engine is made (default: this module's ``build_engine``, looked up
+    at fit start; tests pass or patch in a fake)."""
 
-    def __init__(self, engine_factory=build_engine) -> None:
+    def __init__(self, engine_factory=None) -> None:
         self.engine_factory = engine_factory
         self.sampler: VLLMSampler | None = None
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
-        self.sampler = VLLMSampler(self.engine_factory(module, trainer))
+        self.sampler = VLLMSampler((self.engine_factory or build_engine)(module, trainer))
         module.external_sampler = self.sampler
-        self._push(trainer, module)
+        push_weights(self.sampler, trainer, module)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.sampler is not None and self.sampler.pushed_step != trainer.global_step:  # an optimizer step ran
-            self._push(trainer, module)
+        ahead = module.off_policy is not None and module.off_policy.max_staleness > 0
+        if self.sampler is not None and not ahead and self.sampler.pushed_step != trainer.global_step:
+            push_weights(self.sampler, trainer, module)  # an optimizer step ran
 
     def on_fit_end(self, trainer: L.Trainer, module: Any) -> None:
         module.external_sampler = None
-
-    def _push(self, trainer: L.Trainer, module: Any) -> None:
-        self.sampler.push(module.model, trainer.global_step, sender=trainer.global_rank == 0)
-        if trainer.world_size > 1:
-            trainer.strategy.barrier("vllm_weights")  # no rank samples before the new weights are in

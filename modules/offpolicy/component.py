@@ -17,10 +17,14 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info
 
+from lightalign.modules.generation.sampling import eos_token_ids
+from lightalign.modules.generation.vllm_engines import push_weights
 from lightalign.modules.offpolicy.ahead import AheadSampler
 from lightalign.modules.offpolicy.correction import (check_importance_sampling_knobs, importance_sampling_ratio,
                                                     sampling_mismatch)
+from lightalign.modules.offpolicy.engine_ahead import EngineAhead
 from lightalign.modules.rollout.scoring import metric_key
 
 MISMATCH_STATS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "sampling/kl")
@@ -91,10 +95,13 @@ class OffPolicyRollouts:
             raise ValueError(f"{name}: max_staleness={self.max_staleness} is less than the {steps} optimizer steps one "
                              f"rollout trains, so no rollout can be sampled ahead; set max_staleness >= {steps} (one "
                              "rollout ahead) or 0 (synchronous).")
-        if module.hparams.use_vllm:
-            raise ValueError(f"{name}: max_staleness > 0 samples in a separate process with a transformers backend; "
-                             "with use_vllm set it to 0 (vLLM rollouts are corrected by "
-                             "vllm_importance_sampling_correction).")
+        if module.hparams.use_vllm and module.hparams.vllm_mode != "server":
+            raise ValueError(f"{name}: max_staleness > 0 with use_vllm samples ahead on a vLLM server (vllm_mode: "
+                             "server) while the policy trains; a colocated engine shares the training process's GPU. "
+                             "Set vllm_mode: server, or max_staleness: 0.")
+        if module.hparams.use_vllm and self.sampler_threads is not None:
+            raise ValueError(f"{name}: async_sampler_threads sets the threads of the sampling process that runs "
+                             "without vLLM; with use_vllm the vLLM server samples: drop async_sampler_threads.")
         if module.tool_rollouts is not None:
             raise ValueError(f"{name}: max_staleness > 0 is not available with tools or environment_factory (tool "
                              "calls run in the training process between sampled turns); set max_staleness: 0.")
@@ -145,9 +152,24 @@ class OffPolicyRollouts:
         batch = module.trainer.datamodule.rollout_prompts(index)
         ahead.submit(index, step, batch, module.hparams.num_generations, seed)
 
-    def _started(self, module: Any, probe: dict[str, Any]) -> AheadSampler:
-        """The sampling process, started on first use: ``async_sampler_threads`` (default half) of the training
-        process's torch threads go to it, the training process keeps the rest until ``close``."""
+    def _started(self, module: Any, probe: dict[str, Any]) -> AheadSampler | EngineAhead:
+        """The sampler ahead, started on first use: the vLLM server's (one rollout ahead, ``engine_ahead.py``), or a
+        sampling process: ``async_sampler_threads`` (default half) of the training process's torch threads go to
+        it, the training process keeps the rest until ``close``."""
+        if self.ahead is None and module.external_sampler is not None:  # use_vllm, vllm_mode: server
+            sampler = module.external_sampler
+
+            def push() -> None:  # weights change only with optimizer steps: one push per step at most
+                if sampler.pushed_step != module.global_step:
+                    push_weights(sampler, module.trainer, module)
+
+            if self.depth(module) > 1:
+                rank_zero_info(f"max_staleness={self.max_staleness} allows {self.depth(module)} rollouts ahead; the "
+                               "vLLM server holds one set of weights, so it samples one rollout ahead "
+                               "(docs/async.md).")
+            self.ahead = EngineAhead(sampler, push, module.tokenizer, eos_token_ids(module.model, module.tokenizer),
+                                     module.sampling.sampling_kwargs())
+            self.ahead.load_state_dict(self.loaded_state)
         if self.ahead is None:
             total = torch.get_num_threads()
             threads = self.sampler_threads or max(1, total // 2)

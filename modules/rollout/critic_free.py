@@ -56,10 +56,11 @@ class CriticFreeModule(OnlineRLModule):
             (as many rollouts ahead as fit: ``max_staleness`` // optimizer steps per rollout; at least one). Each
             rollout keeps its sampler's log-probs, and the loss is corrected by the importance-sampling ratio
             (``vllm_importance_sampling_*``). 0: each rollout is sampled by the policy that trains on it
-            (synchronous). Seeded runs are reproducible and resume exactly (rollouts in flight are kept in the
-            checkpoint); docs/async.md.
+            (synchronous). With ``use_vllm`` and ``vllm_mode: server`` the vLLM server samples instead, one
+            rollout ahead (it holds one set of weights, pushed between rollouts). Seeded runs are reproducible and
+            resume exactly (rollouts in flight are kept in the checkpoint); docs/async.md.
         async_sampler_threads: torch threads of the sampling process (the training process keeps the rest of
-            its threads); default half of them. Only with ``max_staleness > 0``.
+            its threads); default half of them. Only with ``max_staleness > 0`` and without vLLM.
         vllm_importance_sampling_correction: when the rollouts are not sampled by the policy being trained
             (``max_staleness > 0`` or ``use_vllm``), weight the policy term of the loss by the importance-sampling
             ratio ``pi_policy / pi_sampler`` of the sampled tokens at rollout time (TRL's name and default).

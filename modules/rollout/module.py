@@ -114,6 +114,9 @@ class OnlineRLModule(PolicyModule):
         vllm_server_host: server mode: the server's host.
         vllm_server_port: server mode: the server's port.
         vllm_server_timeout: server mode: seconds to wait for each HTTP request.
+        vllm_weight_sync_timeout: server mode: seconds a weight push (and the weight-transfer set-up) may take
+            before the run stops with an error naming the server, instead of hanging (TRL's async GRPO:
+            ``weight_sync_timeout``).
         vllm_group_port: server mode: the port of the NCCL weight-transfer group.
         vllm_gpu_memory_utilization: colocate mode: the share of the GPU vLLM takes (weights and KV cache).
         vllm_tensor_parallel_size: colocate mode: only 1 is built; larger: server mode with
@@ -164,6 +167,7 @@ class OnlineRLModule(PolicyModule):
         vllm_server_host: str = "0.0.0.0",
         vllm_server_port: int = 8000,
         vllm_server_timeout: float = 240.0,
+        vllm_weight_sync_timeout: float = 1800.0,
         vllm_group_port: int = 51216,
         vllm_gpu_memory_utilization: float = 0.3,
         vllm_tensor_parallel_size: int = 1,

@@ -29,6 +29,7 @@ def test_use_vllm_refused_on_cpu_naming_the_knob_and_the_alternative(grpo_module
     (dict(vllm_gpu_memory_utilization=1.5), r"vllm_gpu_memory_utilization must be in \(0, 1\]"),
     (dict(vllm_tensor_parallel_size=0), "vllm_tensor_parallel_size must be >= 1"),
     (dict(vllm_server_port=70000), "vllm_server_port must be a TCP port"),
+    (dict(vllm_weight_sync_timeout=0), "vllm_weight_sync_timeout must be > 0 seconds"),
     (dict(use_vllm=True, vllm_tensor_parallel_size=2), "vllm_mode: server"),
     (dict(use_vllm=True, cache_implementation="static"), "cache_implementation='static' is a transformers"),
     (dict(use_vllm=True, generation_kwargs={"no_repeat_ngram_size": 3}), r"\['no_repeat_ngram_size'\] have no vLLM"),
