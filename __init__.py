@@ -12,17 +12,25 @@ Python API::
 
 from pathlib import Path
 
-from lightalign.callbacks import CompletionSamples, DeviceCacheCleanup, HFExport, NonFiniteGuard, TokenThroughput
-from lightalign.datamodules import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule, UnpairedPreferenceDataModule
-from lightalign.hub import ModelNotFoundError, load_causal_lm, load_tokenizer
-from lightalign.strategies import AtomicCheckpointIO, CheckpointError
-from lightalign.modules import (DPOModule, GRPOModule, IterativeSFT, KTOModule, NEFTune, PolicyModule, PPOModule, RewardModule, RLOOModule,
-                                SFTModule, create_reference_model, dpo_loss, grpo_loss, kto_loss, reward_loss, sft_loss)
+from lightalign._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
 #: Folder of the shipped tokenizer and tiny model configs (``assets/models/tiny`` etc.).
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+
+_EXPORTS = {
+    **dict.fromkeys(["CompletionSamples", "DeviceCacheCleanup", "HFExport", "NonFiniteGuard", "TokenThroughput"],
+                    "lightalign.callbacks"),
+    **dict.fromkeys(["DataFormatError", "PreferenceDataModule", "PromptDataModule", "SFTDataModule",
+                     "UnpairedPreferenceDataModule"], "lightalign.datamodules"),
+    **dict.fromkeys(["ModelNotFoundError", "load_causal_lm", "load_tokenizer"], "lightalign.hub"),
+    **dict.fromkeys(["AtomicCheckpointIO", "CheckpointError"], "lightalign.strategies"),
+    **dict.fromkeys(["DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "PolicyModule", "PPOModule",
+                     "RewardModule", "RLOOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
+                     "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
     "ASSETS_DIR",

@@ -73,6 +73,11 @@ class LightalignCLI(LightningCLI):
     """LightningCLI with lightalign's defaults (see the module docstring)."""
 
     def __init__(self, *args, **kwargs) -> None:
+        import lightalign
+        import lightalign.datamodules  # noqa: F401 - the data modules, for subclass names and `--data.help`
+
+        for name in lightalign.__all__:  # every method imported: `--model GRPOModule` and the help list them
+            getattr(lightalign, name)
         kwargs.setdefault("model_class", PolicyModule)
         kwargs.setdefault("datamodule_class", L.LightningDataModule)
         kwargs.setdefault("subclass_mode_model", True)

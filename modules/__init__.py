@@ -2,19 +2,24 @@
 shared ``PolicyModule`` plumbing), losses/, rollout/ (the online-RL loop GRPO, RLOO and PPO build on), generation/
 (samplers), reference/ and adaptations/."""
 
-from lightalign.modules.dpo import LOSS_TYPES, DPOModule, dpo_loss
-from lightalign.modules.grpo import GRPOModule, grpo_loss
-from lightalign.modules.iterative_sft import IterativeSFT
-from lightalign.modules.kto import KTOModule, kto_loss
-from lightalign.modules.ppo import PPOModule
-from lightalign.modules.reference.model import create_reference_model
-from lightalign.modules.reward import RewardModule, reward_loss
-from lightalign.modules.rloo import RLOOModule
-from lightalign.modules.rollout.critic_free import CriticFreeModule
-from lightalign.modules.rollout.module import OnlineRLModule
-from lightalign.modules.sft import SFTModule, sft_loss
-from lightalign.modules.training.neftune import NEFTune
-from lightalign.modules.training.policy import PolicyModule
+from lightalign._lazy import lazy_attributes
+
+_EXPORTS = {
+    **dict.fromkeys(["LOSS_TYPES", "DPOModule", "dpo_loss"], "lightalign.modules.dpo"),
+    **dict.fromkeys(["GRPOModule", "grpo_loss"], "lightalign.modules.grpo"),
+    "IterativeSFT": "lightalign.modules.iterative_sft",
+    **dict.fromkeys(["KTOModule", "kto_loss"], "lightalign.modules.kto"),
+    "PPOModule": "lightalign.modules.ppo",
+    "create_reference_model": "lightalign.modules.reference.model",
+    **dict.fromkeys(["RewardModule", "reward_loss"], "lightalign.modules.reward"),
+    "RLOOModule": "lightalign.modules.rloo",
+    "CriticFreeModule": "lightalign.modules.rollout.critic_free",
+    "OnlineRLModule": "lightalign.modules.rollout.module",
+    **dict.fromkeys(["SFTModule", "sft_loss"], "lightalign.modules.sft"),
+    "NEFTune": "lightalign.modules.training.neftune",
+    "PolicyModule": "lightalign.modules.training.policy",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
     "LOSS_TYPES", "CriticFreeModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
