@@ -12,7 +12,10 @@ per-token rewards (``-kl_coef * (logp - ref_logp)`` on every token, the score on
 advantages (``modules/losses/ppo.py``). Then ``num_ppo_epochs`` passes over the rollout's ``num_mini_batches``
 mini-batches (one optimizer step each; with ``accumulate_grad_batches`` = k a mini-batch is k micro-batches, i.e.
 ``training_step`` calls), each with the clipped policy loss plus ``vf_coef`` times the clipped value loss, both
-averaged over the mini-batch's completion tokens.
+averaged over the mini-batch's completion tokens. Rollouts sampled by vLLM (``use_vllm``) keep the sampler's
+log-probs; the importance-sampling ratio of the rollout-time ``old_logps`` over them (``vllm_importance_sampling_*``,
+the shared ``OffPolicyRollouts`` component) weights the clipped policy term of each token, never the value loss nor
+the KL penalty in the rewards (verl's truncated importance sampling for PPO; TRL has no PPO).
 
 The value head (``modules/training/value_head.py``) is a linear map of the policy's last hidden state from the same forward
 as the log-probs; it is trained with the policy (its gradient also reaches the shared trunk, as with TRL's
@@ -88,7 +91,7 @@ class PPOModule(OnlineRLModule):
         num_shared_layers: the reference shares the policy's first k decoder layers (and everything before them),
             frozen in both, as TRL's ``create_reference_model``; the rest is a frozen copy.
         **kwargs: ``OnlineRLModule`` arguments (rewards, ``generation_batch_size``, sampling, the reference model
-            used when ``kl_coef > 0``, vLLM) and ``PolicyModule`` ones (model, LoRA, optimizer, schedule). A reward
+            used when ``kl_coef > 0``, vLLM and its importance-sampling correction) and ``PolicyModule`` ones (model, LoRA, optimizer, schedule). A reward
             function's score must be finite for every completion (None/NaN or an infinite score is an error naming
             the function).
     """
@@ -309,7 +312,11 @@ class PPOModule(OnlineRLModule):
         # on-policy (one pass, one mini-batch) the ratio is 1 by definition: a second forward's rounding (or dropout)
         # must not clip anything
         old = mb["old_logps"] if self.reuses_rollout() else logps.detach()
-        pg_loss, pg_stats = clipped_policy_loss(logps, old, mb["advantages"], mask, hp.cliprange, step_tokens)
+        # rollouts sampled by vLLM: the policy's rollout-time log-probs (old_logps) over the sampler's, weighting the
+        # clipped policy term only (None when the policy sampled them, or the correction is off)
+        is_ratio = self.off_policy.importance_ratio(self, mb, logps)
+        pg_loss, pg_stats = clipped_policy_loss(logps, old, mb["advantages"], mask, hp.cliprange, step_tokens,
+                                                importance_sampling_ratio=is_ratio)
         vf_loss, vf_stats = clipped_value_loss(values, mb["old_values"], mb["returns"], mask, hp.cliprange_value,
                                                step_tokens)
         loss = pg_loss + hp.vf_coef * vf_loss if hp.vf_coef > 0 else pg_loss

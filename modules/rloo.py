@@ -70,7 +70,7 @@ class RLOOModule(CriticFreeModule):
             if len(reward_clip_range) != 2 or not float(reward_clip_range[0]) < float(reward_clip_range[1]):
                 raise ValueError(f"reward_clip_range must be [low, high] with low < high, or null; got "
                                  f"{list(reward_clip_range)}.")
-        mode = kwargs.get("vllm_importance_sampling_mode", "sequence_mask")
+        mode = self.knob("vllm_importance_sampling_mode", kwargs)
         if str(mode).startswith("token_"):
             raise ValueError(f"vllm_importance_sampling_mode={mode!r}: RLOO's loss is one clipped ratio per completion, "
                              "so its importance-sampling weight is per completion too; use 'sequence_mask' or "

@@ -104,19 +104,38 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                        cliprange: float, num_tokens: torch.Tensor | float | None = None
+                        cliprange: float, num_tokens: torch.Tensor | float | None = None, *,
+                        importance_sampling_ratio: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate: per token ``max(-A * r, -A * clip(r, 1 - cliprange, 1 + cliprange))`` with
+    """PPO's clipped surrogate: per token ``rho * max(-A * r, -A * clip(r, 1 - cliprange, 1 + cliprange))`` with
     ``r = exp(logp - old_logp)``, summed over the mask and divided by ``num_tokens`` (default: the mask's count).
-    Stats (masked means over this batch): ``approxkl`` ``0.5 * (logp - old_logp)^2``, ``clipfrac`` (tokens where the
-    clipped branch is the larger)."""
+    Stats (masked means over this batch, not weighted by ``rho``): ``approxkl`` ``0.5 * (logp - old_logp)^2``,
+    ``clipfrac`` (tokens where the clipped branch is the larger).
+
+    ``importance_sampling_ratio``: ``rho`` (default 1), the detached ratio ``pi_old / pi_sampler`` of
+    ``modules/offpolicy/correction.py`` for rollouts drawn by another sampler (vLLM): ``[B, T]`` (token modes) or
+    ``[B, 1]`` (sequence modes: one weight per completion, the same on each of its tokens). It weights the clipped
+    term of each token, as verl's truncated importance sampling weights its PPO policy loss; the value loss and the
+    KL penalty (in the rewards) never see it. Its values off the mask are never read."""
+    if importance_sampling_ratio is not None and (
+            importance_sampling_ratio.dim() != 2 or importance_sampling_ratio.shape[0] != logps.shape[0]
+            or importance_sampling_ratio.shape[1] not in (1, logps.shape[1])):
+        b, t = logps.shape
+        raise ValueError(f"importance_sampling_ratio must be [B, T] = [{b}, {t}] (token modes) or [B, 1] = [{b}, 1] "
+                         f"(sequence modes), got {tuple(importance_sampling_ratio.shape)}.")
     mask_f = mask.to(logps.dtype)
     diff = logps - old_logps
     ratio = torch.exp(diff)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     denom = mask_f.sum().clamp(min=1) if num_tokens is None else num_tokens
-    loss = (torch.max(unclipped, clipped) * mask_f).sum() / denom
+    per_token = torch.max(unclipped, clipped)
+    if importance_sampling_ratio is not None:
+        rho = importance_sampling_ratio.detach().to(per_token.dtype)
+        if rho.shape[1] != 1:  # off the mask: 1, so a NaN or inf there cannot reach the sum
+            rho = torch.where(mask.bool(), rho, torch.ones((), dtype=rho.dtype, device=rho.device))
+        per_token = per_token * rho
+    loss = (per_token * mask_f).sum() / denom
     with torch.no_grad():
         stats = {"approxkl": masked_mean(0.5 * diff ** 2, mask), "clipfrac": masked_mean((clipped > unclipped).float(), mask)}
     return loss, stats

@@ -1,11 +1,12 @@
-"""``OffPolicyRollouts``: the component a method composes to train on rollouts its policy did not sample itself
-(a sampler running ahead on older weights, ``max_staleness``; or vLLM) and to correct for it.
+"""``OffPolicyRollouts``: the component every online-RL method composes (``OnlineRLModule`` builds it) to train on
+rollouts its policy did not sample itself (vLLM; or, in GRPO and RLOO, a sampler running ahead on older weights,
+``max_staleness``) and to correct for it.
 
 Its stages in the online-RL loop (``modules/rollout/module.py``): ``sample`` gives the rollout, with the sampler's
 own per-token log-probs (``sampling_logps``) whenever the sampler is not the policy; in each training step
 ``importance_ratio`` compares them with the policy's (logged as ``sampling/*``) and, with
 ``vllm_importance_sampling_correction``, gives the importance-sampling ratio the method's loss multiplies its policy
-term by. With ``max_staleness: 0`` and no vLLM nothing here runs: the
+term by (GRPO, RLOO and PPO: ``modules/losses/``). With ``max_staleness: 0`` and no vLLM nothing here runs: the
 rollout is sampled by the policy, as in the synchronous loop.
 """
 
@@ -40,8 +41,9 @@ def optimizer_steps_per_rollout(micro_batches: int, passes: int, accumulate: int
 
 
 class OffPolicyRollouts:
-    """Asynchronous rollouts (``max_staleness``, ``async_sampler_threads``) and the importance-sampling correction
-    (``vllm_importance_sampling_*``): the knobs are described in ``CriticFreeModule``'s docstring."""
+    """Asynchronous rollouts (``max_staleness``, ``async_sampler_threads``: described in ``CriticFreeModule``'s
+    docstring, the methods that sample ahead) and the importance-sampling correction (``vllm_importance_sampling_*``:
+    described in ``OnlineRLModule``'s, every online-RL method). ``OnlineRLModule.__init__`` builds it."""
 
     def __init__(self, max_staleness: int = 0, async_sampler_threads: int | None = None, correction: bool = True,
                  mode: str = "sequence_mask", clip_min: float | None = None, clip_max: float | None = 3.0) -> None:

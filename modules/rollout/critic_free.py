@@ -6,13 +6,13 @@ padding-free), and they follow TRL's rollout schedule: ``steps_per_generation`` 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 
 from lightalign.modules.agent.episodes import ToolRollouts
 from lightalign.modules.adaptations.layouts import packed_completion_batch, prompt_group_batch
-from lightalign.modules.offpolicy.component import CloseSampler, OffPolicyRollouts
+from lightalign.modules.offpolicy.component import CloseSampler
 from lightalign.modules.rollout.module import OnlineRLModule
 
 
@@ -61,18 +61,8 @@ class CriticFreeModule(OnlineRLModule):
             resume exactly (rollouts in flight are kept in the checkpoint); docs/async.md.
         async_sampler_threads: torch threads of the sampling process (the training process keeps the rest of
             its threads); default half of them. Only with ``max_staleness > 0`` and without vLLM.
-        vllm_importance_sampling_correction: when the rollouts are not sampled by the policy being trained
-            (``max_staleness > 0`` or ``use_vllm``), weight the policy term of the loss by the importance-sampling
-            ratio ``pi_policy / pi_sampler`` of the sampled tokens at rollout time (TRL's name and default).
-            The mismatch itself (``sampling/*``) is logged either way. No effect on synchronous rollouts.
-        vllm_importance_sampling_mode: ``token_truncate`` / ``sequence_truncate`` clip the ratio (per token, or one
-            per completion: the product of its tokens' ratios) to [``clip_min``, ``clip_max``];
-            ``token_mask`` / ``sequence_mask`` set ratios outside it to 0 (those tokens or completions get no
-            policy gradient). RLOO's loss is per completion: ``sequence_*`` only.
-        vllm_importance_sampling_clip_min: the ratio's lower bound (None: none).
-        vllm_importance_sampling_clip_max: the ratio's upper bound (None: none; TRL's former name:
-            ``vllm_importance_sampling_cap``).
-        **kwargs: ``OnlineRLModule`` arguments (rewards, sampling, reference, vLLM) and ``PolicyModule`` ones.
+        **kwargs: ``OnlineRLModule`` arguments (rewards, sampling, reference, vLLM and the importance-sampling
+            correction ``vllm_importance_sampling_*``) and ``PolicyModule`` ones.
     """
 
     def __init__(
@@ -91,16 +81,8 @@ class CriticFreeModule(OnlineRLModule):
         response_template: dict[str, Any] | None = None,
         max_staleness: int = 0,
         async_sampler_threads: int | None = None,
-        vllm_importance_sampling_correction: bool = True,
-        vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                               "sequence_mask"] = "sequence_mask",
-        vllm_importance_sampling_clip_min: float | None = None,
-        vllm_importance_sampling_clip_max: float | None = 3.0,
         **kwargs: Any,
     ) -> None:
-        if "vllm_importance_sampling_cap" in kwargs:
-            raise TypeError("vllm_importance_sampling_cap is TRL's former name of vllm_importance_sampling_clip_max; "
-                            "use that.")
         if num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {num_iterations}.")
         if steps_per_generation is not None and steps_per_generation < 1:
@@ -119,9 +101,8 @@ class CriticFreeModule(OnlineRLModule):
         # read by OnlineRLModule.__init__ (the environment's reward source, the tool statistics)
         object.__setattr__(self, "tool_rollouts", ToolRollouts.build(
             tools, environment_factory, max_tool_calling_iterations, tool_timeout, response_template))
-        object.__setattr__(self, "off_policy", OffPolicyRollouts(
-            max_staleness, async_sampler_threads, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
-            vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max))
+        # the off-policy component OnlineRLModule.__init__ builds samples ahead with these (checked there)
+        object.__setattr__(self, "sampling_ahead", (max_staleness, async_sampler_threads))
         super().__init__(model_name_or_path, **kwargs)
 
     def configure_callbacks(self) -> list:

@@ -124,6 +124,20 @@ class OnlineRLModule(PolicyModule):
         vllm_max_model_length: colocate mode: vLLM's ``max_model_len`` (default: the model's).
         vllm_enable_sleep_mode: colocate mode: vLLM releases its memory between rollouts.
         vllm_model_impl: colocate mode: ``vllm`` or ``transformers`` model code inside vLLM.
+        vllm_importance_sampling_correction: when the rollouts are not sampled by the policy being trained
+            (``use_vllm``, or GRPO's and RLOO's ``max_staleness > 0``), weight the policy term of the loss by the
+            importance-sampling ratio ``pi_policy / pi_sampler`` of the sampled tokens at rollout time (TRL's name
+            and default): GRPO's per-token policy term, PPO's per-token clipped term, RLOO's per-completion term;
+            never a KL term nor PPO's value loss. The mismatch itself (``sampling/*``) is logged either way. No
+            effect when the policy samples its own rollouts.
+        vllm_importance_sampling_mode: ``token_truncate`` / ``sequence_truncate`` clip the ratio (per token, or one
+            per completion: the product of its tokens' ratios) to [``clip_min``, ``clip_max``];
+            ``token_mask`` / ``sequence_mask`` set ratios outside it to 0 (those tokens or completions get no
+            policy gradient); a completion's ratio weights each of its tokens in GRPO and PPO. RLOO's loss is per
+            completion: ``sequence_*`` only.
+        vllm_importance_sampling_clip_min: the ratio's lower bound (None: none).
+        vllm_importance_sampling_clip_max: the ratio's upper bound (None: none; TRL's former name:
+            ``vllm_importance_sampling_cap``).
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
@@ -132,7 +146,11 @@ class OnlineRLModule(PolicyModule):
     method_stats: tuple[str, ...] = ()  # the method's own logged statistics, beside ROLLOUT_STATS
     _unregistered_attributes = PolicyModule._unregistered_attributes | {"reward_funcs"}
     tool_rollouts: ToolRollouts | None = None  # multi-turn tool rollouts, set by a method that takes tools
-    off_policy: OffPolicyRollouts | None = None  # rollouts sampled ahead / by vLLM, corrected; set by a method
+    # rollouts not sampled by the policy (vLLM, or a sampler ahead) and their correction: built by __init__ from the
+    # vllm_importance_sampling_* knobs and `sampling_ahead`, (max_staleness, async_sampler_threads) of a method that
+    # samples ahead (CriticFreeModule sets it before __init__; 0: synchronous rollouts)
+    off_policy: OffPolicyRollouts
+    sampling_ahead: tuple[int, int | None] = (0, None)
 
     def __init__(
         self,
@@ -174,9 +192,17 @@ class OnlineRLModule(PolicyModule):
         vllm_max_model_length: int | None = None,
         vllm_enable_sleep_mode: bool = False,
         vllm_model_impl: Literal["vllm", "transformers"] = "vllm",
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                               "sequence_mask"] = "sequence_mask",
+        vllm_importance_sampling_clip_min: float | None = None,
+        vllm_importance_sampling_clip_max: float | None = 3.0,
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
+        if "vllm_importance_sampling_cap" in kwargs:
+            raise TypeError("vllm_importance_sampling_cap is TRL's former name of vllm_importance_sampling_clip_max; "
+                            "use that.")
         unknown = sorted(set(kwargs) - set(inspect.signature(PolicyModule.__init__).parameters))
         if unknown:
             knob = unknown[0]
@@ -192,6 +218,10 @@ class OnlineRLModule(PolicyModule):
                              "are not 0 at step 0). It is a regulariser for SFT, DPO and KTO; drop it here.")
         check_vllm_knobs(use_vllm=use_vllm, generation_kwargs=generation_kwargs, cache_implementation=cache_implementation,
                          **{k: v for k, v in locals().items() if k.startswith("vllm_")})
+        # read by the stages below (sample, the method's loss) and by the statistics; checks its knobs
+        object.__setattr__(self, "off_policy", OffPolicyRollouts(
+            *self.sampling_ahead, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
+            vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max))
         if use_vllm and (generation_backend is not None or use_transformers_continuous_batching):
             raise ValueError("use_vllm samples with vLLM; generation_backend / use_transformers_continuous_batching "
                              "pick a transformers backend instead: set only one of them.")
@@ -238,7 +268,7 @@ class OnlineRLModule(PolicyModule):
         self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names),
                            *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None),
                            *(TOOL_STATS if self.tool_rollouts is not None else ()),
-                           *(self.off_policy.stat_names(use_vllm) if self.off_policy is not None else ())]
+                           *self.off_policy.stat_names(use_vllm)]
         self.reward_fallbacks_warned: set[str] = set()  # functions whose first fallback substitution was warned
         self.train_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
                                                 for k in self.stat_names})
@@ -276,7 +306,7 @@ class OnlineRLModule(PolicyModule):
     def sampler_is_stale(self) -> bool:
         """Whether the rollouts are sampled by something other than the policy being trained (a sampler ahead on
         older weights, or vLLM): then their sampler's log-probs are kept and compared with the policy's."""
-        return self.off_policy is not None and self.off_policy.sampler_is_stale(self)
+        return self.off_policy.sampler_is_stale(self)
 
     def rollout_advantages(self, chunks: list[dict[str, torch.Tensor]]) -> None:
         """The method's advantage stage: write ``advantages`` (and whatever its loss reads) into the micro-batches
@@ -320,8 +350,7 @@ class OnlineRLModule(PolicyModule):
             raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
         if self.tool_rollouts is not None:
             self.tool_rollouts.check_setup(self.tokenizer, datamodule)
-        if self.off_policy is not None:
-            self.off_policy.check_setup(self)
+        self.off_policy.check_setup(self)
         datamodule.configure_rollout(gen // self.hparams.num_generations, steps * self.passes())
 
     def configure_model(self) -> None:
@@ -376,10 +405,8 @@ class OnlineRLModule(PolicyModule):
                                   return_logprobs=return_logprobs, **self.sampling.sampling_kwargs())
 
     def sample_rollout(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This step's rollout: sampled now by the policy, or by the method's off-policy sampler (ahead, vLLM)."""
-        if self.off_policy is not None:
-            return self.off_policy.sample(self, batch)
-        return self.generate(batch, self.hparams.num_generations)
+        """This step's rollout: sampled now by the policy, or by the off-policy sampler (vLLM, ahead)."""
+        return self.off_policy.sample(self, batch)
 
     def score(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each function's rewards ``[N, F]`` and their weighted sum ``[N]`` (NaN: no function scored it), logged
@@ -516,8 +543,7 @@ class OnlineRLModule(PolicyModule):
         """This rank's rollout buffer (on the CPU) and position, the rollouts sampled ahead, and the method's
         per-rank state."""
         state = self.rollout_buffer.state_dict()
-        if self.off_policy is not None:
-            state.update(self.off_policy.state_dict())
+        state.update(self.off_policy.state_dict())
         return state
 
     def load_rank_state(self, state: dict[str, Any]) -> None:

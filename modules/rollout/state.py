@@ -33,6 +33,5 @@ def load_rollout_state(module: Any, checkpoint: dict[str, Any]) -> None:
         ranks = [{}] * world
     own = ranks[module.global_rank if module._trainer is not None else 0]
     module.rollout_buffer.load_state_dict(own)
-    if module.off_policy is not None:
-        module.off_policy.load_state_dict(own)
+    module.off_policy.load_state_dict(own)
     module.load_rank_state(own)

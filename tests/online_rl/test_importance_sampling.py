@@ -1,6 +1,7 @@
 """The sampler-mismatch importance-sampling correction (TRL 1.16's ``vllm_importance_sampling_*``): the ratio in its
 four modes and the mismatch statistics against hand computations on Python floats, ``grpo_loss`` and ``rloo_loss``
-with the ratio against a transcription of TRL's per-token loss, and the knob checks."""
+with the ratio against a transcription of TRL's per-token loss, PPO's ``clipped_policy_loss`` with the ratio against
+a hand computation, and the knob checks. PPO's training step with the ratio: test_ppo_importance_sampling.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from lightalign.modules.losses.grpo import grpo_loss
+from lightalign.modules.losses.ppo import clipped_policy_loss
 from lightalign.modules.losses.rloo import rloo_loss
 from lightalign.modules.offpolicy.correction import (IMPORTANCE_SAMPLING_MODES, check_importance_sampling_knobs,
                                                      importance_sampling_ratio, sampling_mismatch)
@@ -384,3 +386,78 @@ def test_rloo_without_a_weight_is_unchanged_and_shapes_are_checked():
     assert torch.equal(rloo_loss(*args)[0], rloo_loss(*args, importance_sampling_ratio=torch.ones(2))[0])
     with pytest.raises(ValueError, match="one weight per sequence"):
         rloo_loss(*args, importance_sampling_ratio=torch.ones(2, 2))  # a token-level ratio
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PPO: the ratio weights each token's clipped term (verl's truncated importance sampling); sequence modes give one
+# weight per completion, the same on each of its tokens. Per-token advantages; r = exp(LOGP - OLD) is inside the
+# clip range on some tokens, outside it on others with the clipped branch the larger (no gradient there) or the
+# unclipped one the larger (gradient -A r).
+PPO_ADV = [[1.0, -0.5, 0.7], [-0.3, 0.8, 0.0], [0.4, -1.2, 0.9]]
+PPO_RHOS = {"token": [[0.5, 1.7, 0.0], [2.0, 0.8, NAN], [1.2, 0.0, 3.0]],  # 0: a masked token; NaN on padding
+            "sequence": [[0.7], [1.6], [0.0]]}  # row 2: a masked sequence
+
+
+def ppo_by_hand(rho, num_tokens, cliprange=0.2):
+    """The loss and its gradient in LOGP, on Python floats."""
+    loss, grad = 0.0, [[0.0] * 3 for _ in range(3)]
+    for i in range(3):
+        for t in range(3):
+            if not MASK[i][t]:
+                continue
+            a, r = PPO_ADV[i][t], math.exp(LOGP[i][t] - OLD[i][t])
+            w = 1.0 if rho is None else rho[i][t if len(rho[i]) > 1 else 0]
+            unclipped, clipped = -a * r, -a * min(max(r, 1 - cliprange), 1 + cliprange)
+            loss += w * max(unclipped, clipped) / num_tokens
+            if unclipped >= clipped:  # inside the range both branches are -A r, with gradient -A r
+                grad[i][t] = w * -a * r / num_tokens
+    return loss, grad
+
+
+def ppo_ours(rho, num_tokens=None):
+    logp, old, _, mask, _ = loss_inputs()
+    ratio = None if rho is None else torch.tensor(rho, dtype=torch.float64)
+    loss, stats = clipped_policy_loss(logp, old, torch.tensor(PPO_ADV, dtype=torch.float64), mask, 0.2, num_tokens,
+                                      importance_sampling_ratio=ratio)
+    loss.backward()
+    return loss, logp.grad, stats
+
+
+def test_ppo_data_exercises_both_clipped_branches():
+    inside = [(i, t) for i in range(3) for t in range(3) if MASK[i][t] and 0.8 < math.exp(LOGP[i][t] - OLD[i][t]) < 1.2]
+    assert inside == [(0, 0), (2, 0), (2, 1)]
+    _, grad = ppo_by_hand(None, 8)
+    no_gradient = [(i, t) for i in range(3) for t in range(3) if MASK[i][t] and grad[i][t] == 0]
+    assert no_gradient == [(0, 1), (0, 2), (2, 2)]  # outside, the clipped branch the larger; (1, 0), (1, 1): not
+
+
+@pytest.mark.parametrize("num_tokens", [None, 10.0])
+@pytest.mark.parametrize("level", list(PPO_RHOS))
+def test_ppo_policy_loss_with_a_ratio_by_hand(level, num_tokens):
+    rho = PPO_RHOS[level]
+    loss, grad, stats = ppo_ours(rho, num_tokens)
+    want, want_grad = ppo_by_hand(rho, 8 if num_tokens is None else num_tokens)
+    assert loss.item() == pytest.approx(want, rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    masked = [(0, 2), (2, 1)] if level == "token" else [(2, 0), (2, 1), (2, 2)]
+    assert all(grad[i, t] == 0 for i, t in masked)  # a masked token / sequence gets no gradient ...
+    logp, old, _, mask, _ = loss_inputs()  # ... and its log-probs do not enter the loss at all
+    moved = logp.detach().clone()
+    for i, t in masked:
+        moved[i, t] += 1.7
+    again, _ = clipped_policy_loss(moved, old, torch.tensor(PPO_ADV, dtype=torch.float64), mask, 0.2, num_tokens,
+                                   importance_sampling_ratio=torch.tensor(rho, dtype=torch.float64))
+    assert again.item() == pytest.approx(loss.item(), rel=1e-12, abs=1e-15)
+    _, _, plain_stats = ppo_ours(None, num_tokens)  # the statistics are the policy's, not weighted
+    assert all(torch.equal(stats[k], plain_stats[k]) for k in plain_stats)
+    assert loss.item() != pytest.approx(ppo_ours(None, num_tokens)[0].item(), rel=1e-6)
+
+
+def test_ppo_policy_loss_without_a_ratio_is_unchanged_and_shapes_are_checked():
+    loss, grad, _ = ppo_ours(None)
+    for ones in (torch.ones(3, 3), torch.ones(3, 1)):
+        other, other_grad, _ = ppo_ours(ones.double().tolist())
+        assert torch.equal(other, loss) and torch.equal(other_grad, grad)
+    for shape in [(3,), (3, 2), (2, 1), (3, 3, 1)]:
+        with pytest.raises(ValueError, match=r"importance_sampling_ratio must be \[B, T\] = \[3, 3\]"):
+            ppo_ours(torch.ones(shape).tolist())

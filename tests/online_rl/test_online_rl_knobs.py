@@ -58,3 +58,15 @@ def test_methods_share_one_definition_of_each_shared_knob():
     defaults = {cls: inspect.signature(cls.__init__).parameters for cls in (RLOOModule, PPOModule)}
     assert defaults[RLOOModule]["num_generations"].default == 2  # TRL's RLOOConfig
     assert (defaults[PPOModule]["num_generations"].default, defaults[PPOModule]["temperature"].default) == (1, 0.7)
+
+
+def test_the_importance_sampling_knobs_have_one_definition_and_ppo_does_not_sample_ahead():
+    """The correction's knobs are the loop's (every method: vLLM rollouts); sampling ahead is GRPO's and RLOO's."""
+    correction = {"vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                  "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max"}
+    ahead = {"max_staleness", "async_sampler_threads"}
+    assert correction <= own_knobs(OnlineRLModule)
+    for cls in (CriticFreeModule, GRPOModule, RLOOModule, PPOModule):
+        assert not correction & own_knobs(cls), cls.__name__
+    assert ahead <= own_knobs(CriticFreeModule)
+    assert not ahead & (own_knobs(OnlineRLModule) | own_knobs(PPOModule))
