@@ -271,10 +271,12 @@ def run_one(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"grpo-{args.framework}-", dir=args.workdir))
     os.environ["HF_DATASETS_CACHE"] = str(workdir / "datasets")  # no dataset cache hit across runs
     meter = Meter(args.warmup, args.steps)
+    pss = harness.PeakPSS()
     extra = (run_lightalign if args.framework == "lightalign" else run_trl)(args, meter, workdir)
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the sampling process, if any
     return {"framework": args.framework, "variant": f"{args.framework}:{extra['backend']}", **meter.summary(),
-            "threads": args.threads, "peak_rss_mb": harness.peak_rss_mb() + children, **extra}
+            "threads": args.threads, "peak_rss_mb": harness.peak_rss_mb() + children, "peak_pss_mb": pss.stop(),
+            **extra}
 
 
 def spawn(args: argparse.Namespace, variant: str) -> dict | None:
@@ -415,13 +417,13 @@ def run(args: argparse.Namespace) -> dict:
                       f"mean length {res['mean_completion_length']:5.2f}"
                       f"  generation {100 * res['generation_share']:4.1f}% (sampler busy "
                       f"{100 * res['sampler_busy_share']:4.1f}%)  reward {100 * res['reward_share']:4.2f}%"
-                      f"  peak RSS {res['peak_rss_mb']:6.0f} MB\n{'':>16}threads {res['threads']} (CPU/wall "
+                      f"  peak RSS {res['peak_rss_mb']:6.0f} MB (PSS {res['peak_pss_mb']:6.0f})\n{'':>16}threads {res['threads']} (CPU/wall "
                       f"{res['cpu_per_wall']:.2f}, other processes {100 * res['others_cpu_share']:.0f}% of the machine)"
                       f"  attn {res['attn']}  {res['shape']}", flush=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
-    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "sampler_busy_share",
+    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "peak_pss_mb", "generation_share", "sampler_busy_share",
             "reward_share",
             "others_cpu_share", "model_flops_per_sec")
     summary = {v: {k: harness.median_of(runs, k, variant=v) for k in keys}
@@ -440,11 +442,11 @@ def main() -> None:
         harness.emit(run_one(args))
         return
     result = run(args)
-    print("\n| variant | completions/s | mean completion length | generation share | peak RSS MB |\n"
-          "|---|---|---|---|---|")
+    print("\n| variant | completions/s | mean completion length | generation share | peak RSS MB | peak PSS MB |\n"
+          "|---|---|---|---|---|---|")
     for fw, row in result["summary"].items():
         print(f"| {fw} | {row['completions_per_sec']:.2f} | {row['mean_completion_length']:.2f} "
-              f"| {100 * row['generation_share']:.0f}% | {row['peak_rss_mb']:.0f} |")
+              f"| {100 * row['generation_share']:.0f}% | {row['peak_rss_mb']:.0f} | {row['peak_pss_mb']:.0f} |")
     if result["ratio"] is not None:
         print(f"\nbest lightalign / best TRL completions/s: {result['ratio']:.2f}x (median of {args.repeats} run(s) "
               "each)")

@@ -72,6 +72,55 @@ def wait_for_load(max_load: float | None, timeout: float = 900.0) -> None:
         time.sleep(10)
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return found
+
+
+def pss_mb(pid: int | None = None) -> float:
+    """Proportional set size of a process and all its descendants (a page shared by n processes counts 1/n in
+    each, so the sum counts it once: the memory the run really holds, where summed RSS counts shared weights twice)."""
+    total = 0
+    for proc in _descendants(os.getpid() if pid is None else pid):
+        try:
+            for line in Path(f"/proc/{proc}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+class PeakPSS:
+    """The peak of ``pss_mb`` over a run, sampled every ``interval`` seconds on a background thread."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        import threading
+
+        self.peak, self.interval = 0.0, interval
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            self.peak = max(self.peak, pss_mb())
+
+    def stop(self) -> float:
+        self.stopped.set()
+        self.thread.join()
+        self.peak = max(self.peak, pss_mb())
+        return self.peak
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
