@@ -39,6 +39,10 @@ ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/me
 
 def methods_with_knob(knob: str) -> list[str]:
     """The public online-RL methods (classes under ``OnlineRLModule``) whose constructor declares ``knob``."""
+    import lightalign.modules as methods
+
+    for name in methods.__all__:  # imported on first use: every method, so each one is seen
+        getattr(methods, name)
     found, todo = [], list(OnlineRLModule.__subclasses__())
     while todo:
         cls = todo.pop()
