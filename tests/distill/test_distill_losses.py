@@ -283,7 +283,8 @@ def test_on_policy_advantages_by_hand(gamma):
 def test_on_policy_loss_by_hand(gamma):
     logps = torch.tensor(STUDENT_LOGPS, dtype=torch.float64, requires_grad=True)
     teacher = torch.tensor(TEACHER_LOGPS, dtype=torch.float64)
-    advantages = on_policy_distillation_advantages(logps.detach(), teacher, mask(), iw_opd_gamma=gamma)
+    # the sampler's log-probs may be the student's own, graph attached (TRL's default): the advantage stays constant
+    advantages = on_policy_distillation_advantages(logps, teacher, mask(), iw_opd_gamma=gamma)
     loss = on_policy_distillation_loss(logps, advantages, mask())
     loss.backward()
     a = hand_advantages(STUDENT_LOGPS, TEACHER_LOGPS, gamma)
