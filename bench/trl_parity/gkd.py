@@ -17,7 +17,8 @@ Nothing of lightalign is imported: the inputs are seeded tensors, the outputs ar
   gamma 0 (plain on-policy distillation) and 0.5 (TRL's default), temperature 1 and 2, with and without the
   sampler's ``rollout_logprobs``. Saved per case: the loss and its gradient with respect to the student logits.
 
-The file is small (~40 kB): tensors in a dict, loadable with ``torch.load(weights_only=True)``.
+The file is small (~32 kB; regenerating it reproduces it byte for byte): tensors in a dict, loadable with
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
