@@ -6,6 +6,8 @@ from lightalign._lazy import lazy_attributes
 
 _EXPORTS = {
     **dict.fromkeys(["LOSS_TYPES", "DPOModule", "dpo_loss"], "lightalign.modules.dpo"),
+    **dict.fromkeys(["generalized_jsd_loss", "on_policy_distillation_advantages", "on_policy_distillation_loss"],
+                    "lightalign.modules.losses.distill"),
     **dict.fromkeys(["GRPOModule", "grpo_loss"], "lightalign.modules.grpo"),
     "IterativeSFT": "lightalign.modules.iterative_sft",
     **dict.fromkeys(["KTOModule", "kto_loss"], "lightalign.modules.kto"),
@@ -24,5 +26,6 @@ __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 __all__ = [
     "LOSS_TYPES", "CriticFreeModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
     "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
-    "dpo_loss", "grpo_loss", "kto_loss", "reward_loss", "sft_loss",
+    "dpo_loss", "generalized_jsd_loss", "grpo_loss", "kto_loss", "on_policy_distillation_advantages",
+    "on_policy_distillation_loss", "reward_loss", "sft_loss",
 ]
