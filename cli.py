@@ -74,10 +74,11 @@ class LightalignCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs) -> None:
         import lightalign
-        import lightalign.datamodules  # noqa: F401 - the data modules, for subclass names and `--data.help`
+        import lightalign.datamodules as datamodules
 
-        for name in lightalign.__all__:  # every method imported: `--model GRPOModule` and the help list them
-            getattr(lightalign, name)
+        for package in (lightalign, datamodules):  # every method and data module imported: `--model GRPOModule`,
+            for name in package.__all__:  # `--data PromptDataModule` and the help list them
+                getattr(package, name)
         kwargs.setdefault("model_class", PolicyModule)
         kwargs.setdefault("datamodule_class", L.LightningDataModule)
         kwargs.setdefault("subclass_mode_model", True)

@@ -1,11 +1,16 @@
 """LightningDataModules: rows in TRL's formats -> validated, tokenized, collated batches."""
 
-from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator
-from lightalign.datamodules.formats import DataFormatError
-from lightalign.datamodules.prompt import PromptCollator, PromptDataModule
-from lightalign.datamodules.preference import PreferenceCollator, PreferenceDataModule
-from lightalign.datamodules.sft import SFTDataModule
-from lightalign.datamodules.unpaired import UnpairedPreferenceCollator, UnpairedPreferenceDataModule
+from lightalign._lazy import lazy_attributes
+
+_EXPORTS = {
+    **dict.fromkeys(["PaddingCollator", "PaddingFreeCollator"], "lightalign.datamodules.collators"),
+    "DataFormatError": "lightalign.datamodules.formats",
+    **dict.fromkeys(["PromptCollator", "PromptDataModule"], "lightalign.datamodules.prompt"),
+    **dict.fromkeys(["PreferenceCollator", "PreferenceDataModule"], "lightalign.datamodules.preference"),
+    "SFTDataModule": "lightalign.datamodules.sft",
+    **dict.fromkeys(["UnpairedPreferenceCollator", "UnpairedPreferenceDataModule"], "lightalign.datamodules.unpaired"),
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
     "DataFormatError", "PaddingCollator", "PaddingFreeCollator", "PreferenceCollator", "PreferenceDataModule", "PromptCollator",
