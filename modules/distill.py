@@ -103,8 +103,9 @@ def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> 
 
 
 class DistillModule(PolicyModule):
-    """Distil a frozen teacher into the policy (the student) on the prompts of ``PromptDataModule`` (TRL 1.16's
-    ``GKDTrainer`` and on-policy distillation; docs/distill.md).
+    """Distil a frozen teacher into the policy (the student) on the prompts of ``PromptDataModule``.
+
+    TRL 1.16's ``GKDTrainer`` and on-policy distillation (docs/distill.md).
 
     Each training batch is ``data.batch_size`` prompts with one completion each; the loss of a batch is the mean
     over its completion tokens. Logged per optimizer step: ``train/loss``, ``train/divergence`` (the per-token
