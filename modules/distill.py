@@ -20,7 +20,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.datamodules.formats import DataFormatError, render_prompt_completion
-from lightalign.modules.generation.config import SamplingConfig
+from lightalign.modules.generation.config import SamplingConfig, with_sampling_knob_docs
 from lightalign.modules.generation.sampling import eos_token_ids, sample_completions
 from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
@@ -102,6 +102,7 @@ def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> 
     return model(**inputs).logits[:, :-1]
 
 
+@with_sampling_knob_docs
 class DistillModule(PolicyModule):
     """Distil a frozen teacher into the policy (the student) on the prompts of ``PromptDataModule``.
 
@@ -138,10 +139,7 @@ class DistillModule(PolicyModule):
             data's completions being used.
         max_completion_length: sampled completion tokens at most (TRL GKD's ``max_new_tokens``); the data's
             completions are cut to it too.
-        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0: off).
-        top_k: keep the ``top_k`` most likely tokens (None: off).
-        min_p: keep tokens whose probability is at least ``min_p`` times the most likely one's (None: off).
-        repetition_penalty: ``generate``'s penalty on tokens already in the sequence (1.0: off).
+        <shared sampling knobs: generation/config.py SAMPLING_KNOB_DOCS>
         generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``);
             the ones set by the knobs here are refused naming the knob.
         generation_backend: the sampler, as for the online-RL methods (``generate``, ``continuous``, ``static``,
