@@ -21,7 +21,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightalign.datamodules.formats import DataFormatError, render_prompt_completion
 from lightalign.modules.generation.config import SamplingConfig, with_sampling_knob_docs
-from lightalign.modules.generation.sampling import eos_token_ids, sample_completions
+from lightalign.modules.generation.sampling import sample_completions
 from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
 from lightalign.modules.reference.component import Reference
@@ -30,7 +30,6 @@ from lightalign.modules.training.logprobs import forward_accepts, selective_log_
 from lightalign.modules.training.policy import PolicyModule
 
 DISTILL_LOSS_TYPES = ("gkd", "on_policy")
-SOURCES = ("student", "teacher", "data")  # who wrote a batch's completions
 
 
 def model_vocab_size(model_or_path: Any, init_kwargs: dict[str, Any] | None = None,
