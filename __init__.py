@@ -1,5 +1,5 @@
-"""lightalign: LLM post-training built on PyTorch Lightning: SFT, DPO, KTO, reward modelling, GRPO, RLOO, PPO and
-iterative SFT.
+"""lightalign: LLM post-training built on PyTorch Lightning: SFT, DPO, KTO, reward modelling, GRPO, RLOO, PPO,
+iterative SFT and distillation (GKD, on-policy).
 
 Python API::
 
@@ -26,7 +26,7 @@ _EXPORTS = {
                      "UnpairedPreferenceDataModule"], "lightalign.datamodules"),
     **dict.fromkeys(["ModelNotFoundError", "load_causal_lm", "load_tokenizer"], "lightalign.hub"),
     **dict.fromkeys(["AtomicCheckpointIO", "CheckpointError"], "lightalign.strategies"),
-    **dict.fromkeys(["DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "PolicyModule", "PPOModule",
+    **dict.fromkeys(["DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "PolicyModule", "PPOModule",
                      "RewardModule", "RLOOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
                      "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
 }
@@ -39,6 +39,7 @@ __all__ = [
     "CompletionSamples",
     "DPOModule",
     "DeviceCacheCleanup",
+    "DistillModule",
     "DataFormatError",
     "GRPOModule",
     "RLOOModule",

@@ -104,10 +104,12 @@ class LightalignCLI(LightningCLI):
 
     def add_core_arguments_to_parser(self, parser) -> None:
         # As LightningCLI's, except that the modules' `model` argument (a built torch.nn.Module, Python API only)
-        # is not offered: `--model.help` would list every torch.nn.Module subclass for it.
+        # is not offered (nor DistillModule's `teacher_model`): `--model.help` would list every torch.nn.Module subclass
+        # for it.
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
-        parser.add_subclass_arguments(self._model_class, "model", fail_untyped=False, required=True, skip={"model"})
+        parser.add_subclass_arguments(self._model_class, "model", fail_untyped=False, required=True,
+                                     skip={"model", "teacher_model"})
         parser.add_subclass_arguments(self._datamodule_class, "data", fail_untyped=False, required=True)
 
     def add_arguments_to_parser(self, parser) -> None:

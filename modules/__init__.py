@@ -5,6 +5,7 @@ shared ``PolicyModule`` plumbing), losses/, rollout/ (the online-RL loop GRPO, R
 from lightalign._lazy import lazy_attributes
 
 _EXPORTS = {
+    "DistillModule": "lightalign.modules.distill",
     **dict.fromkeys(["LOSS_TYPES", "DPOModule", "dpo_loss"], "lightalign.modules.dpo"),
     **dict.fromkeys(["generalized_jsd_loss", "on_policy_distillation_advantages", "on_policy_distillation_loss"],
                     "lightalign.modules.losses.distill"),
@@ -24,7 +25,7 @@ _EXPORTS = {
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
-    "LOSS_TYPES", "CriticFreeModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
+    "LOSS_TYPES", "CriticFreeModule", "DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
     "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
     "dpo_loss", "generalized_jsd_loss", "grpo_loss", "kto_loss", "on_policy_distillation_advantages",
     "on_policy_distillation_loss", "reward_loss", "sft_loss",

@@ -25,11 +25,12 @@ REPO = HERE.parent.parent
 COMMAND = "python docs/knobs/generate.py"
 
 # The method classes, in the order of the README. Each gets docs/knobs/<name without "Module", lower case>.md.
-CLASSES = ("SFTModule", "DPOModule", "KTOModule", "RewardModule", "GRPOModule", "RLOOModule", "PPOModule")
+CLASSES = ("SFTModule", "DPOModule", "KTOModule", "RewardModule", "GRPOModule", "RLOOModule", "PPOModule",
+           "DistillModule")
 
 # As the CLI's parser (cli.py, LightalignCLI.add_core_arguments_to_parser): the modules' `model` argument, a built
 # torch.nn.Module for the Python API, is not offered on the command line, so `--model.help` does not list it.
-CLI_SKIP = {"model"}
+CLI_SKIP = {"model", "teacher_model"}
 
 MISSING = "—"
 CODE = re.compile(r"``([^`]+?)``")

@@ -22,7 +22,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
-from lightalign.modules.generation.config import SamplingConfig
+from lightalign.modules.generation.config import SamplingConfig, with_sampling_knob_docs
 from lightalign.modules.generation.sampling import sample_completions
 from lightalign.modules.generation.vllm import check_vllm_knobs
 from lightalign.modules.offpolicy.component import OffPolicyRollouts
@@ -54,6 +54,7 @@ def methods_with_knob(knob: str) -> list[str]:
     return sorted(set(found) - {"CriticFreeModule"})
 
 
+@with_sampling_knob_docs
 class OnlineRLModule(PolicyModule):
     """The online-RL loop on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults).
 
@@ -78,10 +79,7 @@ class OnlineRLModule(PolicyModule):
             ``num_generations``) and split evenly into the method's micro-batches. Default: ``num_generations``
             times the micro-batches per rollout.
         max_completion_length: generated tokens at most.
-        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0: off).
-        top_k: keep the ``top_k`` most likely tokens (None: off).
-        min_p: keep tokens whose probability is at least ``min_p`` times the most likely one's (None: off).
-        repetition_penalty: ``generate``'s penalty on tokens already in the sequence (1.0: off).
+        <shared sampling knobs: generation/config.py SAMPLING_KNOB_DOCS>
         generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``,
             ``no_repeat_ngram_size``); the ones the rollout sets (``max_new_tokens``, ``num_return_sequences``,
             ``temperature``, ``top_p`` ...) are refused with the knob to use. (TRL lets them override its knobs.)

@@ -1,0 +1,269 @@
+"""``DistillModule``: the teacher stays frozen and in eval mode, the training loss is the loss function on independent
+forwards, the lmbda draw decides who writes the completions (and a resumed run draws the same), a teacher of another
+vocabulary is refused before any weights load, exact resume, and the console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import console_script
+from lightalign.hub import load_causal_lm
+
+KNOWN_TOKEN = 77  # what the "greedy" teacher always writes
+
+
+def _model_folder(tiny_dir: Path, folder: Path, seed: int | None = None, **config) -> Path:
+    """A copy of the tiny model's folder with ``config`` changed, with weights (seed) or config-only (None)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in tiny_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    data = json.loads((folder / "config.json").read_text())
+    data.update(config)
+    (folder / "config.json").write_text(json.dumps(data))
+    if seed is not None:
+        torch.manual_seed(seed)
+        load_causal_lm(str(folder), from_config=True).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tiny_dir, tmp_path_factory) -> Path:
+    """A teacher with weights whose config keeps dropout on: in train mode its forwards would be random."""
+    return _model_folder(tiny_dir, tmp_path_factory.mktemp("teacher"), seed=1, attention_dropout=0.5)
+
+
+def greedy_teacher(tiny_dir: Path) -> torch.nn.Module:
+    """A tiny model whose next token is KNOWN_TOKEN after any prefix (by a wide margin, also when sampled): residual
+    dimension 0 is 1 everywhere (no layer writes to it), the final norm keeps only it, the head maps it to the
+    token."""
+    torch.manual_seed(2)
+    model = load_causal_lm(str(tiny_dir), from_config=True)
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[KNOWN_TOKEN, 0] = 1000.0
+    return model
+
+
+def _module(tiny_dir, teacher, **kw):
+    from lightalign import DistillModule
+
+    kw.setdefault("max_completion_length", 5)
+    kw.setdefault("learning_rate", 1e-3)
+    torch.manual_seed(0)
+    where = {"teacher_model": teacher} if isinstance(teacher, torch.nn.Module) else {
+        "teacher_model_name_or_path": str(teacher)}
+    return DistillModule(kw.pop("student", str(tiny_dir)), from_config=True, **where, **kw)
+
+
+def _data(tiny_dir, data_dir, student=None, **kw):
+    from lightalign import PromptDataModule
+
+    kw.setdefault("batch_size", 4)
+    return PromptDataModule(str(data_dir / "arithmetic_sft.jsonl"), tokenizer=str(student or tiny_dir),
+                            max_prompt_length=16, **kw)
+
+
+class Record(L.Callback):
+    """Per training batch: who wrote the completions, the rows and the loss, the student's weights before the
+    step, and whether the teacher was in train mode or had a gradient-requiring parameter."""
+
+    def __init__(self):
+        self.sources, self.rows, self.losses, self.students, self.teacher_training = [], [], [], [], []
+        self.teacher_trainable = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.students.append({k: v.detach().clone() for k, v in module.model.state_dict().items()})
+        real = module.completions
+
+        def recording(b, source):
+            rows = real(b, source)
+            self.rows.append({k: v.detach().clone() for k, v in rows.items()})
+            return rows
+
+        module.completions = recording
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        del module.completions
+        self.sources.append(module.last_source)
+        self.losses.append(outputs["loss"].detach().clone())
+        self.teacher_training.append(module.teacher.training)
+        self.teacher_trainable.append(any(p.requires_grad for p in module.teacher.parameters()))
+
+
+def _fit(module, data, max_steps=2, callbacks=(), **kw):
+    kw.setdefault("logger", False)
+    kw.setdefault("enable_checkpointing", False)
+    trainer = L.Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, max_steps=max_steps, limit_val_batches=0,
+                        callbacks=list(callbacks), **kw)
+    trainer.fit(module, data)
+    return trainer
+
+
+def test_gradients_reach_only_the_student_and_the_teacher_never_changes(tiny_dir, data_dir, teacher_dir):
+    module = _module(tiny_dir, teacher_dir, lmbda=0.5)
+    record = Record()
+    module.configure_model()
+    before = {k: v.clone() for k, v in module.teacher.state_dict().items()}
+    student_before = {k: v.clone() for k, v in module.model.state_dict().items()}
+    _fit(module, _data(tiny_dir, data_dir), max_steps=3, callbacks=[record])
+    assert record.teacher_training == [False] * 3  # eval mode in every step, whatever Lightning's .train() did
+    assert record.teacher_trainable == [False] * 3
+    assert all(p.grad is None for p in module.teacher.parameters())
+    for name, value in module.teacher.state_dict().items():
+        torch.testing.assert_close(value, before[name], atol=0, rtol=0, msg=name)
+    # the teacher is outside the module tree: never optimised nor checkpointed
+    assert not any(k.startswith("teacher") for k in module.state_dict())
+    optimised = {id(p) for group in module.trainer.optimizers[0].param_groups for p in group["params"]}
+    assert not optimised & {id(p) for p in module.teacher.parameters()}
+    assert any(not torch.equal(v, student_before[k]) for k, v in module.model.state_dict().items())
+
+
+def _independent_loss(module, rows, student_state):
+    """The loss recomputed from scratch: a fresh student with the step's weights and the teacher (eval mode), each
+    forwarded on the full [prompt, completion] rows, the logits predicting the completion tokens, the completion
+    mask."""
+    from lightalign.modules import generalized_jsd_loss, on_policy_distillation_loss
+
+    hp = module.hparams
+    student = load_causal_lm(module.model_name_or_path, from_config=True)
+    student.load_state_dict(student_state)
+    student.eval()
+    teacher = module.teacher.eval()
+    ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], 1)
+    attention = torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    p, t = rows["prompt_ids"].shape[1], rows["completion_ids"].shape[1]
+    mask = rows["completion_mask"].bool()
+    with torch.no_grad():
+        s_logits = student(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, p - 1:p + t - 1]
+        t_logits = teacher(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, p - 1:p + t - 1]
+    if hp.loss_type == "gkd":
+        return generalized_jsd_loss(s_logits, t_logits, mask, beta=hp.beta, temperature=hp.temperature)
+    s_logps = torch.log_softmax(s_logits / hp.temperature, -1).gather(-1, rows["completion_ids"][..., None])[..., 0]
+    t_logps = torch.log_softmax(t_logits / hp.temperature, -1).gather(-1, rows["completion_ids"][..., None])[..., 0]
+    return on_policy_distillation_loss(s_logps, (t_logps - s_logps) * mask, mask)
+
+
+@pytest.mark.parametrize("kw", [dict(lmbda=0.0), dict(lmbda=1.0, beta=0.2, temperature=0.7),
+                                dict(loss_type="on_policy")], ids=["data", "student", "on_policy"])
+def test_training_loss_equals_the_loss_function_on_independent_forwards(tiny_dir, data_dir, teacher_dir, kw):
+    module = _module(tiny_dir, teacher_dir, **kw)
+    record = Record()
+    _fit(module, _data(tiny_dir, data_dir), max_steps=2, callbacks=[record])
+    assert record.sources == ["data" if kw.get("lmbda") == 0.0 else "student"] * 2
+    for rows, loss, state in zip(record.rows, record.losses, record.students):
+        # the completions hold some padding (mask 0) and the prompts are left-padded: the mask matters
+        expected = _independent_loss(module, rows, state)
+        torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_lmbda_decides_who_writes_the_completions(tiny_dir, data_dir, teacher_dir, tokenizer):
+    # lmbda 1: the student samples every batch; 0: none, the data's completions (tokenised + EOS) are used
+    record = Record()
+    _fit(_module(tiny_dir, teacher_dir, lmbda=1.0), _data(tiny_dir, data_dir), max_steps=3, callbacks=[record])
+    assert record.sources == ["student"] * 3
+    record = Record()
+    data = _data(tiny_dir, data_dir)
+    _fit(_module(tiny_dir, teacher_dir, lmbda=0.0), data, max_steps=3, callbacks=[record])
+    assert record.sources == ["data"] * 3
+    first = record.rows[0]
+    answers = {r["prompt"]: r["completion"] for r in map(json.loads, open(data_dir / "arithmetic_sft.jsonl"))}
+    prompt = tokenizer.decode(first["prompt_ids"][0][first["prompt_mask"][0].bool()], skip_special_tokens=True)
+    ids = first["completion_ids"][0][first["completion_mask"][0].bool()].tolist()
+    assert ids == tokenizer(answers[prompt], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # lmbda 0 with seq_kd: the teacher samples every batch (this one always writes KNOWN_TOKEN)
+    record = Record()
+    _fit(_module(tiny_dir, greedy_teacher(tiny_dir), lmbda=0.0, seq_kd=True), _data(tiny_dir, data_dir),
+         max_steps=2, callbacks=[record])
+    assert record.sources == ["teacher"] * 2
+    for rows in record.rows:
+        assert rows["completion_mask"].all() and (rows["completion_ids"] == KNOWN_TOKEN).all()
+    # lmbda 0.5: both, in an order the seed fixes
+    record = Record()
+    _fit(_module(tiny_dir, teacher_dir, lmbda=0.5), _data(tiny_dir, data_dir), max_steps=8, callbacks=[record])
+    assert set(record.sources) == {"student", "data"}
+
+
+def test_without_completions_a_share_of_data_batches_is_refused_at_fit_start(tiny_dir, data_dir, teacher_dir):
+    from lightalign import DataFormatError, PromptDataModule
+
+    data = PromptDataModule(str(data_dir / "arithmetic_prompts.jsonl"), tokenizer=str(tiny_dir), batch_size=4)
+    with pytest.raises(DataFormatError, match=r"lmbda is 0.5 and seq_kd is false.*no 'completion' column"):
+        _fit(_module(tiny_dir, teacher_dir), data, max_steps=1)
+    with pytest.raises(ValueError, match="on_policy.*needs lmbda 1"):
+        _module(tiny_dir, teacher_dir, loss_type="on_policy", lmbda=0.5)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_before_any_weights_load(tiny_dir, tmp_path, monkeypatch):
+    import lightalign.hub as hub
+
+    config_only = _model_folder(tiny_dir, tmp_path / "big-vocab", seed=None, vocab_size=2048)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the vocabularies were compared")
+
+    monkeypatch.setattr(hub, "load_model", no_loading)
+    with pytest.raises(ValueError, match=r"teacher's vocabulary \(2048 tokens.*student's \(1024 tokens"):
+        _module(tiny_dir, config_only)
+
+
+def test_killed_and_resumed_equals_uninterrupted(tiny_dir, data_dir, teacher_dir, tmp_path):
+    """Dropout on in the student (so the RNG streams matter), half the batches student-sampled: a run resumed from
+    its step-2 checkpoint ends bit-identical to the uninterrupted 4-step run, with the same lmbda draws."""
+    student = _model_folder(tiny_dir, tmp_path / "student", seed=None, attention_dropout=0.3)
+
+    def fit(max_steps, ckpt_path=None, ckpt_dir=None):
+        record = Record()
+        callbacks = [record]
+        if ckpt_dir is not None:
+            callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1,
+                                                                 save_top_k=-1))
+        module = _module(tiny_dir, teacher_dir, student=str(student), lmbda=0.5, disable_dropout=False)
+        L.seed_everything(3)
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, max_steps=max_steps, limit_val_batches=0, callbacks=callbacks,
+                            enable_checkpointing=ckpt_dir is not None)
+        trainer.fit(module, _data(tiny_dir, data_dir, student=student), ckpt_path=ckpt_path)
+        return module, record
+
+    full, full_record = fit(4, ckpt_dir=tmp_path / "ckpt")
+    assert set(full_record.sources) == {"student", "data"}
+    resumed, resumed_record = fit(4, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert resumed_record.sources == full_record.sources[2:]
+    a, b = full.state_dict(), resumed.state_dict()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_console_script_fits_the_shipped_config_and_refuses_a_missing_teacher(repo, teacher_dir, tmp_path):
+    base = ["fit", "--config", "configs/distill_quickstart.yaml", "--trainer.max_steps", "2",
+            "--trainer.limit_val_batches", "1", "--plot.enabled", "false",
+            "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    out = console_script.run(repo, *base, "--model.teacher_model_name_or_path", str(teacher_dir), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    export = next(tmp_path.rglob("hf_model"))
+    assert (export / "model.safetensors").is_file() and (export / "config.json").is_file()
+    out = console_script.run(repo, *base, "--model.teacher_model_name_or_path", str(tmp_path / "no-such-teacher"))
+    text = out.stdout + out.stderr
+    errors = [line for line in text.splitlines() if line.startswith("lightalign: error:")]
+    assert out.returncode != 0 and len(errors) == 1 and "no-such-teacher" in errors[0], text[-3000:]
+    assert "Traceback" not in text
