@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -113,9 +111,10 @@ def test_sft_template_on_a_local_pretrained_folder(repo, tmp_path, tiny_model, t
 
 
 def test_python_api_example_runs(repo, tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(repo / "examples" / "sft_python.py"), "--max-steps", "5", "--output-dir",
-                           str(tmp_path / "hf")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    # `python examples/sft_python.py ...` in tmp_path, forked from the console server (tests/helpers/console_script.py:
+    # run as __main__ with the script's sys.argv and sys.path[0], offline, torch and transformers already imported)
+    proc = console_script.run_python(repo / "examples" / "sft_python.py", "--max-steps", "5", "--output-dir",
+                                     str(tmp_path / "hf"), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "hf" / "model.safetensors").exists()
     assert [line.split(" ")[0] for line in proc.stdout.splitlines()[-3:]] == ["12+7=", "45-3=", "8+80="]

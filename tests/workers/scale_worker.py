@@ -1,7 +1,7 @@
 """Train SFT, DPO and GRPO for a few steps under one strategy and dump the weights (used by tests/training/test_scale.py).
 
 python tests/workers/scale_worker.py --strategy ddp --devices 2 --out DIR [--methods sft,dpo,grpo] [--batch-mult 2]
-    [--resume-check [STRATEGY ...]] [--fail-at-step N --fail-mode exit|hang --timeout-s S]
+    [--resume-check [STRATEGY ...]] [--fail-at-step N --fail-mode exit|hang --timeout-s S] [--batched-sampling]
 Writes DIR/<method>_rank<r>.pt (each rank's own view: replicated strategies) and, from rank 0, DIR/<method>.pt
 (the full weights: gathered under sharding), DIR/<method>_init.pt (before training) and DIR/<method>_hf (the HF
 export); with --resume-check, DIR/ckpt_<STRATEGY>/ and DIR/sft_resumed_<STRATEGY>.pt.
@@ -104,8 +104,8 @@ def seeded_grpo_class(base=None):
     return SeededGRPO
 
 
-def build(method: str, mult: int):
-    from lightalign import DPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
+def build(method: str, mult: int, seeded: bool = True):
+    from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
 
     # SGD: the update is linear in the gradient, so float noise stays noise (Adam's first steps turn a gradient
     # of 1e-9 into a full-size update of either sign). Momentum gives the optimizer a state that a resumed run
@@ -121,7 +121,7 @@ def build(method: str, mult: int):
         return DPOModule(TINY, **common), PreferenceDataModule(rows("arithmetic_preference.jsonl", 32), tokenizer=TINY,
                                                                batch_size=4 * mult)
     if method == "grpo":  # beta > 0: a frozen reference next to the policy
-        module = seeded_grpo_class()(TINY, reward_funcs=[completion_chars], num_generations=4, beta=0.1,
+        module = (seeded_grpo_class() if seeded else GRPOModule)(TINY, reward_funcs=[completion_chars], num_generations=4, beta=0.1,
                                      generation_batch_size=8 * mult, max_completion_length=MAX_NEW, **sampled,
                                      **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
@@ -129,7 +129,7 @@ def build(method: str, mult: int):
         from lightalign import PPOModule  # rank's tokens; ppo_vm: the head on a separate value model
 
         separate = {"value_model_name_or_path": TINY} if method == "ppo_vm" else {}
-        module = seeded_grpo_class(PPOModule)(TINY, reward_funcs=[completion_chars], num_generations=2, kl_coef=0.1,
+        module = (seeded_grpo_class(PPOModule) if seeded else PPOModule)(TINY, reward_funcs=[completion_chars], num_generations=2, kl_coef=0.1,
                                               generation_batch_size=8 * mult, max_completion_length=MAX_NEW,
                                               num_ppo_epochs=1, **separate, **sampled, **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
@@ -174,7 +174,7 @@ def fit(args, method: str, max_steps: int, ckpt_dir: Path | None = None, ckpt_pa
     from lightalign.callbacks import HFExport
 
     L.seed_everything(1234)
-    module, data = build(method, args.batch_mult)
+    module, data = build(method, args.batch_mult, seeded=not args.batched_sampling)
     # Lightning's DDP re-seeds at fit start (reset_seed) and one process does not: seed again, so that whatever the
     # constructor drew (PPO's value head) does not shift the policy's from_config weights in one of them only
     L.seed_everything(1234)
@@ -211,6 +211,10 @@ def main() -> None:
     parser.add_argument("--fail-at-step", type=int, help="global rank 1 fails when this step starts")
     parser.add_argument("--fail-mode", choices=("exit", "hang"), default="exit", help="how rank 1 fails (FailRank1)")
     parser.add_argument("--timeout-s", type=float, help="the strategy's collective timeout")
+    parser.add_argument("--batched-sampling", action="store_true",
+                        help="GRPO/PPO sample each rollout in one batched call (the module's own generate) instead of "
+                             "one seeded call per prompt: for runs not compared with another process count (under "
+                             "ZeRO-3 every forward of generation gathers the weights: a quarter of the calls)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
