@@ -39,7 +39,7 @@ def online(monkeypatch):
 
 class FakeApi:
     """Records HfApi calls. ``fail``: a predicate on an upload's kwargs -> raise ConnectionError (every attempt);
-    ``fail_first``: that many upload attempts fail first; ``gate``: the first upload waits for it (up to 60 s)."""
+    ``fail_first``: that many upload attempts fail first; ``gate``: the first upload waits for it (up to 20 s)."""
 
     def __init__(self, fail=None, fail_first=0, gate: threading.Event | None = None, whoami_error=None,
                  create_error=None):
@@ -73,12 +73,13 @@ class FakeApi:
             first = not any(name == "upload_folder" for name, _ in self.calls)
             self.calls.append(("upload_folder", dict(repo_id=repo_id, folder=str(folder), files=files,
                                                      path_in_repo=path_in_repo, message=commit_message,
-                                                     revision=revision, thread=threading.current_thread().name)))
+                                                     revision=revision, thread=threading.current_thread().name,
+                                                     first_done=self.first_finished.is_set())))
             failing = self.fail_first > 0
             self.fail_first -= 1
         if first and self.gate is not None:
             self.first_started.set()
-            released = self.gate.wait(60)
+            released = self.gate.wait(20)
             self.calls.append(("gate", {"released": released}))
             self.first_finished.set()
         if failing or (self.fail is not None and self.fail(commit_message)):
@@ -219,21 +220,27 @@ def test_a_slow_upload_does_not_block_training_and_fit_end_waits_for_it(tmp_path
     api = FakeApi(gate=gate)
     push = HubPush(push_to_hub=True, hub_model_id="me/x", hub_strategy="every_save", api=api)
 
-    def release():
+    def at_train_end():
         events.append(("upload_still_running", api.first_started.is_set() and not api.first_finished.is_set()))
-        gate.set()
 
-    fit(tmp_path, tiny_dir, small_data, push, extra=[StepLog(events, at_train_end=release)])
+    wait = push.wait
+
+    def wait_then_release():  # the final push waits for the uploads in flight: only then is the gate opened
+        events.append(("fit_end_waits", api.first_started.is_set() and not api.first_finished.is_set()))
+        gate.set()
+        wait()
+
+    push.wait = wait_then_release
+    fit(tmp_path, tiny_dir, small_data, push, extra=[StepLog(events, at_train_end=at_train_end)])
     # the step-2 upload started and was still blocked when the 4 steps had run and training ended
-    assert events[-1] == ("upload_still_running", True) and ("step", 4) in events
+    assert events[-2:] == [("upload_still_running", True), ("fit_end_waits", True)] and ("step", 4) in events
     assert ("gate", {"released": True}) in api.calls
     uploads = api.uploads()
     assert [u["message"] for u in uploads] == ["Training in progress, step 2", "End of training"]
     # the step-4 save was not pushed while step 2's was uploading (hub_always_push=False, as the Trainer)
     assert len(push.skipped) == 1 and "checkpoint-4" in push.skipped[0]
-    # the final push came after the blocked upload finished
-    names = [name for name, _ in api.calls]
-    assert names.index("gate") < len(names) - 1 and api.calls[-1][1]["message"] == "End of training"
+    # the final push started after the blocked upload had finished
+    assert uploads[-1]["first_done"] and uploads[-1]["thread"] == threading.main_thread().name
 
 
 def _stand_in_trainer(tmp_path: Path, rank_zero: bool, export: HFExport, push: HubPush):
