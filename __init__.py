@@ -20,7 +20,8 @@ __version__ = "0.1.0"
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 _EXPORTS = {
-    **dict.fromkeys(["CompletionSamples", "DeviceCacheCleanup", "HFExport", "NonFiniteGuard", "TokenThroughput"],
+    **dict.fromkeys(["CompletionSamples", "DeviceCacheCleanup", "HFExport", "HubPush", "NonFiniteGuard",
+                     "TokenThroughput"],
                     "lightalign.callbacks"),
     **dict.fromkeys(["DataFormatError", "PreferenceDataModule", "PromptDataModule", "SFTDataModule",
                      "UnpairedPreferenceDataModule"], "lightalign.datamodules"),
@@ -44,6 +45,7 @@ __all__ = [
     "GRPOModule",
     "RLOOModule",
     "HFExport",
+    "HubPush",
     "IterativeSFT",
     "KTOModule",
     "ModelNotFoundError",

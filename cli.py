@@ -6,7 +6,8 @@ datamodule's ``tokenizer``, so a config names the model once. Always present and
 ``--checkpoint.*`` (a ModelCheckpoint that keeps ``last.ckpt``), ``--export.*`` (the Hugging Face export at the
 end of fit), ``--throughput.*`` (tokens/s in the progress bar and the logger), ``--progress_bar.*`` (one line
 every N steps when stdout is not a terminal), ``--summary.*`` (a table at the end of fit) and ``--plot.*`` (the
-learning curves as ``curves.png``). ``config.yaml`` and ``versions.json`` are saved in every run's folder.
+learning curves as ``curves.png``), and ``--hub.*`` (push the export to the Hugging Face Hub: docs/hub.md).
+``config.yaml`` and ``versions.json`` are saved in every run's folder.
 ``lightalign plot RUN_DIR ...`` draws the curves of finished runs (``lightalign.plotting``).
 
 Runs and resume (``lightalign.runs``): everything a run writes goes into one run folder; ``--ckpt_path last``
@@ -30,8 +31,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightalign.callbacks import (CompletionSamples, HFExport, PlotCurves, RunFolder, RunSummary, SaveRunConfig,
-                                  StepProgressBar, TokenThroughput)
+from lightalign.callbacks import (CompletionSamples, HFExport, HubPush, PlotCurves, RunFolder, RunSummary,
+                                  SaveRunConfig, StepProgressBar, TokenThroughput)
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.runs import ResumeError, RunError, check_resume, continue_logs, latest_run, pin_version, read_checkpoint, \
     run_of_checkpoint, runs_root, version_of
@@ -129,6 +130,10 @@ class LightalignCLI(LightningCLI):
         parser.add_lightning_class_args(PlotCurves, "plot")
         parser.add_lightning_class_args(RunSummary, "summary")  # after PlotCurves: the table names the PNG
         parser.add_lightning_class_args(RankLogging, "logging")
+        # last: its fit-end push runs once everything local (export, summary, curves) is written. No `api` (a Python
+        # object) and no `hub_token` (config.yaml would record it): the token comes from HF_TOKEN or `hf auth login`.
+        parser.callback_keys.append("hub")
+        parser.add_class_arguments(HubPush, "hub", fail_untyped=False, sub_configs=True, skip={"api", "hub_token"})
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI would replace the config's --model.* with the checkpoint's hyperparameters (another model
@@ -154,6 +159,10 @@ class LightalignCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_multinode_env(self.trainer.num_nodes)  # before any process group: a missing variable would hang
+        hub = self._get(self.config_init, "hub")
+        if hub is not None:  # HF_HUB_OFFLINE, no repository name: refused before the data is read or the model loads
+            export = self._get(self.config_init, "export")
+            hub.check_local(export.output_dir if export is not None and export.enabled else None)
         if self.trainer.max_steps == 0:
             raise RunError("--trainer.max_steps is 0: there is nothing to train. Set it to the number of optimizer "
                            "steps to run (or -1 with --trainer.max_epochs to train by epochs).")
@@ -241,6 +250,7 @@ def user_error_of(err: BaseException) -> BaseException | None:
 def is_user_error(err: BaseException) -> bool:
     """An error lightalign raised about the user's input (data, config, checkpoint, reward function): its message
     says what to do, so the traceback is noise. Anything else (a bug, an error inside a library) keeps it."""
+    from lightalign.callbacks.hub_push import HubPushError
     from lightalign.datamodules.formats import DataFormatError
     from lightalign.hub import ModelNotFoundError
     from lightalign.modules.agent.environments import EnvironmentCallError
@@ -249,7 +259,7 @@ def is_user_error(err: BaseException) -> bool:
     from lightalign.strategies.checkpoint_io import CheckpointError
 
     if isinstance(err, (DataFormatError, CheckpointError, RunError, ModelNotFoundError, RewardFunctionError,
-                        RewardImportError, EnvironmentCallError)):
+                        RewardImportError, EnvironmentCallError, HubPushError)):
         return True
     if not isinstance(err, (ValueError, TypeError, FileNotFoundError)):
         return False

@@ -3,6 +3,7 @@
 from lightalign.callbacks.completions import CompletionSamples
 from lightalign.callbacks.device_cache import DeviceCacheCleanup
 from lightalign.callbacks.hf_export import HFExport
+from lightalign.callbacks.hub_push import HubPush
 from lightalign.callbacks.nonfinite import NonFiniteGuard
 from lightalign.callbacks.plot import PlotCurves
 from lightalign.callbacks.progress import StepProgressBar
@@ -11,5 +12,5 @@ from lightalign.callbacks.run_folder import RunFolder
 from lightalign.callbacks.summary import RunSummary
 from lightalign.callbacks.throughput import TokenThroughput
 
-__all__ = ["CompletionSamples", "DeviceCacheCleanup", "HFExport", "NonFiniteGuard", "PlotCurves", "RunFolder",
+__all__ = ["CompletionSamples", "DeviceCacheCleanup", "HFExport", "HubPush", "NonFiniteGuard", "PlotCurves", "RunFolder",
            "RunSummary", "SaveRunConfig", "StepProgressBar", "TokenThroughput"]

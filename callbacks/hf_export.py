@@ -1,7 +1,9 @@
-"""``HFExport``: write a Hugging Face model folder (model + tokenizer) at the end of fit, optionally every N steps."""
+"""``HFExport``: write a Hugging Face model folder (model + tokenizer + model card) at the end of fit, optionally every
+N steps."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,8 @@ from lightalign.runs import RunError, check_writable
 
 
 class HFExport(L.Callback):
-    """Save the policy with ``save_pretrained`` (and the tokenizer) so ``from_pretrained(folder)`` loads it.
+    """Save the policy with ``save_pretrained`` (and the tokenizer) so ``from_pretrained(folder)`` loads it, with a
+    model card (``README.md``: ``modules/training/model_card.py``) in every folder it writes.
 
     Args:
         output_dir: where the final model goes; default ``<run folder>/hf_model`` (e.g. ``runs/sft/version_0/hf_model``).
@@ -35,6 +38,8 @@ class HFExport(L.Callback):
         self.merge_lora = merge_lora
         self.enabled = enabled
         self.last_export: Path | None = None
+        self.last_export_step: int | None = None
+        self.hub_repo_id: str | None = None  # set by HubPush: the model card's loading snippet names the repository
         self._exported_final = False
 
     def resolve_output_dir(self, trainer: L.Trainer) -> Path:
@@ -73,7 +78,8 @@ class HFExport(L.Callback):
         if trainer.is_global_zero:
             pl_module.export_hf(output_dir, tokenizer=self._tokenizer(trainer, pl_module), merge_lora=self.merge_lora,
                                 state_dict=state, **({} if extra is None else {"extras": extra}))
-            self.last_export = output_dir
+            write_model_card(output_dir, trainer, pl_module, repo_id=self.hub_repo_id)
+            self.last_export, self.last_export_step = output_dir, trainer.global_step
             rank_zero_info(f"Hugging Face model written to {output_dir}")
         trainer.strategy.barrier("hf_export")
 
@@ -98,3 +104,54 @@ class HFExport(L.Callback):
                 and 0 <= trainer.max_steps <= trainer.global_step:
             self.export(trainer, pl_module, self.resolve_output_dir(trainer))
             self._exported_final = True
+
+
+def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, repo_id: str | None = None) -> dict:
+    """What ``model_card_text`` needs, read from the run: the module's hparams and class defaults, the last logged
+    train/val metrics, the data module's path and format, the package versions, and how the folder loads."""
+    from lightalign.callbacks.run_config import package_versions
+    from lightalign.modules.training.model_card import class_defaults
+
+    hparams = dict(getattr(pl_module, "hparams", {}) or {})
+    metrics = {}
+    for name, value in trainer.callback_metrics.items():
+        if name.startswith(("train/", "val/")):
+            try:
+                metrics[name] = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                continue
+    datamodule = getattr(trainer, "datamodule", None)
+    data = getattr(datamodule, "path", None)
+    adapter = (folder / "adapter_config.json").is_file()
+    classifier = type(pl_module).__name__ == "RewardModule"
+    return dict(
+        method=type(pl_module).__name__,
+        base_model=hparams.get("model_name_or_path"),
+        random_init=bool(hparams.get("from_config")),
+        hparams=hparams,
+        defaults=class_defaults(type(pl_module)),
+        metrics=dict(sorted(metrics.items())),
+        versions=package_versions(),
+        step=trainer.global_step,
+        data=str(data) if isinstance(data, (str, os.PathLike)) else (type(data).__name__ if data is not None else None),
+        data_format=getattr(datamodule, "data_format", None),
+        data_module=type(datamodule).__name__ if datamodule is not None else None,
+        repo_id=repo_id,
+        folder=str(folder),
+        library_name="peft" if adapter else "transformers",
+        auto_class=("AutoPeftModelForSequenceClassification" if classifier else "AutoPeftModelForCausalLM") if adapter
+        else ("AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"),
+        pipeline_tag="text-classification" if classifier else "text-generation",
+    )
+
+
+def write_model_card(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, repo_id: str | None = None) -> Path:
+    """Write ``folder/README.md`` (written to a temporary name, then renamed into place)."""
+    from lightalign.modules.training.model_card import model_card_text
+
+    text = model_card_text(**card_inputs(folder, trainer, pl_module, repo_id))
+    path = Path(folder) / "README.md"
+    tmp = path.with_name(f".README.md.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -153,6 +153,7 @@ class SFTDataModule(TokenizedDataModule):
         if len(raw) == 0:
             raise DataFormatError(f"The {label} split is empty: it has no rows.")
         fmt = detect_format(raw, self.text_field)
+        self.data_format = fmt  # named in the export's model card
         require_format(fmt, (LANGUAGE_MODELING, PROMPT_COMPLETION, CONVERSATIONAL), "SFT", raw.column_names)
         self.validate(raw, fmt, tokenizer, label)
         tokenized = raw.map(

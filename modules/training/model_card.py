@@ -1,0 +1,180 @@
+"""The model card (``README.md``) of an exported Hugging Face folder, as a pure function of what the run knows.
+
+``model_card_text(...)`` takes plain values (names, hyperparameters and their defaults, final metrics, library
+versions) and returns the card's text: YAML metadata built with huggingface_hub's ``ModelCardData`` (``base_model``,
+``library_name``, ``tags``, ``datasets``, ``license``, ``pipeline_tag``) and a body naming the base model, the method
+and its knobs, the data, the final metrics, the versions and how to load the model. ``HFExport``
+(``callbacks/hf_export.py``) gathers those values from the trainer (``card_inputs``) and writes the card into every
+folder it exports.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+#: A Hugging Face hub repository id ("org/name"): what may go into the ``base_model`` / ``datasets`` metadata (the
+#: Hub rejects a card whose ``base_model`` is not a model id, e.g. a local path).
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+CARD_VERSIONS = ("lightalign", "torch", "transformers", "lightning", "peft")
+_MAX_VALUE = 80
+
+
+def is_hub_id(name: Any) -> bool:
+    """Whether ``name`` reads as a hub repository id and is not a local path that exists."""
+    return isinstance(name, str) and bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
+
+
+def method_tag(method: str) -> str:
+    """``SFTModule`` -> ``sft``, ``DPOModule`` -> ``dpo``: the tag naming the method."""
+    return method.removesuffix("Module").lower() or method.lower()
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        text = f"{value:.6g}"
+    elif isinstance(value, (list, tuple)) and all(callable(v) for v in value):
+        text = ", ".join(getattr(v, "__qualname__", repr(v)) for v in value)
+    elif callable(value) and hasattr(value, "__qualname__"):
+        text = f"{getattr(value, '__module__', '')}.{value.__qualname__}".lstrip(".")
+    else:
+        text = repr(value) if not isinstance(value, str) else value
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= _MAX_VALUE else text[:_MAX_VALUE - 1] + "…"
+
+
+def _metric(value: float) -> str:
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def model_card_text(
+    *,
+    method: str,
+    base_model: str | None,
+    hparams: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    metrics: Mapping[str, float],
+    versions: Mapping[str, str | None],
+    step: int | None = None,
+    data: str | None = None,
+    data_format: str | None = None,
+    data_module: str | None = None,
+    repo_id: str | None = None,
+    folder: str | None = None,
+    library_name: str = "transformers",
+    auto_class: str = "AutoModelForCausalLM",
+    pipeline_tag: str | None = "text-generation",
+    license: str | None = None,
+    random_init: bool = False,
+) -> str:
+    """The text of ``README.md`` (YAML metadata + markdown body); pure: the same inputs give the same text.
+
+    Args:
+        method: the module class (``SFTModule``); its tag (``sft``) goes into ``tags``.
+        base_model: the model the run started from (hub id or local folder); only a hub id goes into the metadata.
+        hparams: the run's hyperparameters (the module's ``hparams``); ``defaults``: the class defaults, so the knobs
+            that differ come first in the table.
+        metrics: the last logged value of each metric (``train/loss``, ``val/loss`` …); ``step``: the step they
+            were read at.
+        versions: package -> version (``None``: not installed; left out).
+        data, data_format, data_module: the training data's path or hub name, its format and the data module class;
+            a hub dataset name also goes into the ``datasets`` metadata.
+        repo_id / folder: what the loading snippet names (the hub repository when pushed, else the local folder).
+        library_name, auto_class, pipeline_tag: how the folder loads (``peft`` + ``AutoPeftModelForCausalLM`` for an
+            adapter, ``AutoModelForSequenceClassification`` for a reward model).
+        license: the license, when known (otherwise left out).
+        random_init: the run started from random weights (``from_config``): no base model in the metadata.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    tag = method_tag(method)
+    hub_base = base_model if not random_init and is_hub_id(base_model) else None
+    hub_data = data if is_hub_id(data) else None
+    card_data = ModelCardData(
+        base_model=hub_base, library_name=library_name, license=license, pipeline_tag=pipeline_tag,
+        datasets=[hub_data] if hub_data else None, tags=["lightalign", tag],
+        model_name=repo_id.split("/")[-1] if repo_id else None,
+    )
+    target = repo_id or folder or "path/to/this/folder"
+    title = repo_id.split("/")[-1] if repo_id else (Path(folder).name if folder else "model")
+
+    lines: list[str] = [f"# {title}", ""]
+    origin = (f"random weights built from the config of `{base_model}`" if random_init
+              else f"[`{base_model}`](https://huggingface.co/{base_model})" if hub_base else f"`{base_model}`")
+    lines += [f"Trained with lightalign's `{method}` ({tag.upper()}) from {origin}"
+              + (f", {step} optimizer steps." if step is not None else "."), ""]
+
+    lines += ["## How to load", "", "```python", f"from transformers import AutoTokenizer"]
+    if auto_class.startswith("AutoPeft"):
+        lines += [f"from peft import {auto_class}", ""]
+    else:
+        lines[-1] = f"from transformers import {auto_class}, AutoTokenizer"
+        lines += [""]
+    lines += [f'model = {auto_class}.from_pretrained("{target}")',
+              f'tokenizer = AutoTokenizer.from_pretrained("{target}")', "```", ""]
+
+    lines += ["## Data", ""]
+    if data is not None:
+        lines += [f"- path or name: `{data}`" + (" (Hugging Face dataset)" if hub_data else "")]
+    if data_format:
+        lines += [f"- format: {data_format.replace('_', '-')}"]
+    if data_module:
+        lines += [f"- data module: `{data_module}`"]
+    if data is None and not data_format and not data_module:
+        lines += ["- not recorded (the model was trained without a lightalign data module)"]
+    lines += [""]
+
+    lines += ["## Final metrics", ""]
+    if metrics:
+        lines += ["| metric | value |", "|---|---|"]
+        order = sorted((k for k in metrics if not k.endswith(("_per_sec", "/lr"))),  # throughput, schedule: not results
+                       key=lambda k: (not k.startswith("train/"), k))
+        lines += [f"| `{name}` | {_metric(float(metrics[name]))} |" for name in order]
+    else:
+        lines += ["No metric was logged."]
+    lines += [""]
+
+    hparams = {k: v for k, v in hparams.items() if not k.startswith("_")}  # jsonargparse's _class_path, _instantiator
+    changed = {k: v for k, v in hparams.items() if k not in defaults or not _same(defaults[k], v)}
+    unchanged = {k: v for k, v in hparams.items() if k not in changed}
+    lines += [f"## Method: `{method}`", "", "Knobs set for this run (differing from the defaults):", ""]
+    if changed:
+        lines += ["| knob | value |", "|---|---|"] + [f"| `{k}` | `{_value(v)}` |" for k, v in changed.items()]
+    else:
+        lines += ["None: every knob at its default."]
+    if unchanged:
+        lines += ["", "<details><summary>The other knobs (defaults)</summary>", "", "| knob | value |", "|---|---|"]
+        lines += [f"| `{k}` | `{_value(v)}` |" for k, v in unchanged.items()] + ["", "</details>"]
+    lines += [""]
+
+    shown = [(name, versions.get(name)) for name in CARD_VERSIONS if versions.get(name)]
+    lines += ["## Framework versions", ""] + [f"- {name}: {version}" for name, version in shown] + [""]
+    return str(ModelCard.from_template(card_data, template_str="---\n{{ card_data }}\n---\n\n{{ body }}\n",
+                                       body="\n".join(lines).rstrip() + "\n"))
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # tensors, arrays: not comparable to a plain default
+        return False
+
+
+def class_defaults(cls: type) -> dict[str, Any]:
+    """The default of every ``__init__`` parameter of ``cls`` and its bases (the nearest class's wins)."""
+    defaults: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for p in parameters:
+            if p.default is not inspect.Parameter.empty and p.name not in defaults:
+                defaults[p.name] = p.default
+    return defaults
