@@ -117,6 +117,8 @@ class OnlineDPOModule(PolicyModule):
             other DPO loss types need offline pairs and are refused.
         missing_eos_penalty: subtracted from the reward of a completion that has no EOS (reward functions only).
         max_completion_length: sampled completion tokens at most (TRL's ``max_new_tokens``).
+        temperature: sampling temperature of the two completions (the log-probs of the loss are the model's own,
+            untempered, as TRL's).
         <shared sampling knobs: generation/config.py SAMPLING_KNOB_DOCS>
         generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``);
             the ones set by the knobs here are refused naming the knob.
