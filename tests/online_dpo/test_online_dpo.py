@@ -110,6 +110,30 @@ def test_training_loss_equals_dpo_loss_on_independent_forwards(tiny_dir, data_di
     with torch.no_grad():  # the policy moves away from the reference, so the log-ratios are not all 0
         for p in module.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    _check_loss(module, tiny_dir, data_dir, loss_type, lambda rollout: _independent_sums(module.ref_model, rollout))
+    assert all(p.grad is None and not p.requires_grad for p in module.ref_model.parameters())
+
+
+def test_a_lora_policys_reference_is_its_base_with_the_adapters_off(tiny_dir, data_dir):
+    pytest.importorskip("peft")
+    module = _module(tiny_dir, beta=0.3, max_completion_length=10,
+                     peft_config={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    module.configure_model()
+    assert module.ref_model is None
+    with torch.no_grad():  # LoRA's B starts at 0: move it so the adapters change the policy
+        for name, p in module.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn_like(p))
+
+    def base_sums(rollout):
+        with module.model.disable_adapter():
+            return _independent_sums(module.model, rollout)
+
+    _check_loss(module, tiny_dir, data_dir, "sigmoid", base_sums)
+    assert all(p.grad is None for n, p in module.model.named_parameters() if "lora_" not in n)
+
+
+def _check_loss(module, tiny_dir, data_dir, loss_type, reference_sums):
     data = _data(tiny_dir, data_dir)
     data.setup("fit")
     module.tokenizer = data.tokenizer
@@ -126,7 +150,7 @@ def test_training_loss_equals_dpo_loss_on_independent_forwards(tiny_dir, data_di
     rewards = module.last_pair["rewards"]
     assert (rewards[chosen] >= rewards[rejected]).all() and (rewards[chosen] > rewards[rejected]).any()
     with torch.no_grad():
-        policy, ref = _independent_sums(module.model, rollout), _independent_sums(module.ref_model, rollout)
+        policy, ref = _independent_sums(module.model, rollout), reference_sums(rollout)
     lengths = mask.sum(-1).float()
     expected = dpo_loss(policy[chosen], policy[rejected], ref[chosen], ref[rejected], beta=0.3, loss_type=loss_type,
                         chosen_lengths=lengths[chosen], rejected_lengths=lengths[rejected])[0].mean()
@@ -137,7 +161,6 @@ def test_training_loss_equals_dpo_loss_on_independent_forwards(tiny_dir, data_di
     torch.testing.assert_close(logged["logps__rejected"], policy[rejected].mean(), atol=1e-4, rtol=1e-5)
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.model.parameters())
-    assert all(p.grad is None and not p.requires_grad for p in module.ref_model.parameters())
 
 
 # ------------------------------------------------------------------------------------- beta schedule
