@@ -222,3 +222,44 @@ def test_console_script_fits_the_shipped_config(repo, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     export = next(tmp_path.rglob("hf_model"))
     assert (export / "model.safetensors").is_file() and (export / "config.json").is_file()
+
+
+def test_conversational_prompts_reach_the_reward_function_as_messages(tiny_dir, tmp_path):
+    from lightalign import PromptDataModule
+
+    path = tmp_path / "chat_prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)})
+                            + "\n" for i in range(8)))
+    seen = []
+
+    def reward(prompts, completions, answer, **columns):
+        seen.append((prompts, completions, answer))
+        return [float(len(c[0]["content"])) for c in completions]
+
+    module = _module(tiny_dir, reward_funcs=[reward], max_completion_length=3)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, max_steps=1, limit_val_batches=0)
+    trainer.fit(module, PromptDataModule(str(path), tokenizer=str(tiny_dir), batch_size=4))
+    prompts, completions, answer = seen[0]
+    assert len(prompts) == 8 and prompts[0] == prompts[1] and prompts[0][0]["role"] == "user"  # each prompt twice
+    assert all(c[0]["role"] == "assistant" for c in completions) and answer[0] == answer[1]
+    with pytest.raises(TypeError, match="max_completion_length"):
+        _module(tiny_dir, max_new_tokens=8)
+
+
+def test_a_judged_run_trains_and_validates(tiny_dir, data_dir):
+    calls = []
+
+    def judge(prompts, pairs):
+        calls.append(len(pairs))
+        return [1] * len(pairs)
+
+    module = _module(tiny_dir, judge=judge, max_completion_length=3)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, max_steps=2, limit_val_batches=1,
+                        val_check_interval=2)
+    trainer.fit(module, _data(tiny_dir, data_dir, val_split_size=4, val_batch_size=4))
+    metrics = trainer.callback_metrics
+    assert calls == [4, 4] and module.last_pair["chosen"].tolist() == [1, 3, 5, 7]
+    assert "train/loss" in metrics and "train/rewards/margins" in metrics and "val/contain_eos_token" in metrics
+    assert "train/objective/scores" not in metrics  # no rewards with a judge
