@@ -27,7 +27,7 @@ _EXPORTS = {
                      "UnpairedPreferenceDataModule"], "lightalign.datamodules"),
     **dict.fromkeys(["ModelNotFoundError", "load_causal_lm", "load_tokenizer"], "lightalign.hub"),
     **dict.fromkeys(["AtomicCheckpointIO", "CheckpointError"], "lightalign.strategies"),
-    **dict.fromkeys(["DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "PolicyModule", "PPOModule",
+    **dict.fromkeys(["DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "OnlineDPOModule", "PolicyModule", "PPOModule",
                      "RewardModule", "RLOOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
                      "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
 }
@@ -50,6 +50,7 @@ __all__ = [
     "KTOModule",
     "ModelNotFoundError",
     "NEFTune",
+    "OnlineDPOModule",
     "NonFiniteGuard",
     "PolicyModule",
     "PPOModule",

@@ -12,6 +12,7 @@ _EXPORTS = {
     **dict.fromkeys(["GRPOModule", "grpo_loss"], "lightalign.modules.grpo"),
     "IterativeSFT": "lightalign.modules.iterative_sft",
     **dict.fromkeys(["KTOModule", "kto_loss"], "lightalign.modules.kto"),
+    **dict.fromkeys(["OnlineDPOModule", "ONLINE_DPO_LOSS_TYPES"], "lightalign.modules.online_dpo"),
     "PPOModule": "lightalign.modules.ppo",
     "create_reference_model": "lightalign.modules.reference.model",
     **dict.fromkeys(["RewardModule", "reward_loss"], "lightalign.modules.reward"),
@@ -26,7 +27,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
     "LOSS_TYPES", "CriticFreeModule", "DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
-    "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
+    "ONLINE_DPO_LOSS_TYPES", "OnlineDPOModule", "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
     "dpo_loss", "generalized_jsd_loss", "grpo_loss", "kto_loss", "on_policy_distillation_advantages",
     "on_policy_distillation_loss", "reward_loss", "sft_loss",
 ]

@@ -1,0 +1,355 @@
+"""Online DPO: ``OnlineDPOModule``, DPO on pairs the policy samples itself and a reward (or a judge) ranks.
+
+Per batch of prompts (``PromptDataModule``): two completions per prompt from the policy (the shared samplers:
+``SamplingConfig``, ``choose_sampler``, ``sample_completions``), scored by the reward functions (the online-RL
+scoring stage, ``rollout/scoring.py``) with ``missing_eos_penalty`` taken off a completion without EOS, or compared by a
+pairwise judge; the better one is ``chosen``. The loss is the project's ``dpo_loss`` (``sigmoid`` or ``ipo``) on the
+completion-token log-prob sums of the policy (with gradients) and of the reference (``Reference`` component, under
+``no_grad``; for a LoRA policy the base with adapters off). TRL 1.16's ``OnlineDPOTrainer`` (docs/online_dpo.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+from lightalign.modules.generation.config import SamplingConfig, with_sampling_knob_docs
+from lightalign.modules.generation.sampling import sample_completions
+from lightalign.modules.losses.dpo import dpo_loss
+from lightalign.modules.reference.component import Reference
+from lightalign.modules.rollout.scoring import fallback_stat, metric_key, score_rollout
+from lightalign.modules.training.policy import PolicyModule
+
+ONLINE_DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+def beta_for_epoch(beta: float | Sequence[float], epoch: int) -> float:
+    """The beta of an epoch: a number is used throughout; a list gives one value per epoch, its last one reused
+    after (TRL's ``OnlineDPOConfig.beta``)."""
+    if isinstance(beta, (int, float)):
+        return float(beta)
+    values = list(beta)
+    return float(values[min(epoch, len(values) - 1)])
+
+
+def apply_missing_eos_penalty(rewards: torch.Tensor, has_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """``rewards`` with ``penalty`` subtracted where a completion has no EOS (TRL's ``missing_eos_penalty``)."""
+    if penalty is None:
+        return rewards
+    return rewards - penalty * (~has_eos.bool()).to(rewards.dtype)
+
+
+def pair_from_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """Which completion of each pair is chosen (0 or 1, ``[N]``), from the rewards ``[2N]`` of rows grouped by prompt
+    (``[a_0, b_0, a_1, b_1, ...]``): the higher reward; a tie goes to the first (as TRL). A NaN reward (no function
+    scored the completion) ranks below any number."""
+    pairs = torch.nan_to_num(rewards.float().view(-1, 2), nan=float("-inf"))
+    return (pairs[:, 1] > pairs[:, 0]).long()
+
+
+def pair_from_judge(judge: Any, prompts: list[Any], texts: list[str]) -> torch.Tensor:
+    """Which completion of each pair is chosen (``[N]``), as ``judge(prompts, [[a, b], ...])`` says (TRL's pairwise
+    judge convention: the index of the better completion; an object with a ``judge`` method is called through it)."""
+    call = judge.judge if hasattr(judge, "judge") and not inspect.isfunction(judge) else judge
+    pairs = [[texts[2 * i], texts[2 * i + 1]] for i in range(len(prompts))]
+    ranks = list(call(prompts, pairs))
+    if len(ranks) != len(prompts) or any(int(r) not in (0, 1) or r != int(r) for r in ranks):
+        raise ValueError(f"The judge {getattr(call, '__qualname__', call)!r} must return one index per prompt, 0 or 1 "
+                         f"(which of the two completions is better), for {len(prompts)} prompts; it returned "
+                         f"{ranks!r}.")
+    return torch.tensor([int(r) for r in ranks], dtype=torch.long)
+
+
+def chosen_rejected_rows(first_is_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices ``[N]`` of the chosen and the rejected completion of each prompt's pair (rows grouped by prompt),
+    from the pair choice (0: the first, 1: the second is chosen)."""
+    base = 2 * torch.arange(first_is_rejected.shape[0], device=first_is_rejected.device)
+    return base + first_is_rejected, base + 1 - first_is_rejected
+
+
+def masked_sums(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row sums of per-token log-probs over the completion mask (zero elsewhere, whatever the value there)."""
+    return torch.where(mask.bool(), token_logps, torch.zeros_like(token_logps)).sum(-1)
+
+
+TRAIN_STATS = ("loss", "objective/scores", "objective/scores_margin", "objective/kl", "objective/entropy",
+               "objective/non_score_reward", "objective/rlhf_reward", "rewards/chosen", "rewards/rejected",
+               "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected", "contain_eos_token", "beta",
+               "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
+
+
+@with_sampling_knob_docs
+class OnlineDPOModule(PolicyModule):
+    """Online DPO on the prompts of ``PromptDataModule``: two completions per prompt sampled from the policy, ranked
+    by reward functions or a pairwise judge, the DPO loss on the (chosen, rejected) pair against the reference.
+
+    TRL 1.16's ``OnlineDPOTrainer`` (docs/online_dpo.md). Each training batch is ``data.batch_size`` prompts (so
+    twice as many completions, one pair per prompt); the loss is the mean over the pairs.
+
+    Logged per optimizer step, with TRL's names under ``train/``: ``objective/scores`` (mean reward, after
+    ``missing_eos_penalty``), ``objective/scores_margin`` (chosen minus rejected reward), ``objective/kl``,
+    ``objective/entropy``, ``objective/non_score_reward``, ``objective/rlhf_reward``, ``rewards/chosen``,
+    ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies`` (the implicit DPO rewards), ``logps/chosen``,
+    ``logps/rejected``, ``contain_eos_token`` (TRL's ``val/contain_eos_token``), ``beta``; plus the online-RL
+    scoring stage's ``reward/mean``, ``reward/std``, ``reward/<function>``, ``completions/mean_length``,
+    ``completions/clipped_ratio``. Per validation (two samples per held prompt): ``val/reward/mean`` (reward
+    functions only), ``val/contain_eos_token``, ``val/completions/mean_length``.
+
+    Args:
+        reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables,
+            import paths, or ``RewardModel`` instances (the online-RL methods' reward plumbing). Either these or
+            ``judge``.
+        reward_weights: one weight per reward function (default 1 each); the reward is their weighted sum.
+        reward_timeout: seconds each reward function call may take (None: no limit).
+        reward_fallback_value: the reward of a call that raised or timed out, and of each NaN or None it returned
+            (None: such a call raises).
+        judge: a pairwise judge instead of rewards: a callable (or an object with a ``judge`` method, TRL's
+            ``BasePairwiseJudge``) or its import path; called as ``judge(prompts, [[completion_a, completion_b],
+            ...])`` with the data's prompts and the decoded completions, it returns per prompt the index (0 or 1) of
+            the better completion.
+        beta: the DPO beta (deviation from the reference; for ``ipo`` the regulariser tau). A list gives one value
+            per epoch, the last reused after (TRL).
+        loss_type: ``sigmoid`` (DPO) or ``ipo`` (length-normalised log-ratios, as the project's ``dpo_loss``); the
+            other DPO loss types need offline pairs and are refused.
+        missing_eos_penalty: subtracted from the reward of a completion that has no EOS (reward functions only).
+        max_completion_length: sampled completion tokens at most (TRL's ``max_new_tokens``).
+        temperature: sampling temperature of the two completions (the log-probs of the loss are the model's own,
+            untempered, as TRL's).
+        <shared sampling knobs: generation/config.py SAMPLING_KNOB_DOCS>
+        generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``);
+            the ones set by the knobs here are refused naming the knob.
+        generation_backend: the sampler (``generate``, ``continuous``, ``static``, ``compact``; unset: the device's
+            measured default, decided at fit start).
+        ref_model_name_or_path: a separately loaded reference model (default: a frozen copy of the policy; for a
+            LoRA policy, the base model with the adapters disabled).
+        ref_model_init_kwargs: ``from_pretrained`` arguments of the reference (e.g. an 8/4-bit
+            ``quantization_config``).
+        disable_dropout: set every dropout probability of the policy to 0 (TRL's default).
+        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
+    """
+
+    knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
+    _unregistered_attributes = PolicyModule._unregistered_attributes | {"reward_funcs", "judge"}
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        *,
+        reward_funcs: list[str | Callable] | str | Callable | None = None,
+        reward_weights: list[float] | None = None,
+        reward_timeout: float | None = 300.0,
+        reward_fallback_value: float | None = None,
+        judge: str | Callable | None = None,
+        beta: float | list[float] = 0.1,
+        loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
+        missing_eos_penalty: float | None = None,
+        max_completion_length: int = 64,
+        temperature: float = 0.9,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict[str, Any] | None = None,
+        generation_backend: Literal["generate", "continuous", "static", "compact"] | None = None,
+        ref_model_name_or_path: str | None = None,
+        ref_model_init_kwargs: dict[str, Any] | None = None,
+        disable_dropout: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        from lightalign.rewards import (check_reward_call_knobs, check_reward_weights, import_object,
+                                        resolve_reward_funcs, reward_func_names)
+
+        name = type(self).__name__
+        unknown = sorted(set(kwargs) - set(inspect.signature(PolicyModule.__init__).parameters))
+        if unknown:
+            knob = unknown[0]
+            instead = self.knob_equivalents.get(knob)
+            raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
+                            + f" (`lightalign fit --model.help {name}` lists its knobs).")
+        if loss_type not in ONLINE_DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r} is not available online: {name} takes "
+                             f"{list(ONLINE_DPO_LOSS_TYPES)} (as TRL's OnlineDPOTrainer); the other DPO loss types are "
+                             "DPOModule's, on offline preference pairs.")
+        betas = [beta] if isinstance(beta, (int, float)) else list(beta)
+        if not betas or any(not float(b) > 0 for b in betas):
+            raise ValueError(f"beta must be > 0, or a non-empty list of values > 0 (one per epoch), got {beta!r}.")
+        if (reward_funcs is None) == (judge is None):
+            raise ValueError(f"{name} ranks each pair of completions by reward_funcs or by a pairwise judge: give "
+                             "exactly one of them (got " + ("both" if judge is not None else "neither") + ").")
+        if missing_eos_penalty is not None and (judge is not None or missing_eos_penalty < 0):
+            raise ValueError(f"missing_eos_penalty must be a positive number subtracted from a reward, got "
+                             f"{missing_eos_penalty}" + (" with a judge, which gives no reward to subtract it from; "
+                                                         "drop it." if judge is not None else "."))
+        if kwargs.get("neftune_noise_alpha") is not None:
+            raise ValueError(f"neftune_noise_alpha is not supported by {name}: the policy's train-mode forward would "
+                             "carry noise its samples did not; drop it.")
+        sampling = SamplingConfig.from_knobs(
+            max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
+            cache_implementation=None, share_prefill=False, generation_backend=generation_backend)
+        funcs = [] if reward_funcs is None else resolve_reward_funcs(
+            list(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]))
+        check_reward_weights(funcs, reward_weights)
+        check_reward_call_knobs(reward_timeout, reward_fallback_value)
+        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs", "judge"])
+        self.sampling = sampling
+        self.reward_funcs = funcs
+        self.reward_weights = list(reward_weights or [1.0] * len(funcs))
+        self.reward_names = reward_func_names(funcs)
+        self.reward_fallbacks_warned: set[str] = set()
+        self.judge = import_object(judge, "judge") if isinstance(judge, str) else judge
+        if self.judge is not None and not callable(getattr(self.judge, "judge", self.judge)):
+            raise TypeError(f"judge must be callable (or have a judge method), got {type(self.judge).__name__}.")
+        self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs)
+        self.tokenizer: Any = None
+        self.sampler_name: str | None = None
+        self.sampling_note = ""
+        names = [*TRAIN_STATS, *(f"reward/{n}" for n in self.reward_names),
+                 *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None)]
+        self.train_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric() for k in names})
+        self.eval_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric() for k in names})
+        self.last_pair: dict[str, torch.Tensor] | None = None  # the last training batch's pair (tests, logs)
+
+    # ------------------------------------------------------------------------------------- model, setup
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.ref_model is None:
+            with torch.inference_mode(False):
+                self.ref_model = self.reference.build(self.model, self.model_name_or_path,
+                                                      self.hparams.trust_remote_code)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        if stage == "fit" and not hasattr(datamodule, "configure_rollout"):
+            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+
+    def batch_layout(self) -> tuple[str, int | None]:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        prompt = getattr(datamodule, "max_prompt_length", None)
+        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
+
+    def on_fit_start(self) -> None:
+        self.sampler_name = None  # decided again in fit_start_notes (the model may have changed)
+        super().on_fit_start()
+        self.reference.move(self.ref_model, self.device, self.model)
+
+    def fit_start_notes(self) -> list[str]:
+        self.sampling_backend()
+        return [self.sampling_note]
+
+    def sampling_backend(self) -> str:
+        from lightalign.modules.rollout.sampler_choice import choose_sampler
+
+        if self.sampler_name is None:
+            self.sampler_name, self.sampling_note = choose_sampler(self.model, self.sampling, 2)
+        return self.sampler_name
+
+    @property
+    def beta(self) -> float:
+        """This epoch's beta."""
+        return beta_for_epoch(self.hparams.beta, self.current_epoch if self._trainer is not None else 0)
+
+    # ------------------------------------------------------------------------------------- stages
+    @torch.no_grad()
+    def sample_pairs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Two completions per prompt, rows grouped by prompt."""
+        return sample_completions(self.model, self.tokenizer, batch, 2, backend=self.sampling_backend(),
+                                  **self.sampling.sampling_kwargs())
+
+    def rank(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(which completion of each pair is chosen ``[N]``, the rewards ``[2N]`` after ``missing_eos_penalty`` or
+        None with a judge)."""
+        if self.judge is not None:
+            return pair_from_judge(self.judge, rollout["prompts"][::2], rollout["texts"]).to(self.device), None
+        _, total = score_rollout(self, rollout, stats)
+        rewards = apply_missing_eos_penalty(total, ~rollout["truncated"].to(self.device), self.hparams.missing_eos_penalty)
+        return pair_from_rewards(rewards), rewards
+
+    def pair_logps(self, rollout: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Per-token log-probs ``[2N, T]`` of the sampled completions under the policy (with gradients when
+        enabled) and the reference (no_grad)."""
+        from lightalign.modules.adaptations.layouts import grpo_forward
+
+        rows = {k: rollout[k].to(self.device) for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                        "completion_mask")}
+        with self.training_forward_context():
+            policy = grpo_forward(self.model, rows, 1.0)[0]
+        with torch.no_grad(), self.reference.model_for(self.ref_model, self.model) as ref:
+            reference = grpo_forward(ref, rows, 1.0)[0]
+        return {"policy": policy, "reference": reference, "mask": rows["completion_mask"]}
+
+    def pair_loss(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> torch.Tensor:
+        choice, rewards = self.rank(rollout, stats)
+        chosen, rejected = chosen_rejected_rows(choice)
+        logps = self.pair_logps(rollout)
+        mask = logps["mask"]
+        policy, reference = masked_sums(logps["policy"], mask), masked_sums(logps["reference"], mask)
+        lengths = mask.sum(-1).float()
+        beta = self.beta
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            policy[chosen], policy[rejected], reference[chosen], reference[rejected], beta=beta,
+            loss_type=self.hparams.loss_type, chosen_lengths=lengths[chosen], rejected_lengths=lengths[rejected])
+        loss = losses.mean()
+        self.last_pair = {"chosen": chosen, "rejected": rejected, "rewards": rewards}
+        with torch.no_grad():  # TRL's statistics
+            kl = (policy - reference).detach()
+            has_eos = (~rollout["truncated"]).float().to(self.device)
+            update = {"loss": loss.detach(), "rewards/chosen": chosen_rewards.mean(),
+                      "rewards/rejected": rejected_rewards.mean(),
+                      "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+                      "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+                      "logps/chosen": policy[chosen].detach().mean(), "logps/rejected": policy[rejected].detach().mean(),
+                      "objective/kl": kl.mean(), "objective/entropy": -policy.detach().mean(),
+                      "objective/non_score_reward": (-beta * kl).mean(), "contain_eos_token": has_eos.mean(),
+                      "beta": torch.tensor(beta)}
+            if rewards is not None:
+                update.update({"objective/scores": torch.nanmean(rewards),
+                               "objective/scores_margin": torch.nanmean(rewards[chosen] - rewards[rejected]),
+                               "objective/rlhf_reward": torch.nanmean(rewards - beta * kl)})
+            for key, value in update.items():
+                if not torch.isnan(value):
+                    stats[metric_key(key)].update(value)
+        return loss
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        rollout = self.sample_pairs(batch)
+        self.last_batch_tokens = int(rollout["prompt_mask"].sum() + rollout["completion_mask"].sum())
+        self.last_batch_samples = int(rollout["completion_ids"].shape[0])
+        loss = self.pair_loss(rollout, self.train_stats)
+        return self.add_router_aux_loss(loss)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self._log_stats(self.train_stats, "train")
+
+    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
+        for key, metric in stats.items():
+            if metric.update_called:
+                name = key.replace("__", "/")
+                self.log(f"{stage}/{name}", metric.compute(), prog_bar=name in ("loss", "reward/mean"))
+            metric.reset()
+
+    # ------------------------------------------------------------------------------------- validation
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Two samples per held prompt (a seeded stream of their own: validating changes no training draw), scored
+        as in training (reward/mean, contain_eos_token, completion lengths)."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.global_step * 100_003 + batch_idx)
+            rollout = self.sample_pairs(batch)
+        if self.judge is None:
+            score_rollout(self, rollout, self.eval_stats)
+        else:
+            self.eval_stats[metric_key("completions/mean_length")].update(
+                rollout["completion_mask"].sum(-1).float().mean())
+        self.eval_stats[metric_key("contain_eos_token")].update((~rollout["truncated"]).float().mean())
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_stats(self.eval_stats, "val")
+        self.log_eval_metrics("val")
