@@ -113,6 +113,28 @@ class OffPolicyRollouts:
                              f"a sharded strategy ({strategy}) does not have; use ddp or a single device, or "
                              "max_staleness: 0.")
 
+    def thread_split(self) -> tuple[int, int]:
+        """(sampling process, training process) torch threads: ``async_sampler_threads`` (default half) and the
+        rest, at least one each."""
+        total = torch.get_num_threads() if self.trainer_threads is None else self.trainer_threads
+        threads = self.sampler_threads or max(1, total // 2)
+        return threads, max(1, total - threads)
+
+    def note(self, module: Any) -> str | None:
+        """The fit-start line saying how rollouts are sampled ahead (None: synchronous)."""
+        if not self.max_staleness:
+            return None
+        steps = optimizer_steps_per_rollout(module.micro_batches_per_rollout(), module.passes(),
+                                            module.trainer.accumulate_grad_batches)
+        if module.external_sampler is not None or module.hparams.use_vllm:
+            return (f"asynchronous rollouts: the vLLM server samples 1 rollout ahead ({steps} optimizer step(s) old; "
+                    f"max_staleness {self.max_staleness})")
+        depth = self.depth(module)
+        sampler, trainer = self.thread_split()
+        return (f"asynchronous rollouts: {depth} rollout(s) ahead, at most {depth * steps} optimizer step(s) old "
+                f"(max_staleness {self.max_staleness}); a sampling process with {sampler} torch thread(s), training "
+                f"keeps {trainer} (async_sampler_threads); it starts with the first rollout")
+
     # ------------------------------------------------------------------------------------- sample
     def sample(self, module: Any, batch: dict[str, Any]) -> dict[str, Any]:
         """This step's rollout: sampled now by the policy, or taken from the sampler ahead. Rollouts sampled ahead
@@ -173,12 +195,11 @@ class OffPolicyRollouts:
                                      module.sampling.sampling_kwargs())
             self.ahead.load_state_dict(self.loaded_state)
         if self.ahead is None:
-            total = torch.get_num_threads()
-            threads = self.sampler_threads or max(1, total // 2)
+            threads, trainer_threads = self.thread_split()
             self.ahead = AheadSampler(self.depth(module), threads)
             self.ahead.load_state_dict(self.loaded_state)
-            self.trainer_threads = total
-            torch.set_num_threads(max(1, total - threads))
+            self.trainer_threads = torch.get_num_threads()
+            torch.set_num_threads(trainer_threads)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer crosses into a new process
             self.ahead.start(module.model, module.tokenizer, module.sampling_backend(),
                              module.sampling.sampling_kwargs(), probe=probe)
@@ -227,7 +248,12 @@ class OffPolicyRollouts:
         return self.ahead.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded_state = {"ahead_rollouts": state.get("ahead_rollouts", {})}
+        kept = state.get("ahead_rollouts", {})
+        if kept and not self.max_staleness:
+            rank_zero_info(f"The checkpoint holds {len(kept)} rollout(s) sampled ahead; with max_staleness 0 every "
+                           "rollout is sampled by the policy that trains on it, so they are dropped.")
+            kept = {}
+        self.loaded_state = {"ahead_rollouts": kept}
         if self.ahead is not None:
             self.ahead.load_state_dict(self.loaded_state)
 

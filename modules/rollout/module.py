@@ -377,10 +377,11 @@ class OnlineRLModule(PolicyModule):
     def fit_start_notes(self) -> list[str]:
         """The sampler, decided (and measured) here, before any rollout: an inexact asked backend or shared
         prefill is refused at fit start."""
+        ahead = self.off_policy.note(self)
         if self.hparams.use_vllm:
-            return []
+            return [ahead] if ahead else []
         self.sampling_backend()
-        return [self.sampling_note]
+        return [self.sampling_note, *([ahead] if ahead else [])]
 
     def sampling_backend(self) -> str:
         """The run's sampler, decided once (``sampler_choice.choose_sampler``)."""

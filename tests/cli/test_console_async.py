@@ -30,6 +30,7 @@ def rows(save_dir, version: int) -> list[dict]:
 def test_async_grpo_trains_one_rollout_ahead_and_resumes_on_the_kept_rollout(repo, tmp_path):
     out = lightalign(repo, *async_run(tmp_path, 3))
     assert "step 3/3" in out and "Traceback" not in out
+    assert "asynchronous rollouts: 1 rollout(s) ahead, at most 1 optimizer step(s) old (max_staleness 1)" in out
     logged = rows(tmp_path, 0)
     assert [float(r["train/sampling/staleness"]) for r in logged] == [0.0, 1.0, 1.0]
     assert all(float(r["train/sampling/importance_sampling_ratio/mean"]) > 0 for r in logged)

@@ -260,3 +260,16 @@ def test_max_staleness_0_trains_bit_for_bit_as_the_plain_synchronous_loop(tmp_pa
 
     synchronous, plain = fit(False), fit(True)
     assert all(torch.equal(synchronous[k], plain[k]) for k in plain)
+
+
+def test_rollouts_kept_in_a_checkpoint_are_dropped_with_a_note_when_resumed_synchronously(caplog):
+    from lightalign.modules.offpolicy.component import OffPolicyRollouts
+
+    state = {"ahead_rollouts": {2: {"rollout": {}, "version": 1, "seconds": 0.1}}}
+    synchronous, ahead = OffPolicyRollouts(max_staleness=0), OffPolicyRollouts(max_staleness=1)
+    with caplog.at_level("INFO"):
+        synchronous.load_state_dict(state)
+    assert synchronous.state_dict() == {"ahead_rollouts": {}}
+    assert "holds 1 rollout(s) sampled ahead; with max_staleness 0" in caplog.text
+    ahead.load_state_dict(state)
+    assert list(ahead.state_dict()["ahead_rollouts"]) == [2]
