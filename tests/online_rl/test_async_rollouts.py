@@ -232,6 +232,9 @@ class PlainLoop:
     def importance_ratio(self, module, mb, logps):
         return None
 
+    def note(self, module):
+        return None
+
     def state_dict(self):
         return {}
 

@@ -15,10 +15,11 @@ import torch
 glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="mallopt thresholds are a glibc setting")
 
-# Allocates, touches and frees a 64 MB tensor (above glibc's largest automatic mmap threshold, 32 MB) nine times
+# In a process that has imported what training imports, allocates, touches and frees a 64 MB tensor (above glibc's largest automatic mmap threshold, 32 MB) nine times
 # and prints the minor page faults of the last eight rounds.
 FAULTS = """
 import resource, sys, torch
+import lightalign.modules.sft  # what a training process has imported (Lightning, the method): its heap, not a bare one
 from lightalign.modules.training.acceleration import retain_freed_cpu_memory
 if sys.argv[1] == "retain":
     assert retain_freed_cpu_memory()
