@@ -26,14 +26,11 @@ from typing import Any, Iterator
 import torch
 
 from lightalign.modules.generation.vllm import vllm_weights
+from lightalign.modules.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessError
 from lightalign.modules.offpolicy.worker import ModelSpec, Probe, Reply, Request, serve
 
 START_TIMEOUT = 600.0  # seconds the sampling process may take to import and report ready
 COPY_TOLERANCE = 1e-4  # max |log-prob difference| between the policy and its sampling copy (threads, kernels)
-
-
-class SamplerProcessError(RuntimeError):
-    """The sampling process failed or exited; the message carries its traceback or exit code."""
 
 
 def sampling_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -80,20 +77,18 @@ def main_module_hidden() -> Iterator[None]:
             setattr(main, key, value)
 
 
-class AheadSampler:
+class AheadSampler(RolloutsAhead):
     """Rollouts ``depth`` ahead in a sampling process with ``threads`` torch threads (see the module docstring)."""
 
     def __init__(self, depth: int, threads: int) -> None:
         if depth < 1:
             raise ValueError(f"AheadSampler needs depth >= 1, got {depth}.")
+        super().__init__()
         self.depth, self.threads = depth, threads
         self.process: Any = None
         self.requests: Any = None
         self.replies: Any = None
         self.slots: list[dict[str, torch.Tensor]] = []  # the weights of each slot, in shared memory
-        self.in_flight: dict[int, int] = {}  # rollout index -> the optimizer step of its weights
-        self.done: dict[int, dict[str, Any]] = {}  # rollout index -> {"rollout", "version", "seconds"}
-        self.waited = 0.0  # seconds the training process waited for rollouts (idle), since the last read
 
     # ------------------------------------------------------------------------------------- the process
     def start(self, model: torch.nn.Module, tokenizer: Any, backend: str, sampling: dict[str, Any],
@@ -187,21 +182,9 @@ class AheadSampler:
         self.in_flight[index] = version
         self.requests.put(Request(index, self.slot_of(index), batch, num_generations, seed))
 
-    def pending(self) -> set[int]:
-        """Rollouts asked for and not taken yet (in flight or done)."""
-        return set(self.in_flight) | set(self.done)
-
-    def take(self, index: int) -> tuple[dict[str, Any], int, float]:
-        """Rollout ``index``: ``(rollout, optimizer step of its weights, seconds it took to sample)``."""
-        if index not in self.done:
-            if index not in self.in_flight:
-                raise SamplerProcessError(f"Rollout {index} was never asked for (pending: {sorted(self.pending())}).")
-            start = time.perf_counter()
-            while index not in self.done:
-                self._receive()
-            self.waited += time.perf_counter() - start
-        entry = self.done.pop(index)
-        return entry["rollout"], entry["version"], entry["seconds"]
+    def _wait_for(self, index: int) -> None:
+        while index not in self.done:
+            self._receive()
 
     def _receive(self) -> None:
         reply = self._next_reply(None, f"rollout {min(self.in_flight)}")
@@ -209,18 +192,3 @@ class AheadSampler:
             raise SamplerProcessError(f"Sampling rollout {reply.index} failed in the sampling process:\n{reply.error}")
         version = self.in_flight.pop(reply.index)
         self.done[reply.index] = {"rollout": reply.rollout, "version": version, "seconds": reply.seconds}
-
-    def drain(self) -> None:
-        """Wait for every rollout in flight."""
-        while self.in_flight:
-            self._receive()
-
-    # ------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """The rollouts asked for and not yet taken, finished (waits for those in flight)."""
-        self.drain()
-        return {"ahead_rollouts": {i: dict(entry) for i, entry in self.done.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.done = {int(i): dict(entry) for i, entry in state.get("ahead_rollouts", {}).items()}
-        self.in_flight.clear()

@@ -21,10 +21,10 @@ from typing import Any, Callable
 import torch
 
 from lightalign.modules.generation.sampling import assemble_rollout
-from lightalign.modules.offpolicy.ahead import SamplerProcessError
+from lightalign.modules.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessError
 
 
-class EngineAhead:
+class EngineAhead(RolloutsAhead):
     """One rollout ahead on a vLLM engine (see the module docstring). ``push()`` puts the policy's current weights
     into the engine (every rank waits until they are in); ``sampling``: ``Sampler.sample``'s keyword arguments."""
 
@@ -32,12 +32,11 @@ class EngineAhead:
 
     def __init__(self, sampler: Any, push: Callable[[], None], tokenizer: Any, eos: list[int],
                  sampling: dict[str, Any]) -> None:
+        super().__init__()
         self.sampler, self.push_weights, self.tokenizer, self.eos = sampler, push, tokenizer, eos
         self.sampling = sampling
         self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightalign-vllm")
-        self.in_flight: dict[int, tuple[int, Future]] = {}  # rollout index -> (step of its weights, its sampling)
-        self.done: dict[int, dict[str, Any]] = {}  # rollout index -> {"rollout", "version", "seconds"}
-        self.waited = 0.0  # seconds the training process waited for rollouts, since the last read
+        self.futures: dict[int, Future] = {}  # rollout index in flight -> its sampling on the background thread
 
     def slot_of(self, index: int) -> int:
         return 0
@@ -52,7 +51,8 @@ class EngineAhead:
     def submit(self, index: int, version: int, batch: dict[str, Any], num_generations: int, seed: int) -> None:
         if self.pool is None:
             raise SamplerProcessError("The vLLM rollouts sampled ahead were closed.")
-        self.in_flight[index] = (version, self.pool.submit(self._sample, batch, num_generations, seed))
+        self.in_flight[index] = version
+        self.futures[index] = self.pool.submit(self._sample, batch, num_generations, seed)
 
     def _sample(self, batch: dict[str, Any], num_generations: int, seed: int) -> tuple[dict[str, Any], float]:
         """Runs on the background thread: the engine's completions for ``batch``, assembled as every rollout is (the
@@ -64,31 +64,15 @@ class EngineAhead:
         rollout = assemble_rollout(self.tokenizer, batch, num_generations, samples, self.eos)
         return rollout, time.perf_counter() - start
 
-    def pending(self) -> set[int]:
-        return set(self.in_flight) | set(self.done)
-
-    def take(self, index: int) -> tuple[dict[str, Any], int, float]:
-        """Rollout ``index``: ``(rollout, optimizer step of its weights, seconds it took to sample)``."""
-        if index not in self.done:
-            if index not in self.in_flight:
-                raise SamplerProcessError(f"Rollout {index} was never asked for (pending: {sorted(self.pending())}).")
-            start = time.perf_counter()
-            self._receive(index)
-            self.waited += time.perf_counter() - start
-        entry = self.done.pop(index)
-        return entry["rollout"], entry["version"], entry["seconds"]
-
-    def _receive(self, index: int) -> None:
-        version, future = self.in_flight.pop(index)
+    def _wait_for(self, index: int) -> None:
+        if index in self.done:
+            return
+        version, future = self.in_flight.pop(index), self.futures.pop(index)
         try:
             rollout, seconds = future.result()  # bounded: each request to the server has vllm_server_timeout
         except Exception as err:
             raise SamplerProcessError(f"Sampling rollout {index} on the vLLM server failed: {err}") from err
         self.done[index] = {"rollout": rollout, "version": version, "seconds": seconds}
-
-    def drain(self) -> None:
-        for index in sorted(self.in_flight):
-            self._receive(index)
 
     def close(self) -> None:
         """Stop taking requests (a request already sent ends within its timeout; its rollout is dropped)."""
@@ -96,12 +80,8 @@ class EngineAhead:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None
         self.in_flight.clear()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The rollouts asked for and not yet taken, finished (waits for those in flight)."""
-        self.drain()
-        return {"ahead_rollouts": {i: dict(entry) for i, entry in self.done.items()}}
+        self.futures.clear()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.done = {int(i): dict(entry) for i, entry in state.get("ahead_rollouts", {}).items()}
-        self.in_flight.clear()
+        super().load_state_dict(state)
+        self.futures.clear()
