@@ -11,6 +11,7 @@ import torch
 from lightalign.modules.losses.grpo_surrogates import (IMPORTANCE_SAMPLING_LEVELS, cispo_surrogate, clipped_surrogate,
                                                 log_importance_weights, off_policy_mask, sapo_surrogate,
                                                 vespo_weights)
+from lightalign.modules.offpolicy.correction import check_ratio_shape
 
 GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate (where delta applies)
@@ -184,12 +185,7 @@ def grpo_loss(
                         ("sampling_per_token_logps", sampling_per_token_logps)):
         if extra is not None and extra.shape != per_token_logps.shape:
             raise ValueError(f"{name} must be [B, T] = {tuple(per_token_logps.shape)}, got {tuple(extra.shape)}.")
-    if importance_sampling_ratio is not None and (
-            importance_sampling_ratio.dim() != 2 or importance_sampling_ratio.shape[0] != per_token_logps.shape[0]
-            or importance_sampling_ratio.shape[1] not in (1, per_token_logps.shape[1])):
-        b, t = per_token_logps.shape
-        raise ValueError(f"importance_sampling_ratio must be [B, T] = [{b}, {t}] (token modes) or [B, 1] = [{b}, 1] "
-                         f"(sequence modes), got {tuple(importance_sampling_ratio.shape)}.")
+    check_ratio_shape(importance_sampling_ratio, per_token_logps)
     dtype = torch.float64 if per_token_logps.dtype == torch.float64 else torch.float32
     mask = completion_mask.bool()
     zero = torch.zeros((), dtype=dtype, device=per_token_logps.device)

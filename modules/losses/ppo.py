@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightalign.modules.offpolicy.correction import check_ratio_shape
 from lightalign.rewards import RunningRewardNormalizer
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "ScoreProcessor", "clipped_policy_loss", "clipped_value_loss",
@@ -117,12 +118,7 @@ def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages
     ``[B, 1]`` (sequence modes: one weight per completion, the same on each of its tokens). It weights the clipped
     term of each token, as verl's truncated importance sampling weights its PPO policy loss; the value loss and the
     KL penalty (in the rewards) never see it. Its values off the mask are never read."""
-    if importance_sampling_ratio is not None and (
-            importance_sampling_ratio.dim() != 2 or importance_sampling_ratio.shape[0] != logps.shape[0]
-            or importance_sampling_ratio.shape[1] not in (1, logps.shape[1])):
-        b, t = logps.shape
-        raise ValueError(f"importance_sampling_ratio must be [B, T] = [{b}, {t}] (token modes) or [B, 1] = [{b}, 1] "
-                         f"(sequence modes), got {tuple(importance_sampling_ratio.shape)}.")
+    check_ratio_shape(importance_sampling_ratio, logps)
     mask_f = mask.to(logps.dtype)
     diff = logps - old_logps
     ratio = torch.exp(diff)

@@ -133,6 +133,16 @@ def importance_sampling_ratio(
 
 
 @torch.no_grad()
+def check_ratio_shape(ratio: torch.Tensor | None, per_token_logps: torch.Tensor) -> None:
+    """A loss's ``importance_sampling_ratio`` is ``[B, T]`` (token modes) or ``[B, 1]`` (sequence modes) for its
+    ``[B, T]`` log-probs (None: no correction)."""
+    if ratio is not None and (ratio.dim() != 2 or ratio.shape[0] != per_token_logps.shape[0]
+                              or ratio.shape[1] not in (1, per_token_logps.shape[1])):
+        b, t = per_token_logps.shape
+        raise ValueError(f"importance_sampling_ratio must be [B, T] = [{b}, {t}] (token modes) or [B, 1] = [{b}, 1] "
+                         f"(sequence modes), got {tuple(ratio.shape)}.")
+
+
 def sampling_mismatch(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor,
                       mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """How far the sampler's log-probs are from the trainer's on the sampled tokens (detached scalars).
