@@ -162,7 +162,6 @@ class DistillModule(SamplingModule):
         if teacher_model is not None:
             self.teacher = freeze(teacher_model)
         self.check_vocabularies()  # from the configs: before any weights load
-        self.tokenizer: Any = None
         self.train_stats = StatMetrics(("loss", "divergence", "student_sampled", "teacher_sampled",
                                         "completions/mean_length"))
         self.eval_stats = StatMetrics(("divergence", "completions/mean_length"))
@@ -190,13 +189,10 @@ class DistillModule(SamplingModule):
 
     # ------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
-        super().setup(stage)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        super().setup(stage)  # the tokenizer; PromptDataModule batches
         if stage != "fit":
             return
-        if not hasattr(datamodule, "configure_rollout"):
-            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+        datamodule = getattr(self.trainer, "datamodule", None)
         hp = self.hparams
         columns = getattr(getattr(datamodule, "train_dataset", None), "column_names", None)
         if hp.lmbda < 1.0 and not hp.seq_kd and columns is not None and "completion" not in columns:
@@ -205,11 +201,6 @@ class DistillModule(SamplingModule):
                 f"completions, but the training data has no 'completion' column (it has {sorted(columns)}). Give "
                 "prompt-completion data (a 'completion' column), set seq_kd: true (the teacher writes them) or "
                 "lmbda: 1 (the student samples every batch).")
-
-    def batch_layout(self) -> tuple[str, int | None]:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        prompt = getattr(datamodule, "max_prompt_length", None)
-        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
 
     def on_fit_start(self) -> None:
         self.teacher_component.move(self.teacher, self.device, self.model)

@@ -199,7 +199,6 @@ class OnlineDPOModule(SamplingModule):
         if self.judge is not None and not callable(getattr(self.judge, "judge", self.judge)):
             raise TypeError(f"judge must be callable (or have a judge method), got {type(self.judge).__name__}.")
         self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs)
-        self.tokenizer: Any = None
         names = [*TRAIN_STATS, *(["win_rate"] if judge is not None else []),
                  *(f"reward/{n}" for n in self.reward_names),
                  *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None)]
@@ -214,18 +213,6 @@ class OnlineDPOModule(SamplingModule):
             with torch.inference_mode(False):
                 self.ref_model = self.reference.build(self.model, self.model_name_or_path,
                                                       self.hparams.trust_remote_code)
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        self.tokenizer = getattr(datamodule, "tokenizer", None)
-        if stage == "fit" and not hasattr(datamodule, "configure_rollout"):
-            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
-
-    def batch_layout(self) -> tuple[str, int | None]:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        prompt = getattr(datamodule, "max_prompt_length", None)
-        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
 
     def on_fit_start(self) -> None:
         super().on_fit_start()  # the sampler is decided again in fit_start_notes

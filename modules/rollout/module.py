@@ -232,7 +232,6 @@ class OnlineRLModule(SamplingModule):
         self.reward_names = reward_func_names(funcs)
         self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs,
                                    num_shared_layers=self.hparams.get("num_shared_layers"))
-        self.tokenizer: Any = None
         self.generation_count = 0
         self.rollout_buffer = RolloutBuffer()
         self.external_sampler = None  # set by a callback that owns an engine (vLLM: generation/vllm_engines.py)
@@ -293,11 +292,6 @@ class OnlineRLModule(SamplingModule):
     def micro_batch_layout(self, mb: dict[str, torch.Tensor], lengths: torch.Tensor) -> None:
         """Add the training layout's tensors to a micro-batch (default: the padded rows as they are)."""
 
-    def batch_layout(self) -> tuple[str, int | None]:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        prompt = getattr(datamodule, "max_prompt_length", None)
-        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
-
     # ------------------------------------------------------------------------------------- shape
     @property
     def rollout_shape(self) -> tuple[int, int, int]:
@@ -313,15 +307,12 @@ class OnlineRLModule(SamplingModule):
 
     # ------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
-        super().setup(stage)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        super().setup(stage)  # the tokenizer; PromptDataModule batches
         if stage != "fit":
             return
+        datamodule = getattr(self.trainer, "datamodule", None)
         gen, steps, _ = self.rollout_shape
         check_generation_arithmetic(gen, self.hparams.num_generations, steps)
-        if not hasattr(datamodule, "configure_rollout"):
-            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
         if self.tool_rollouts is not None:
             self.tool_rollouts.check_setup(self.tokenizer, datamodule)
         self.off_policy.check_setup(self)

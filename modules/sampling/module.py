@@ -75,6 +75,7 @@ class SamplingModule(PolicyModule):
             generation_backend=generation_backend, **self.sampling_extras)
         super().__init__(model_name_or_path, **kwargs)
         self.sampling = Sampling(config)
+        self.tokenizer: Any = None  # the datamodule's, at setup
 
     @classmethod
     def refuse_unknown_knobs(cls, kwargs: dict[str, Any]) -> None:
@@ -98,6 +99,19 @@ class SamplingModule(PolicyModule):
         return []
 
     # ------------------------------------------------------------------------------------- hooks
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        if stage == "fit" and not hasattr(datamodule, "configure_rollout"):
+            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+
+    def batch_layout(self) -> tuple[str, int | None]:
+        """Padded ``[prompt, completion]`` rows, the longest ``max_prompt_length + max_completion_length``."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        prompt = getattr(datamodule, "max_prompt_length", None)
+        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
+
     def on_fit_start(self) -> None:
         self.sampling.reset()  # the samplers are decided again (fit_start_notes): the models may have changed
         super().on_fit_start()
