@@ -269,18 +269,19 @@ def test_the_win_rate_is_the_judges_share_of_prompts_the_policy_wins_against_the
     """The reference writes one known text (its head always picks token 100); a judge that sees exactly one such
     text per pair prefers the policy's completion on three of the four held prompts: val/win_rate is 0.75, whatever
     order each pair is shown in."""
-    shown, favoured = [], set()
+    shown, favoured, sampled = [], set(), []
 
     def judge(prompts, pairs):
         answers = []
-        for prompt, (a, b) in zip(prompts, pairs):
+        for i, (prompt, (a, b)) in enumerate(zip(prompts, pairs)):
             assert (a == reference_text) != (b == reference_text), (a, b)  # one policy, one reference completion
             policy_at = 0 if b == reference_text else 1
+            assert (a, b)[policy_at] == sampled[-1]["texts"][2 * i]  # the first of this prompt's sampled pair
             shown.append(policy_at)
             answers.append(policy_at if prompt in favoured else 1 - policy_at)
         return answers
 
-    module = _module(tiny_dir, judge=judge, max_completion_length=4)
+    module = _module(tiny_dir, judge=judge, max_completion_length=4, generation_backend="generate")  # no probe
     module.configure_model()
     ref = module.ref_model
     head = torch.nn.Linear(ref.lm_head.in_features, ref.lm_head.out_features, bias=True)
@@ -289,6 +290,8 @@ def test_the_win_rate_is_the_judges_share_of_prompts_the_policy_wins_against_the
         head.bias.fill_(-1e4)
         head.bias[100] = 1e4
     ref.lm_head = head
+    sample_pairs = module.sample_pairs
+    module.sample_pairs = lambda batch: sampled.append(sample_pairs(batch)) or sampled[-1]
     data = _data(tiny_dir, data_dir, val_split_size=4, val_batch_size=4)
     data.setup("fit")
     module.tokenizer = data.tokenizer
