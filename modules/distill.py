@@ -6,53 +6,29 @@ from torch's RNG so a resumed run draws the same), else from the teacher (``seq_
 ``[prompt, completion]`` rows, and the loss compares them on the completion tokens: GKD's generalised JSD over the
 whole vocabulary (``losses/distill.py``: ``generalized_jsd_loss``, chunked over tokens) or, with
 ``loss_type: on_policy``, the on-policy reverse-KL policy gradient, which reads only the teacher's log-prob of each
-sampled token (``on_policy_distillation_loss``). The pieces are the shared ones: ``SamplingConfig`` and the samplers
-(``generation/``), ``choose_sampler`` (``rollout/sampler_choice.py``), the reference component's loading, freezing
-and placement of a separate frozen model (``reference/``), the RNG state of ``PolicyModule``'s checkpoints.
+sampled token (``on_policy_distillation_loss``). The pieces are the shared ones: ``SamplingModule`` (the sampling
+knobs, the ``Sampling`` component choosing each model's sampler, the logged statistics: ``sampling/``), the reference
+component's loading, freezing and placement of a separate frozen model and its vocabulary check (``reference/``), the
+RNG state of ``PolicyModule``'s checkpoints.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Literal
 
 import torch
-from torchmetrics.aggregation import MeanMetric
 
 from lightalign.datamodules.formats import DataFormatError, render_prompt_completion
-from lightalign.modules.generation.config import SamplingConfig, with_sampling_knob_docs
-from lightalign.modules.generation.sampling import sample_completions
 from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.reference.model import freeze
-from lightalign.modules.training.logprobs import forward_accepts, selective_log_softmax
-from lightalign.modules.training.policy import PolicyModule
+from lightalign.modules.reference.vocabulary import check_same_vocabulary, describe_model
+from lightalign.modules.sampling.module import SamplingModule
+from lightalign.modules.training.logprobs import completion_logits, selective_log_softmax
+from lightalign.modules.training.stat_metrics import StatMetrics
 
 DISTILL_LOSS_TYPES = ("gkd", "on_policy")
-
-
-def model_vocab_size(model_or_path: Any, init_kwargs: dict[str, Any] | None = None,
-                     trust_remote_code: bool = False) -> int | None:
-    """The vocabulary size a model's logits have, from its config (a folder/hub name: ``config.json`` only, no
-    weights read). None when it cannot be told (no config)."""
-    if isinstance(model_or_path, torch.nn.Module):
-        if hasattr(model_or_path, "get_output_embeddings") and model_or_path.get_output_embeddings() is not None:
-            return int(model_or_path.get_output_embeddings().weight.shape[0])
-        config = getattr(model_or_path, "config", None)
-    else:
-        from transformers import AutoConfig
-
-        from lightalign.hub import _check_local_folder, _hub_kwargs
-
-        _check_local_folder(model_or_path, "Model")
-        revision = {k: v for k, v in (init_kwargs or {}).items() if k == "revision"}
-        config = AutoConfig.from_pretrained(model_or_path, trust_remote_code=trust_remote_code,
-                                            **_hub_kwargs(model_or_path), **revision)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    size = getattr(config, "vocab_size", None)
-    return None if size is None else int(size)
 
 
 def tokenize_completions(tokenizer: Any, prompts: list[Any], completions: list[Any], max_length: int,
@@ -86,23 +62,7 @@ def right_pad(rows: list[list[int]], pad_token_id: int, device: torch.device) ->
     return ids.to(device), mask.to(device)
 
 
-def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits ``[B, T, V]`` predicting each completion token of padded ``[left-padded prompt, completion]``
-    rows (positions counted from each row's first real token, as the samplers used), a view of the model's output:
-    no copy, untempered."""
-    from lightalign.modules.adaptations.layouts import padded_position_ids
-
-    t = rows["completion_ids"].shape[1]
-    input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
-    attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1)
-    if forward_accepts(model, "position_ids"):
-        inputs["position_ids"] = padded_position_ids(attention_mask)
-    return model(**inputs).logits[:, :-1]
-
-
-@with_sampling_knob_docs
-class DistillModule(PolicyModule):
+class DistillModule(SamplingModule):
     """Distil a frozen teacher into the policy (the student) on the prompts of ``PromptDataModule``.
 
     TRL 1.16's ``GKDTrainer`` and on-policy distillation (docs/distill.md).
@@ -138,22 +98,19 @@ class DistillModule(PolicyModule):
             data's completions being used.
         max_completion_length: sampled completion tokens at most (TRL GKD's ``max_new_tokens``); the data's
             completions are cut to it too.
-        <shared sampling knobs: generation/config.py SAMPLING_KNOB_DOCS>
-        generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``);
-            the ones set by the knobs here are refused naming the knob.
-        generation_backend: the sampler, as for the online-RL methods (``generate``, ``continuous``, ``static``,
-            ``compact``; unset: the device's measured default, decided at fit start for the student and for a
-            ``seq_kd`` teacher separately).
         loss_chunk_size: tokens per chunk of the vocabulary-wide divergence (memory only, not the result).
         disable_dropout: set every dropout probability of the student to 0 (TRL GKD's default; the teacher is
             always in eval mode).
-        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
+        **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+            ``generation_kwargs``, ``generation_backend``: ``SamplingModule``) and ``PolicyModule`` arguments (model,
+            LoRA, optimizer, schedule).
     """
 
     # TRL names of knobs this module spells otherwise
     knob_equivalents = {"max_new_tokens": "max_completion_length", "teacher_model_revision":
                         "teacher_model_init_kwargs.revision"}
-    _unregistered_attributes = PolicyModule._unregistered_attributes | {"teacher"}
+    progress_stats = ("loss", "divergence")
+    _unregistered_attributes = SamplingModule._unregistered_attributes | {"teacher"}
     teacher: torch.nn.Module | None = None
 
     def __init__(
@@ -169,23 +126,12 @@ class DistillModule(PolicyModule):
         temperature: float = 0.9,
         seq_kd: bool = False,
         max_completion_length: int = 128,
-        top_p: float = 1.0,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        generation_kwargs: dict[str, Any] | None = None,
-        generation_backend: Literal["generate", "continuous", "static", "compact"] | None = None,
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         disable_dropout: bool = True,
         **kwargs: Any,
     ) -> None:
+        self.refuse_unknown_knobs(kwargs)
         name = type(self).__name__
-        unknown = sorted(set(kwargs) - set(inspect.signature(PolicyModule.__init__).parameters))
-        if unknown:
-            knob = unknown[0]
-            instead = self.knob_equivalents.get(knob)
-            raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
-                            + f" (`lightalign fit --model.help {name}` lists its knobs).")
         if loss_type not in DISTILL_LOSS_TYPES:
             raise ValueError(f"loss_type={loss_type!r} is unknown; use one of {list(DISTILL_LOSS_TYPES)}.")
         if lmbda is None:
@@ -208,41 +154,26 @@ class DistillModule(PolicyModule):
         if kwargs.get("neftune_noise_alpha") is not None:
             raise ValueError(f"neftune_noise_alpha is not supported by {name}: the student's train-mode forward would "
                              "carry noise its samples did not; drop it.")
-        # the sampling knobs' one definition and validation (generation/config.py); one completion per prompt, so
-        # there is no prompt prefill to share
-        sampling = SamplingConfig.from_knobs(
-            max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
-            cache_implementation=None, share_prefill=False, generation_backend=generation_backend)
-        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
+        super().__init__(model_name_or_path, max_completion_length=max_completion_length, temperature=temperature,
+                         disable_dropout=disable_dropout, **kwargs)  # the sampling knobs are checked there
         self.save_hyperparameters(ignore=["model", "teacher_model", "optimizer", "lr_scheduler", "eval_metrics"])
         self.hparams.lmbda = lmbda
-        self.sampling = sampling
         self.teacher_component = Reference(teacher_model_name_or_path, teacher_model_init_kwargs)
         if teacher_model is not None:
             self.teacher = freeze(teacher_model)
         self.check_vocabularies()  # from the configs: before any weights load
-        self.tokenizer: Any = None
-        self.sampler_names: dict[str, tuple[str, str]] = {}  # "student"/"teacher" -> (sampler, fit-start note)
-        self.train_stats = torch.nn.ModuleDict({k: MeanMetric() for k in (
-            "loss", "divergence", "student_sampled", "teacher_sampled", "completions_mean_length")})
-        self.eval_stats = torch.nn.ModuleDict({k: MeanMetric() for k in ("divergence", "completions_mean_length")})
+        self.train_stats = StatMetrics(("loss", "divergence", "student_sampled", "teacher_sampled",
+                                        "completions/mean_length"))
+        self.eval_stats = StatMetrics(("divergence", "completions/mean_length"))
         self.last_source: str | None = None  # who wrote the last training batch's completions (tests, logs)
 
     # ------------------------------------------------------------------------------------- teacher
     def check_vocabularies(self) -> None:
         """Refuse a teacher whose vocabulary differs from the student's, from the configs (no weights read)."""
         hp = self.hparams
-        student = self.model if self.model is not None else self.model_name_or_path
-        teacher = self.teacher if self.teacher is not None else hp.teacher_model_name_or_path
-        student_size = model_vocab_size(student, hp.model_init_kwargs, hp.trust_remote_code)
-        teacher_size = model_vocab_size(teacher, hp.teacher_model_init_kwargs, hp.trust_remote_code)
-        if student_size is not None and teacher_size is not None and student_size != teacher_size:
-            raise ValueError(
-                f"The teacher's vocabulary ({teacher_size} tokens, {_describe(teacher)}) differs from the student's "
-                f"({student_size} tokens, {_describe(student)}): distillation compares their distributions token by "
-                "token, so both must use the same tokenizer and vocabulary. Pick a teacher of the student's family "
-                "(or a student of the teacher's).")
+        check_same_vocabulary(self.model if self.model is not None else self.model_name_or_path,
+                              self.teacher if self.teacher is not None else hp.teacher_model_name_or_path,
+                              hp.model_init_kwargs, hp.teacher_model_init_kwargs, hp.trust_remote_code)
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -258,13 +189,10 @@ class DistillModule(PolicyModule):
 
     # ------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
-        super().setup(stage)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        super().setup(stage)  # the tokenizer; PromptDataModule batches
         if stage != "fit":
             return
-        if not hasattr(datamodule, "configure_rollout"):
-            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+        datamodule = getattr(self.trainer, "datamodule", None)
         hp = self.hparams
         columns = getattr(getattr(datamodule, "train_dataset", None), "column_names", None)
         if hp.lmbda < 1.0 and not hp.seq_kd and columns is not None and "completion" not in columns:
@@ -274,15 +202,9 @@ class DistillModule(PolicyModule):
                 "prompt-completion data (a 'completion' column), set seq_kd: true (the teacher writes them) or "
                 "lmbda: 1 (the student samples every batch).")
 
-    def batch_layout(self) -> tuple[str, int | None]:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        prompt = getattr(datamodule, "max_prompt_length", None)
-        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
-
     def on_fit_start(self) -> None:
-        self.sampler_names = {}  # decided again in fit_start_notes (the models may have changed)
         self.teacher_component.move(self.teacher, self.device, self.model)
-        super().on_fit_start()
+        super().on_fit_start()  # the samplers are decided again in fit_start_notes
 
     def fit_start_notes(self) -> list[str]:
         """The teacher's layout check (as a separate reference's) and the samplers, decided before any batch."""
@@ -291,20 +213,14 @@ class DistillModule(PolicyModule):
 
         layout, longest = self.batch_layout()
         teacher = describe_decision(check_layout(self.teacher_eval(), layout, max_tokens=longest))
-        notes = [f"teacher {_describe(self.hparams.teacher_model_name_or_path or self.teacher)} ({teacher})"]
-        notes.append(f"student {self.sampler_for('student')[1]}")
-        if self.hparams.seq_kd:
-            notes.append(f"teacher {self.sampler_for('teacher')[1]}")
+        notes = [f"teacher {describe_model(self.hparams.teacher_model_name_or_path or self.teacher)} ({teacher})"]
+        for who in ("student", "teacher") if self.hparams.seq_kd else ("student",):
+            self.sampling.backend(self.sampler_model(who), who)
+            notes.append(f"{who} {self.sampling.note(who)}")
         return notes
 
-    def sampler_for(self, who: str) -> tuple[str, str]:
-        """The sampler of the student's or the teacher's completions, decided once per fit (``choose_sampler``)."""
-        from lightalign.modules.rollout.sampler_choice import choose_sampler
-
-        if who not in self.sampler_names:
-            model = self.model if who == "student" else self.teacher_eval()
-            self.sampler_names[who] = choose_sampler(model, self.sampling, 1)
-        return self.sampler_names[who]
+    def sampler_model(self, who: str) -> torch.nn.Module:
+        return self.model if who == "student" else self.teacher_eval()
 
     # ------------------------------------------------------------------------------------- completions
     def draw_source(self) -> str:
@@ -318,11 +234,8 @@ class DistillModule(PolicyModule):
             return "student"
         return "teacher" if hp.seq_kd else "data"
 
-    @torch.no_grad()
     def sample(self, who: str, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        model = self.model if who == "student" else self.teacher_eval()
-        rollout = sample_completions(model, self.tokenizer, batch, 1, backend=self.sampler_for(who)[0],
-                                     **self.sampling.sampling_kwargs())
+        rollout = self.sampling.sample(self.sampler_model(who), self.tokenizer, batch, 1, who=who)
         return {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
 
     def data_completions(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -377,38 +290,15 @@ class DistillModule(PolicyModule):
         stats["divergence"].update(divergence)
         stats["student_sampled"].update(float(source == "student"))
         stats["teacher_sampled"].update(float(source == "teacher"))
-        stats["completions_mean_length"].update(rows["completion_mask"].sum(-1).float().mean())
+        stats["completions__mean_length"].update(rows["completion_mask"].sum(-1).float().mean())
         return self.add_router_aux_loss(loss)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)
-        self._log_stats(self.train_stats, "train")
-
-    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
-        for key, metric in stats.items():
-            if metric.update_called:
-                name = key.replace("completions_", "completions/")
-                self.log(f"{stage}/{name}", metric.compute(), prog_bar=key in ("loss", "divergence"))
-            metric.reset()
 
     # ------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """The student samples the held prompts (its own seeded stream: validating changes no training draw) and
         the divergence of the loss type between student and teacher is measured on those samples."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.global_step * 100_003 + batch_idx)
+        with self.sampling.validation_stream(self, batch_idx):
             rows = self.sample("student", batch)
         _, divergence = self.distill_loss(rows)
         self.eval_stats["divergence"].update(divergence)
-        self.eval_stats["completions_mean_length"].update(rows["completion_mask"].sum(-1).float().mean())
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "val")
-        self.log_eval_metrics("val")
-
-
-def _describe(model_or_path: Any) -> str:
-    if isinstance(model_or_path, torch.nn.Module):
-        path = getattr(getattr(model_or_path, "config", None), "_name_or_path", "")
-        return f"a built {type(model_or_path).__name__}" + (f" from '{path}'" if path else "")
-    return f"'{model_or_path}'"
+        self.eval_stats["completions__mean_length"].update(rows["completion_mask"].sum(-1).float().mean())

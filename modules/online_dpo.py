@@ -1,7 +1,7 @@
 """Online DPO: ``OnlineDPOModule``, DPO on pairs the policy samples itself and a reward (or a judge) ranks.
 
-Per batch of prompts (``PromptDataModule``): two completions per prompt from the policy (the shared samplers:
-``SamplingConfig``, ``choose_sampler``, ``sample_completions``), scored by the reward functions (the online-RL
+Per batch of prompts (``PromptDataModule``): two completions per prompt from the policy (``SamplingModule``'s
+``Sampling`` component, ``sampling/``), scored by the reward functions (the online-RL
 scoring stage, ``rollout/scoring.py``) with ``missing_eos_penalty`` taken off a completion without EOS, or compared by a
 pairwise judge; the better one is ``chosen``. The loss is the project's ``dpo_loss`` (``sigmoid`` or ``ipo``) on the
 completion-token log-prob sums of the policy (with gradients) and of the reference (``Reference`` component, under
@@ -15,14 +15,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.generation.config import SamplingConfig, with_sampling_knob_docs
-from lightalign.modules.generation.sampling import sample_completions
 from lightalign.modules.losses.dpo import dpo_loss
 from lightalign.modules.reference.component import Reference
-from lightalign.modules.rollout.scoring import fallback_stat, metric_key, score_rollout
-from lightalign.modules.training.policy import PolicyModule
+from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
+from lightalign.modules.sampling.module import SamplingModule
+from lightalign.modules.training.stat_metrics import StatMetrics, metric_key
 
 ONLINE_DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -64,6 +62,17 @@ def pair_from_judge(judge: Any, prompts: list[Any], texts: list[str]) -> torch.T
     return torch.tensor([int(r) for r in ranks], dtype=torch.long)
 
 
+def judged_win_rate(judge: Any, prompts: list[Any], policy_texts: list[str], reference_texts: list[str],
+                    policy_second: torch.Tensor) -> torch.Tensor:
+    """The share of ``prompts`` on which ``judge`` prefers the policy's completion to the reference's, each pair shown
+    in the order ``policy_second`` (``[N]`` bool) says (TRL's win rate against the reference, order shuffled)."""
+    texts = []
+    for policy, reference, second in zip(policy_texts, reference_texts, policy_second.tolist()):
+        texts += [reference, policy] if second else [policy, reference]
+    choice = pair_from_judge(judge, prompts, texts)
+    return (choice == policy_second.long()).float().mean()
+
+
 def chosen_rejected_rows(first_is_rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices ``[N]`` of the chosen and the rejected completion of each prompt's pair (rows grouped by prompt),
     from the pair choice (0: the first, 1: the second is chosen)."""
@@ -82,8 +91,7 @@ TRAIN_STATS = ("loss", "objective/scores", "objective/scores_margin", "objective
                "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
 
-@with_sampling_knob_docs
-class OnlineDPOModule(PolicyModule):
+class OnlineDPOModule(SamplingModule):
     """Online DPO on the prompts of ``PromptDataModule``: two completions per prompt sampled from the policy, ranked
     by reward functions or a pairwise judge, the DPO loss on the (chosen, rejected) pair against the reference.
 
@@ -97,7 +105,9 @@ class OnlineDPOModule(PolicyModule):
     ``logps/rejected``, ``contain_eos_token`` (TRL's ``val/contain_eos_token``), ``beta``; plus the online-RL
     scoring stage's ``reward/mean``, ``reward/std``, ``reward/<function>``, ``completions/mean_length``,
     ``completions/clipped_ratio``. Per validation (two samples per held prompt): ``val/reward/mean`` (reward
-    functions only), ``val/contain_eos_token``, ``val/completions/mean_length``.
+    functions only), ``val/contain_eos_token``, ``val/completions/mean_length``; with a judge, ``val/win_rate``: the
+    share of held prompts on which the judge prefers the policy's (first) completion to one the reference model
+    samples for the same prompt, the two shown to the judge in a random order (TRL's ``WinRateCallback``).
 
     Args:
         reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables,
@@ -110,7 +120,7 @@ class OnlineDPOModule(PolicyModule):
         judge: a pairwise judge instead of rewards: a callable (or an object with a ``judge`` method, TRL's
             ``BasePairwiseJudge``) or its import path; called as ``judge(prompts, [[completion_a, completion_b],
             ...])`` with the data's prompts and the decoded completions, it returns per prompt the index (0 or 1) of
-            the better completion.
+            the better completion. At validation it also compares the policy with the reference (``val/win_rate``).
         beta: the DPO beta (deviation from the reference; for ``ipo`` the regulariser tau). A list gives one value
             per epoch, the last reused after (TRL).
         loss_type: ``sigmoid`` (DPO) or ``ipo`` (length-normalised log-ratios, as the project's ``dpo_loss``); the
@@ -119,21 +129,19 @@ class OnlineDPOModule(PolicyModule):
         max_completion_length: sampled completion tokens at most (TRL's ``max_new_tokens``).
         temperature: sampling temperature of the two completions (the log-probs of the loss are the model's own,
             untempered, as TRL's).
-        <shared sampling knobs: generation/config.py SAMPLING_KNOB_DOCS>
-        generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``);
-            the ones set by the knobs here are refused naming the knob.
-        generation_backend: the sampler (``generate``, ``continuous``, ``static``, ``compact``; unset: the device's
-            measured default, decided at fit start).
         ref_model_name_or_path: a separately loaded reference model (default: a frozen copy of the policy; for a
             LoRA policy, the base model with the adapters disabled).
         ref_model_init_kwargs: ``from_pretrained`` arguments of the reference (e.g. an 8/4-bit
             ``quantization_config``).
         disable_dropout: set every dropout probability of the policy to 0 (TRL's default).
-        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
+        **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+            ``generation_kwargs``, ``generation_backend``: ``SamplingModule``) and ``PolicyModule`` arguments (model,
+            LoRA, optimizer, schedule).
     """
 
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
-    _unregistered_attributes = PolicyModule._unregistered_attributes | {"reward_funcs", "judge"}
+    progress_stats = ("loss", "reward/mean")
+    _unregistered_attributes = SamplingModule._unregistered_attributes | {"reward_funcs", "judge"}
 
     def __init__(
         self,
@@ -149,12 +157,6 @@ class OnlineDPOModule(PolicyModule):
         missing_eos_penalty: float | None = None,
         max_completion_length: int = 64,
         temperature: float = 0.9,
-        top_p: float = 1.0,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        generation_kwargs: dict[str, Any] | None = None,
-        generation_backend: Literal["generate", "continuous", "static", "compact"] | None = None,
         ref_model_name_or_path: str | None = None,
         ref_model_init_kwargs: dict[str, Any] | None = None,
         disable_dropout: bool = True,
@@ -163,13 +165,8 @@ class OnlineDPOModule(PolicyModule):
         from lightalign.rewards import (check_reward_call_knobs, check_reward_weights, import_object,
                                         resolve_reward_funcs, reward_func_names)
 
+        self.refuse_unknown_knobs(kwargs)
         name = type(self).__name__
-        unknown = sorted(set(kwargs) - set(inspect.signature(PolicyModule.__init__).parameters))
-        if unknown:
-            knob = unknown[0]
-            instead = self.knob_equivalents.get(knob)
-            raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
-                            + f" (`lightalign fit --model.help {name}` lists its knobs).")
         if loss_type not in ONLINE_DPO_LOSS_TYPES:
             raise ValueError(f"loss_type={loss_type!r} is not available online: {name} takes "
                              f"{list(ONLINE_DPO_LOSS_TYPES)} (as TRL's OnlineDPOTrainer); the other DPO loss types are "
@@ -187,17 +184,13 @@ class OnlineDPOModule(PolicyModule):
         if kwargs.get("neftune_noise_alpha") is not None:
             raise ValueError(f"neftune_noise_alpha is not supported by {name}: the policy's train-mode forward would "
                              "carry noise its samples did not; drop it.")
-        sampling = SamplingConfig.from_knobs(
-            max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
-            cache_implementation=None, share_prefill=False, generation_backend=generation_backend)
         funcs = [] if reward_funcs is None else resolve_reward_funcs(
             list(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]))
         check_reward_weights(funcs, reward_weights)
         check_reward_call_knobs(reward_timeout, reward_fallback_value)
-        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
+        super().__init__(model_name_or_path, max_completion_length=max_completion_length, temperature=temperature,
+                         disable_dropout=disable_dropout, **kwargs)  # the sampling knobs are checked there
         self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs", "judge"])
-        self.sampling = sampling
         self.reward_funcs = funcs
         self.reward_weights = list(reward_weights or [1.0] * len(funcs))
         self.reward_names = reward_func_names(funcs)
@@ -206,13 +199,11 @@ class OnlineDPOModule(PolicyModule):
         if self.judge is not None and not callable(getattr(self.judge, "judge", self.judge)):
             raise TypeError(f"judge must be callable (or have a judge method), got {type(self.judge).__name__}.")
         self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs)
-        self.tokenizer: Any = None
-        self.sampler_name: str | None = None
-        self.sampling_note = ""
-        names = [*TRAIN_STATS, *(f"reward/{n}" for n in self.reward_names),
+        names = [*TRAIN_STATS, *(["win_rate"] if judge is not None else []),
+                 *(f"reward/{n}" for n in self.reward_names),
                  *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None)]
-        self.train_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric() for k in names})
-        self.eval_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric() for k in names})
+        self.train_stats = StatMetrics(names)
+        self.eval_stats = StatMetrics(names)
         self.last_pair: dict[str, torch.Tensor] | None = None  # the last training batch's pair (tests, logs)
 
     # ------------------------------------------------------------------------------------- model, setup
@@ -223,33 +214,17 @@ class OnlineDPOModule(PolicyModule):
                 self.ref_model = self.reference.build(self.model, self.model_name_or_path,
                                                       self.hparams.trust_remote_code)
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        self.tokenizer = getattr(datamodule, "tokenizer", None)
-        if stage == "fit" and not hasattr(datamodule, "configure_rollout"):
-            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
-
-    def batch_layout(self) -> tuple[str, int | None]:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        prompt = getattr(datamodule, "max_prompt_length", None)
-        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
-
     def on_fit_start(self) -> None:
-        self.sampler_name = None  # decided again in fit_start_notes (the model may have changed)
-        super().on_fit_start()
+        super().on_fit_start()  # the sampler is decided again in fit_start_notes
         self.reference.move(self.ref_model, self.device, self.model)
 
     def fit_start_notes(self) -> list[str]:
-        self.sampling_backend()
-        return [self.sampling_note]
-
-    def sampling_backend(self) -> str:
-        from lightalign.modules.rollout.sampler_choice import choose_sampler
-
-        if self.sampler_name is None:
-            self.sampler_name, self.sampling_note = choose_sampler(self.model, self.sampling, 2)
-        return self.sampler_name
+        self.sampling.backend(self.model, largest_group=2)
+        if self.judge is None:
+            return [self.sampling.note()]
+        with self.reference.model_for(self.ref_model, self.model) as ref:  # it samples for the win rate
+            self.sampling.backend(ref, "reference")
+        return [self.sampling.note(), f"reference {self.sampling.note('reference')}"]
 
     @property
     def beta(self) -> float:
@@ -257,11 +232,9 @@ class OnlineDPOModule(PolicyModule):
         return beta_for_epoch(self.hparams.beta, self.current_epoch if self._trainer is not None else 0)
 
     # ------------------------------------------------------------------------------------- stages
-    @torch.no_grad()
     def sample_pairs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Two completions per prompt, rows grouped by prompt."""
-        return sample_completions(self.model, self.tokenizer, batch, 2, backend=self.sampling_backend(),
-                                  **self.sampling.sampling_kwargs())
+        return self.sampling.sample(self.model, self.tokenizer, batch, 2)
 
     def rank(self, rollout: dict[str, Any], stats: torch.nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(which completion of each pair is chosen ``[N]``, the rewards ``[2N]`` after ``missing_eos_penalty`` or
@@ -325,24 +298,14 @@ class OnlineDPOModule(PolicyModule):
         loss = self.pair_loss(rollout, self.train_stats)
         return self.add_router_aux_loss(loss)
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)
-        self._log_stats(self.train_stats, "train")
-
-    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
-        for key, metric in stats.items():
-            if metric.update_called:
-                name = key.replace("__", "/")
-                self.log(f"{stage}/{name}", metric.compute(), prog_bar=name in ("loss", "reward/mean"))
-            metric.reset()
-
     # ------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Two samples per held prompt (a seeded stream of their own: validating changes no training draw), scored
-        as in training (reward/mean, contain_eos_token, completion lengths)."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.global_step * 100_003 + batch_idx)
+        as in training (reward/mean, contain_eos_token, completion lengths); with a judge, the win rate."""
+        with self.sampling.validation_stream(self, batch_idx):
             rollout = self.sample_pairs(batch)
+            if self.judge is not None:
+                self.eval_stats["win_rate"].update(self.win_rate(batch, rollout))
         if self.judge is None:
             score_rollout(self, rollout, self.eval_stats)
         else:
@@ -350,6 +313,11 @@ class OnlineDPOModule(PolicyModule):
                 rollout["completion_mask"].sum(-1).float().mean())
         self.eval_stats[metric_key("contain_eos_token")].update((~rollout["truncated"]).float().mean())
 
-    def on_validation_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "val")
-        self.log_eval_metrics("val")
+    def win_rate(self, batch: dict[str, Any], rollout: dict[str, Any]) -> torch.Tensor:
+        """The judge's win rate of the policy's first completion of each pair against a completion the reference
+        model samples for the same prompt (in validation's seeded stream, as the order of each pair shown)."""
+        with self.reference.model_for(self.ref_model, self.model) as ref:
+            reference = self.sampling.sample(ref, self.tokenizer, batch, 1, who="reference")
+        policy_second = torch.rand(len(reference["texts"])) < 0.5
+        return judged_win_rate(self.judge, rollout["prompts"][::2], rollout["texts"][::2], reference["texts"],
+                               policy_second).to(self.device)

@@ -1,6 +1,6 @@
 """What a rollout samples: the sampling knobs (TRL's names) in one object, checked once.
 
-``SamplingConfig`` holds the knobs every online-RL method shares; ``check`` validates them together with the asked
+``SamplingConfig`` holds the knobs every sampling method shares (``sampling/module.py``); ``check`` validates them together with the asked
 backend at construction, before any model loads (each refusal names the knob and what to use instead), and
 ``sampling_kwargs`` is what every sampler's ``sample`` receives.
 """
@@ -24,28 +24,6 @@ OWNED_GENERATION_KEYS = {
     "return_dict_in_generate": "nothing: the rollout reads the generated ids",
 }
 
-
-# The descriptions of the sampling knobs every sampling method declares with the same meaning (online RL,
-# distillation): written once here and put into each class docstring's ``Args:`` at the ``SHARED_SAMPLING_KNOBS``
-# line by ``with_sampling_knob_docs`` (the knob tables and ``--model.help`` read those docstrings).
-SAMPLING_KNOB_DOCS = {
-    "top_p": "nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0: off).",
-    "top_k": "keep the ``top_k`` most likely tokens (None: off).",
-    "min_p": "keep tokens whose probability is at least ``min_p`` times the most likely one's (None: off).",
-    "repetition_penalty": "``generate``'s penalty on tokens already in the sequence (1.0: off).",
-}
-SHARED_SAMPLING_KNOBS = "<shared sampling knobs: generation/config.py SAMPLING_KNOB_DOCS>"
-
-
-def with_sampling_knob_docs(cls: type) -> type:
-    """Class decorator: the docstring's ``SHARED_SAMPLING_KNOBS`` line becomes one ``Args:`` entry per shared
-    sampling knob, at that line's indentation."""
-    lines = (cls.__doc__ or "").split("\n")
-    at = next(i for i, line in enumerate(lines) if line.strip() == SHARED_SAMPLING_KNOBS)
-    indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
-    lines[at:at + 1] = [f"{indent}{name}: {text}" for name, text in SAMPLING_KNOB_DOCS.items()]
-    cls.__doc__ = "\n".join(lines)
-    return cls
 
 @dataclass(frozen=True)
 class SamplingConfig:

@@ -18,20 +18,18 @@ import inspect
 from typing import Any, Callable, Literal
 
 import torch
-from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
-from lightalign.modules.generation.config import SamplingConfig, with_sampling_knob_docs
 from lightalign.modules.generation.sampling import sample_completions
 from lightalign.modules.generation.vllm import check_vllm_knobs
 from lightalign.modules.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout
-from lightalign.modules.rollout.scoring import fallback_stat, metric_key, score_rollout
+from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
 from lightalign.modules.rollout.state import load_rollout_state, save_rollout_state
-from lightalign.modules.rollout.sampler_choice import choose_sampler
-from lightalign.modules.training.policy import PolicyModule
+from lightalign.modules.sampling.module import SamplingModule
+from lightalign.modules.training.stat_metrics import StatMetrics
 from lightalign.rewards import check_reward_call_knobs, check_reward_weights, reward_func_names, resolve_reward_funcs
 
 ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
@@ -54,8 +52,7 @@ def methods_with_knob(knob: str) -> list[str]:
     return sorted(set(found) - {"CriticFreeModule"})
 
 
-@with_sampling_knob_docs
-class OnlineRLModule(PolicyModule):
+class OnlineRLModule(SamplingModule):
     """The online-RL loop on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults).
 
     Args:
@@ -79,22 +76,8 @@ class OnlineRLModule(PolicyModule):
             ``num_generations``) and split evenly into the method's micro-batches. Default: ``num_generations``
             times the micro-batches per rollout.
         max_completion_length: generated tokens at most.
-        <shared sampling knobs: generation/config.py SAMPLING_KNOB_DOCS>
-        generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``,
-            ``no_repeat_ngram_size``); the ones the rollout sets (``max_new_tokens``, ``num_return_sequences``,
-            ``temperature``, ``top_p`` ...) are refused with the knob to use. (TRL lets them override its knobs.)
         cache_implementation: ``generate``'s KV-cache implementation (e.g. ``static``); needs ``share_prefill:
             false`` and the ``generate`` backend.
-        generation_backend: the sampler (``generation/samplers.py``): ``generate`` (``model.generate``, prompt
-            prefill shared; any knob), ``continuous`` (transformers' continuous batching, paged KV cache: finished
-            completions leave the batch; refuses ``repetition_penalty``, ``generation_kwargs``,
-            ``cache_implementation``), ``static`` (static KV cache, compiled decode step) or ``compact``
-            (lightalign's loop: finished completions leave the batch; refuses ``generation_kwargs``,
-            ``cache_implementation``; one process). Unset: ``compact`` on a CPU (measured fastest there,
-            docs/performance.md), ``generate`` elsewhere (GPUs not measured), and ``generate`` whenever ``compact``
-            cannot serve: a knob only ``generate`` honours, several processes, a model without a plain KV cache, or
-            greedy tokens that differ from ``generate``'s on the model's probe (``adaptations.check_layout``); the
-            fit-start line says which and why. An asked backend that the probe measures not exact is refused.
         use_transformers_continuous_batching: TRL's name for ``generation_backend: continuous``.
         transformers_continuous_batching_config: ``ContinuousBatchingConfig`` fields for ``continuous`` (e.g.
             ``page_size``, ``num_blocks``; by default the paged cache is sized from the rollout).
@@ -140,13 +123,16 @@ class OnlineRLModule(PolicyModule):
         vllm_importance_sampling_clip_min: the ratio's lower bound (None: none).
         vllm_importance_sampling_clip_max: the ratio's upper bound (None: none; TRL's former name:
             ``vllm_importance_sampling_cap``).
-        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
+        **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+            ``generation_kwargs``, ``generation_backend``: ``SamplingModule``) and ``PolicyModule`` arguments (model,
+            LoRA, optimizer, schedule).
     """
 
     min_generations = 2  # completions per prompt a method's advantage needs
     knob_equivalents: dict[str, str] = {}  # a sibling method's knob -> this method's knob for the same idea
     method_stats: tuple[str, ...] = ()  # the method's own logged statistics, beside ROLLOUT_STATS
-    _unregistered_attributes = PolicyModule._unregistered_attributes | {"reward_funcs"}
+    progress_stats = ("reward/mean",)
+    _unregistered_attributes = SamplingModule._unregistered_attributes | {"reward_funcs"}
     tool_rollouts: ToolRollouts | None = None  # multi-turn tool rollouts, set by a method that takes tools
     # rollouts not sampled by the policy (vLLM, or a sampler ahead) and their correction: built by __init__ from the
     # vllm_importance_sampling_* knobs and `sampling_ahead`, (max_staleness, async_sampler_threads) of a method that
@@ -167,13 +153,7 @@ class OnlineRLModule(PolicyModule):
         num_generations_eval: int | None = None,
         generation_batch_size: int | None = None,
         max_completion_length: int = 256,
-        top_p: float = 1.0,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        generation_kwargs: dict[str, Any] | None = None,
         cache_implementation: str | None = None,
-        generation_backend: Literal["generate", "continuous", "static", "compact"] | None = None,
         use_transformers_continuous_batching: bool = False,
         transformers_continuous_batching_config: dict[str, Any] | None = None,
         share_prefill: bool = True,
@@ -205,35 +185,27 @@ class OnlineRLModule(PolicyModule):
         if "vllm_importance_sampling_cap" in kwargs:
             raise TypeError("vllm_importance_sampling_cap is TRL's former name of vllm_importance_sampling_clip_max; "
                             "use that.")
-        unknown = sorted(set(kwargs) - set(inspect.signature(PolicyModule.__init__).parameters))
-        if unknown:
-            knob = unknown[0]
-            instead = self.knob_equivalents.get(knob)
-            elsewhere = [] if instead else methods_with_knob(knob)
-            raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
-                            + (f"; {' and '.join(elsewhere)} take it" if elsewhere else "")
-                            + f" (`lightalign fit --model.help {name}` lists its knobs).")
+        self.refuse_unknown_knobs(kwargs)
         if kwargs.get("neftune_noise_alpha") is not None:
             raise ValueError(f"neftune_noise_alpha is not supported by {name}: NEFTune adds noise to the policy's "
                              "embeddings in train-mode forwards only, so the rollout's log-probs (sampling policy, "
                              "reference) and the training forward would differ by that noise (a KL and a ratio that "
                              "are not 0 at step 0). It is a regulariser for SFT, DPO and KTO; drop it here.")
-        check_vllm_knobs(use_vllm=use_vllm, generation_kwargs=generation_kwargs, cache_implementation=cache_implementation,
+        check_vllm_knobs(use_vllm=use_vllm, generation_kwargs=kwargs.get("generation_kwargs"),
+                         cache_implementation=cache_implementation,
                          **{k: v for k, v in locals().items() if k.startswith("vllm_")})
         # read by the stages below (sample, the method's loss) and by the statistics; checks its knobs
         object.__setattr__(self, "off_policy", OffPolicyRollouts(
             *self.sampling_ahead, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
             vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max))
-        if use_vllm and (generation_backend is not None or use_transformers_continuous_batching):
+        if use_vllm and (kwargs.get("generation_backend") is not None or use_transformers_continuous_batching):
             raise ValueError("use_vllm samples with vLLM; generation_backend / use_transformers_continuous_batching "
                              "pick a transformers backend instead: set only one of them.")
-        sampling = SamplingConfig.from_knobs(
-            max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
+        # the sampling knobs of online RL beyond the shared ones, checked with them by SamplingModule.__init__
+        object.__setattr__(self, "sampling_extras", dict(
             cache_implementation=cache_implementation, share_prefill=share_prefill,
-            generation_backend=generation_backend,
             use_transformers_continuous_batching=use_transformers_continuous_batching,
-            transformers_continuous_batching_config=transformers_continuous_batching_config)
+            transformers_continuous_batching_config=transformers_continuous_batching_config))
         if num_generations < self.min_generations:
             raise ValueError(f"{name} needs num_generations >= {self.min_generations} ({self.group_needs}), got "
                              f"{num_generations}.")
@@ -251,34 +223,33 @@ class OnlineRLModule(PolicyModule):
         check_reward_call_knobs(reward_timeout, reward_fallback_value)
         weights = [*(reward_weights or [1.0] * len(funcs)), *([1.0] * len(sources))]  # an environment's: weight 1
         funcs = [*funcs, *sources]
-        super().__init__(model_name_or_path, **kwargs)
+        super().__init__(model_name_or_path, max_completion_length=max_completion_length, temperature=temperature,
+                         **kwargs)
         self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs", "tools",
                                           "environment_factory"])
-        self.sampling = sampling
         self.reward_funcs = funcs
         self.reward_weights = weights
         self.reward_names = reward_func_names(funcs)
         self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs,
                                    num_shared_layers=self.hparams.get("num_shared_layers"))
-        self.tokenizer: Any = None
         self.generation_count = 0
         self.rollout_buffer = RolloutBuffer()
         self.external_sampler = None  # set by a callback that owns an engine (vLLM: generation/vllm_engines.py)
-        self.sampler_name: str | None = None  # decided at fit start (choose_sampler)
-        self.sampling_note = ""
         self.last_samples: list[dict[str, Any]] = []
         self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names),
                            *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None),
                            *(TOOL_STATS if self.tool_rollouts is not None else ()),
                            *self.off_policy.stat_names(use_vllm)]
         self.reward_fallbacks_warned: set[str] = set()  # functions whose first fallback substitution was warned
-        self.train_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
-                                                for k in self.stat_names})
-        self.eval_stats = torch.nn.ModuleDict({metric_key(k): MeanMetric(nan_strategy="ignore")
-                                               for k in self.stat_names})
+        self.train_stats = StatMetrics(self.stat_names, nan_strategy="ignore")
+        self.eval_stats = StatMetrics(self.stat_names, nan_strategy="ignore")
 
     # ------------------------------------------------------------------------------------- the method's part
     group_needs = "advantages compare completions of a group"
+
+    @classmethod
+    def methods_with_knob(cls, knob: str) -> list[str]:
+        return methods_with_knob(knob)
 
     @classmethod
     def knob(cls, name: str, given: dict[str, Any]) -> Any:
@@ -321,11 +292,6 @@ class OnlineRLModule(PolicyModule):
     def micro_batch_layout(self, mb: dict[str, torch.Tensor], lengths: torch.Tensor) -> None:
         """Add the training layout's tensors to a micro-batch (default: the padded rows as they are)."""
 
-    def batch_layout(self) -> tuple[str, int | None]:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        prompt = getattr(datamodule, "max_prompt_length", None)
-        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
-
     # ------------------------------------------------------------------------------------- shape
     @property
     def rollout_shape(self) -> tuple[int, int, int]:
@@ -341,15 +307,12 @@ class OnlineRLModule(PolicyModule):
 
     # ------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
-        super().setup(stage)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        super().setup(stage)  # the tokenizer; PromptDataModule batches
         if stage != "fit":
             return
+        datamodule = getattr(self.trainer, "datamodule", None)
         gen, steps, _ = self.rollout_shape
         check_generation_arithmetic(gen, self.hparams.num_generations, steps)
-        if not hasattr(datamodule, "configure_rollout"):
-            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
         if self.tool_rollouts is not None:
             self.tool_rollouts.check_setup(self.tokenizer, datamodule)
         self.off_policy.check_setup(self)
@@ -370,8 +333,7 @@ class OnlineRLModule(PolicyModule):
         return callbacks
 
     def on_fit_start(self) -> None:
-        self.sampler_name = None  # decided again in fit_start_notes (the model may have changed)
-        super().on_fit_start()  # the layout check, NEFTune when asked
+        super().on_fit_start()  # the sampler decided again (fit_start_notes), the layout check, NEFTune when asked
         self.reference.move(self.ref_model, self.device, self.model)
 
     def fit_start_notes(self) -> list[str]:
@@ -384,12 +346,14 @@ class OnlineRLModule(PolicyModule):
         return [self.sampling_note, *([ahead] if ahead else [])]
 
     def sampling_backend(self) -> str:
-        """The run's sampler, decided once (``sampler_choice.choose_sampler``)."""
-        if self.sampler_name is None:
-            hp = self.hparams
-            largest = max(hp.num_generations, hp.num_generations_eval or hp.num_generations)
-            self.sampler_name, self.sampling_note = choose_sampler(self.model, self.sampling, largest)
-        return self.sampler_name
+        """The run's sampler, decided once per fit (``Sampling.backend``)."""
+        hp = self.hparams
+        return self.sampling.backend(self.model, largest_group=max(hp.num_generations,
+                                                                   hp.num_generations_eval or hp.num_generations))
+
+    @property
+    def sampling_note(self) -> str:
+        return self.sampling.note()
 
     # ------------------------------------------------------------------------------------- stages
     @torch.no_grad()
@@ -492,21 +456,6 @@ class OnlineRLModule(PolicyModule):
         return chunks
 
     # ------------------------------------------------------------------------------------- logging
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)
-        self.before_step_stats()
-        self._log_stats(self.train_stats, "train")
-
-    def before_step_stats(self) -> None:
-        """The method's last statistics of an optimizer step, before they are logged."""
-
-    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
-        for name in self.stat_names:
-            metric = stats[metric_key(name)]
-            if metric.update_called:
-                self.log(f"{stage}/{name}", metric.compute(), prog_bar=name in ("reward/mean",))
-            metric.reset()
-
     def step_tokens(self, slot: int) -> torch.Tensor:
         """The completion tokens of this optimizer step's micro-batches, averaged over the ranks."""
         tokens = self.rollout_buffer.step_tokens(slot, self.trainer.accumulate_grad_batches)
@@ -521,17 +470,12 @@ class OnlineRLModule(PolicyModule):
 
         Sampling uses its own seeded stream, so validating does not change the training rollouts (and a run
         resumed from a checkpoint samples exactly what the uninterrupted run sampled)."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.global_step * 100_003 + batch_idx)
+        with self.sampling.validation_stream(self, batch_idx):
             rollout = self.generate(batch, self.hparams.num_generations_eval or self.hparams.num_generations)
         last_samples = self.last_samples
         with closing_environments(rollout):
             self.score(rollout, self.eval_stats)
         self.last_samples = last_samples  # the sample table shows training rollouts
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_stats(self.eval_stats, "val")
-        self.log_eval_metrics("val")
 
     # ------------------------------------------------------------------------------------- state
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

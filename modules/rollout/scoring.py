@@ -10,13 +10,11 @@ from typing import Any
 
 import torch
 
+from lightalign.modules.training.stat_metrics import metric_key
 from lightalign.rewards import FallbackReport, compute_rewards, nanstd
 from lightalign.rewards.calling import short_repr
 
-
-def metric_key(name: str) -> str:
-    """A metric name as a ``ModuleDict`` key (no dots or slashes)."""
-    return name.replace("/", "__").replace(".", "_")
+__all__ = ["fallback_stat", "metric_key", "score_rollout"]
 
 
 def fallback_stat(reward_name: str) -> str:

@@ -145,3 +145,18 @@ def mean_entropy(logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor | N
         return None
     probs = flat.softmax(-1)
     return (torch.logsumexp(flat, -1) - (probs * flat).sum(-1)).mean()
+
+
+def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits ``[B, T, V]`` predicting each completion token of padded ``[left-padded prompt, completion]``
+    rows (positions counted from each row's first real token, as the samplers used), a view of the model's output:
+    no copy, untempered."""
+    from lightalign.modules.adaptations.layouts import padded_position_ids
+
+    t = rows["completion_ids"].shape[1]
+    input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
+    attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1)
+    if forward_accepts(model, "position_ids"):
+        inputs["position_ids"] = padded_position_ids(attention_mask)
+    return model(**inputs).logits[:, :-1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -260,6 +259,45 @@ def test_a_judged_run_trains_and_validates(tiny_dir, data_dir):
                         val_check_interval=2)
     trainer.fit(module, _data(tiny_dir, data_dir, val_split_size=4, val_batch_size=4))
     metrics = trainer.callback_metrics
-    assert calls == [4, 4] and module.last_pair["chosen"].tolist() == [1, 3, 5, 7]
+    assert calls == [4, 4, 4] and module.last_pair["chosen"].tolist() == [1, 3, 5, 7]  # 2 steps, then the win rate
     assert "train/loss" in metrics and "train/rewards/margins" in metrics and "val/contain_eos_token" in metrics
+    assert "val/win_rate" in metrics and "train/win_rate" not in metrics
     assert "train/objective/scores" not in metrics  # no rewards with a judge
+
+
+def test_the_win_rate_is_the_judges_share_of_prompts_the_policy_wins_against_the_reference(tiny_dir, data_dir):
+    """The reference writes one known text (its head always picks token 100); a judge that sees exactly one such
+    text per pair prefers the policy's completion on three of the four held prompts: val/win_rate is 0.75, whatever
+    order each pair is shown in."""
+    shown, favoured, sampled = [], set(), []
+
+    def judge(prompts, pairs):
+        answers = []
+        for i, (prompt, (a, b)) in enumerate(zip(prompts, pairs)):
+            assert (a == reference_text) != (b == reference_text), (a, b)  # one policy, one reference completion
+            policy_at = 0 if b == reference_text else 1
+            assert (a, b)[policy_at] == sampled[-1]["texts"][2 * i]  # the first of this prompt's sampled pair
+            shown.append(policy_at)
+            answers.append(policy_at if prompt in favoured else 1 - policy_at)
+        return answers
+
+    module = _module(tiny_dir, judge=judge, max_completion_length=4, generation_backend="generate")  # no probe
+    module.configure_model()
+    ref = module.ref_model
+    head = torch.nn.Linear(ref.lm_head.in_features, ref.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-1e4)
+        head.bias[100] = 1e4
+    ref.lm_head = head
+    sample_pairs = module.sample_pairs
+    module.sample_pairs = lambda batch: sampled.append(sample_pairs(batch)) or sampled[-1]
+    data = _data(tiny_dir, data_dir, val_split_size=4, val_batch_size=4)
+    data.setup("fit")
+    module.tokenizer = data.tokenizer
+    reference_text = data.tokenizer.decode([100] * 4, skip_special_tokens=True)
+    batch = next(iter(data.val_dataloader()))
+    favoured.update(batch["prompts"][:3])
+    module.validation_step(batch, 0)
+    assert module.eval_stats["win_rate"].compute().item() == 0.75
+    assert sorted(set(shown)) == [0, 1]  # the policy's completion was shown first and second

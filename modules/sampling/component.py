@@ -1,0 +1,65 @@
+"""``Sampling``: how a method samples completions, from its ``SamplingConfig``.
+
+It chooses the sampler of each model that samples (the policy; a teacher that writes sequences) once per fit
+(``rollout/sampler_choice.py``: measured on the model, refused or stepped back to ``generate`` at fit start, with the
+fit-start note saying which and why), samples with it, and gives validation its own seeded random stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from lightalign.modules.generation.config import SamplingConfig
+
+VALIDATION_SEED_STRIDE = 100_003  # validation batch i at optimizer step s samples with seed s * stride + i
+
+
+class Sampling:
+    """The sampling knobs (``config``) and the samplers chosen for them this fit, per model (``who``)."""
+
+    def __init__(self, config: SamplingConfig) -> None:
+        self.config = config
+        self.chosen: dict[str, tuple[str, str]] = {}  # who -> (sampler, fit-start note)
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return self.config.sampling_kwargs()
+
+    def reset(self) -> None:
+        """Forget the choices: decided again at the next fit start (the models may have changed)."""
+        self.chosen = {}
+
+    def backend(self, model: torch.nn.Module, who: str = "policy", largest_group: int = 1) -> str:
+        """The sampler of ``who``'s completions, decided on ``model`` the first time this fit (``choose_sampler``);
+        ``largest_group``: the most completions per prompt it samples."""
+        from lightalign.modules.rollout.sampler_choice import choose_sampler
+
+        if who not in self.chosen:
+            self.chosen[who] = choose_sampler(model, self.config, largest_group)
+        return self.chosen[who][0]
+
+    def note(self, who: str = "policy") -> str:
+        """The fit-start note of ``who``'s sampler ("" before it is chosen)."""
+        return self.chosen[who][1] if who in self.chosen else ""
+
+    @torch.no_grad()
+    def sample(self, model: torch.nn.Module, tokenizer: Any, batch: dict[str, Any], num_generations: int,
+               who: str = "policy", largest_group: int | None = None, **extra: Any) -> dict[str, Any]:
+        """``num_generations`` completions per prompt of ``batch`` from ``model`` on ``who``'s sampler."""
+        from lightalign.modules.generation.sampling import sample_completions
+
+        backend = self.backend(model, who, largest_group or num_generations)
+        return sample_completions(model, tokenizer, batch, num_generations, backend=backend, **extra,
+                                  **self.sampling_kwargs())
+
+    @staticmethod
+    @contextmanager
+    def validation_stream(module: Any, batch_idx: int) -> Iterator[None]:
+        """Validation's own seeded random stream (torch's, and CUDA's on a GPU): validating draws nothing from the
+        training stream, and a resumed run validates on what the uninterrupted run sampled."""
+        with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
+            torch.manual_seed(module.global_step * VALIDATION_SEED_STRIDE + batch_idx)
+            yield

@@ -1,0 +1,129 @@
+"""``SamplingModule``: the base of the methods that train on completions their models sample (online RL: GRPO, RLOO,
+PPO; distillation; online DPO).
+
+The sampling knobs they share (TRL's names) have their one definition, validation (``SamplingConfig.check``, at
+construction, before any model loads) and description here; a method declares its own ``max_completion_length`` and
+``temperature`` (their defaults, and what its loss does with the temperature, are its own) and passes them on. The
+``Sampling`` component built from them chooses and runs the samplers. Also shared: the refusal of a knob the method
+does not have (naming TRL's equivalent), and the statistics logged per optimizer step and per validation
+(``train_stats`` / ``eval_stats``, ``StatMetrics`` the method builds).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Literal
+
+import torch
+
+from lightalign.modules.generation.config import SamplingConfig
+from lightalign.modules.sampling.component import Sampling
+from lightalign.modules.training.policy import PolicyModule
+
+
+class SamplingModule(PolicyModule):
+    """A method that samples completions from its models.
+
+    Args:
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0: off).
+        top_k: keep the ``top_k`` most likely tokens (None: off).
+        min_p: keep tokens whose probability is at least ``min_p`` times the most likely one's (None: off).
+        repetition_penalty: ``generate``'s penalty on tokens already in the sequence (1.0: off).
+        generation_kwargs: more ``generate`` arguments (``GenerationConfig`` fields such as ``suppress_tokens``,
+            ``no_repeat_ngram_size``); the ones the sampling sets itself (``max_new_tokens``,
+            ``num_return_sequences``, ``temperature``, ``top_p`` ...) are refused naming the knob to use. (TRL lets
+            them override its knobs.)
+        generation_backend: the sampler (``generation/samplers.py``): ``generate`` (``model.generate``; any knob),
+            ``continuous`` (transformers' continuous batching, paged KV cache: finished completions leave the batch;
+            refuses ``repetition_penalty``, ``generation_kwargs`` and online RL's ``cache_implementation``),
+            ``static`` (static KV cache, compiled decode step) or ``compact`` (lightalign's loop: finished
+            completions leave the batch; refuses ``generation_kwargs``, ``cache_implementation``; one process).
+            Unset: ``compact`` on a CPU (measured fastest there, docs/performance.md), ``generate`` elsewhere (GPUs
+            not measured), and ``generate`` whenever ``compact`` cannot serve: a knob only ``generate`` honours,
+            several processes, a model without a plain KV cache, or greedy tokens that differ from ``generate``'s on
+            the model's probe (``adaptations.check_layout``). Decided at fit start for each model that samples (the
+            policy; a ``seq_kd`` teacher separately), and the fit-start line says which and why. An asked backend
+            that the probe measures not exact is refused.
+        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
+    """
+
+    knob_equivalents: dict[str, str] = {}  # TRL's (or a sibling method's) name -> this method's knob for the idea
+    progress_stats: tuple[str, ...] = ()  # the statistics shown in the progress bar
+    # SamplingConfig knobs a method declares beyond the shared ones (online RL's prefill and cache knobs), set by its
+    # __init__ before this one runs
+    sampling_extras: dict[str, Any] = {"share_prefill": False}
+    train_stats: torch.nn.ModuleDict
+    eval_stats: torch.nn.ModuleDict
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        *,
+        max_completion_length: int,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict[str, Any] | None = None,
+        generation_backend: Literal["generate", "continuous", "static", "compact"] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        config = SamplingConfig.from_knobs(
+            max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
+            generation_backend=generation_backend, **self.sampling_extras)
+        super().__init__(model_name_or_path, **kwargs)
+        self.sampling = Sampling(config)
+        self.tokenizer: Any = None  # the datamodule's, at setup
+
+    @classmethod
+    def refuse_unknown_knobs(cls, kwargs: dict[str, Any]) -> None:
+        """A ``TypeError`` naming the first knob in ``kwargs`` neither this class nor ``PolicyModule`` takes, with
+        the method's knob for the same idea (``knob_equivalents``) or the methods that take it."""
+        accepted = {*inspect.signature(PolicyModule.__init__).parameters,
+                    *inspect.signature(SamplingModule.__init__).parameters}
+        unknown = sorted(set(kwargs) - accepted)
+        if not unknown:
+            return
+        knob, name = unknown[0], cls.__name__
+        instead = cls.knob_equivalents.get(knob)
+        elsewhere = [] if instead else cls.methods_with_knob(knob)
+        raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
+                        + (f"; {' and '.join(elsewhere)} take it" if elsewhere else "")
+                        + f" (`lightalign fit --model.help {name}` lists its knobs).")
+
+    @classmethod
+    def methods_with_knob(cls, knob: str) -> list[str]:
+        """Sibling methods that declare ``knob`` (named in the refusal; default: none named)."""
+        return []
+
+    # ------------------------------------------------------------------------------------- hooks
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        if stage == "fit" and not hasattr(datamodule, "configure_rollout"):
+            raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+
+    def batch_layout(self) -> tuple[str, int | None]:
+        """Padded ``[prompt, completion]`` rows, the longest ``max_prompt_length + max_completion_length``."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        prompt = getattr(datamodule, "max_prompt_length", None)
+        return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
+
+    def on_fit_start(self) -> None:
+        self.sampling.reset()  # the samplers are decided again (fit_start_notes): the models may have changed
+        super().on_fit_start()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.before_step_stats()
+        self.train_stats.log(self, "train", self.progress_stats)
+
+    def before_step_stats(self) -> None:
+        """The method's last statistics of an optimizer step, before they are logged."""
+
+    def on_validation_epoch_end(self) -> None:
+        self.eval_stats.log(self, "val", self.progress_stats)
+        self.log_eval_metrics("val")
