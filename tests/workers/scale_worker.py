@@ -156,21 +156,16 @@ def seeded_online_dpo_class():
     return SeededOnlineDPO
 
 
-def teacher_folder(out: Path) -> str:
-    """The distillation teacher: the tiny model with seeded random weights, written once (rank 0 writes it before
-    the other ranks start; a rename makes it appear whole)."""
-    folder = out / "teacher"
-    if not folder.is_dir():
-        import shutil
+def write_teacher(out: Path) -> None:
+    """The distillation teacher, ``DIR/teacher``: the tiny model with seeded random weights. Written by the launching
+    process before any fit, so before Lightning starts the other ranks (which run this script again)."""
+    import shutil
 
-        from lightalign.hub import load_causal_lm
+    from lightalign.hub import load_causal_lm
 
-        tmp = out / f"teacher.tmp{os.getpid()}"
-        shutil.copytree(TINY, tmp)
-        torch.manual_seed(7)
-        load_causal_lm(TINY, from_config=True).save_pretrained(tmp)
-        os.replace(tmp, folder)
-    return str(folder)
+    shutil.copytree(TINY, out / "teacher", dirs_exist_ok=True)
+    torch.manual_seed(7)
+    load_causal_lm(TINY, from_config=True).save_pretrained(out / "teacher")
 
 
 def build(method: str, mult: int, seeded: bool = True, out: Path | None = None):
@@ -206,7 +201,7 @@ def build(method: str, mult: int, seeded: bool = True, out: Path | None = None):
         from lightalign import DistillModule  # (lmbda 1), min_new_tokens: equal token counts on every rank
 
         module = (seeded_distill_class() if seeded else DistillModule)(
-            TINY, teacher_model_name_or_path=teacher_folder(out), lmbda=1.0, max_completion_length=MAX_NEW,
+            TINY, teacher_model_name_or_path=str(out / "teacher"), lmbda=1.0, max_completion_length=MAX_NEW,
             generation_kwargs={"min_new_tokens": MAX_NEW}, **sampled, **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY, batch_size=2 * mult)
     if method == "online_dpo":  # two samples per prompt ranked by a reward, the policy's frozen copy as reference
@@ -311,6 +306,8 @@ def main() -> None:
 
     check_multinode_env(args.num_nodes)  # as the CLI does
 
+    if "distill" in args.methods.split(",") and "LOCAL_RANK" not in os.environ:  # not a rank Lightning started
+        write_teacher(out)
     for method in args.methods.split(","):
         trainer, module = fit(args, method, args.steps)
         full = full_state_dict(module.model, root=trainer.strategy.model)
