@@ -259,6 +259,19 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_any_weights_load(tiny
         _module(tiny_dir, config_only)
 
 
+def test_the_vocabulary_of_a_zero3_partitioned_model_is_its_full_size(tiny_dir):
+    """Under DeepSpeed ZeRO-3 a parameter is an empty placeholder carrying its full shape as ``ds_shape``: the built
+    student's vocabulary is that, not 0 (a 0 refused every teacher; tests/training/test_scale.py runs ZeRO-3)."""
+    from lightalign.modules.distill import model_vocab_size
+
+    model = load_causal_lm(str(tiny_dir), from_config=True)
+    weight = model.get_output_embeddings().weight
+    full = weight.shape
+    weight.data = torch.empty(0)
+    weight.ds_shape = full
+    assert model_vocab_size(model) == full[0] == 1024
+
+
 def test_killed_and_resumed_equals_uninterrupted(tiny_dir, data_dir, teacher_dir, tmp_path):
     """Dropout on in the student (so the RNG streams matter), half the batches student-sampled: a run resumed from
     its step-2 checkpoint ends bit-identical to the uninterrupted 4-step run, with the same lmbda draws."""

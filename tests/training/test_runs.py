@@ -1,7 +1,7 @@
 """One run = one folder, and ``--ckpt_path last``: through the ``lightalign`` console script, as users run it.
 
 Each test starts the console script in a subprocess and checks its exit status and what it printed. Runs are the
-shipped quickstart/DPO configs cut to a few steps.
+shipped quickstart/DPO (and, for a killed sampling run, distillation and online DPO) configs cut to a few steps.
 """
 
 from __future__ import annotations
