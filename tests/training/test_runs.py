@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -261,8 +262,12 @@ def test_a_sampling_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_w
                 "--trainer.logger.init_args.flush_logs_every_n_steps", "1", "--plot.enabled", "false",
                 "--ckpt_path", "last", *extra]
 
-    # the uninterrupted run and the run that gets killed are independent: side by side
-    uninterrupted, killed = lightalign(repo, *args(tmp_path / "a")), lightalign(repo, *args(tmp_path / "b"))
+    # the uninterrupted run and the run that gets killed are independent: side by side (the uninterrupted one forked
+    # from the console server on a thread, the killed one a process group of its own)
+    finished = {}
+    uninterrupted = threading.Thread(target=lambda: finished.update(a=run_to_end(repo, *args(tmp_path / "a"))))
+    uninterrupted.start()
+    killed = lightalign(repo, *args(tmp_path / "b"))
     run = tmp_path / "b" / config / "version_0"
     deadline = time.monotonic() + 600
     while not ((run / "metrics.csv").is_file() and any(s >= 5 for s in metric_steps(run))):
@@ -272,9 +277,10 @@ def test_a_sampling_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_w
     finish(killed, -signal.SIGKILL)
     step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"]
     assert step in (4, 8) and max(metric_steps(run)) >= step  # steps past the checkpoint were lost: redone
+    uninterrupted.join()  # (one console-server call at a time)
+    assert "a" in finished, "the uninterrupted run failed (its output is above)"
     out = run_to_end(repo, *args(tmp_path / "b"))
     assert f"Continuing run {run} from step {step}" in out
-    finish(uninterrupted)
     a = load_file(tmp_path / "a" / config / "version_0" / "hf_model" / "model.safetensors")
     b = load_file(run / "hf_model" / "model.safetensors")
     assert a.keys() == b.keys()
