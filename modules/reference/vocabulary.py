@@ -14,7 +14,9 @@ def model_vocab_size(model_or_path: Any, init_kwargs: dict[str, Any] | None = No
     weights read). None when it cannot be told (no config)."""
     if isinstance(model_or_path, torch.nn.Module):
         if hasattr(model_or_path, "get_output_embeddings") and model_or_path.get_output_embeddings() is not None:
-            return int(model_or_path.get_output_embeddings().weight.shape[0])
+            weight = model_or_path.get_output_embeddings().weight
+            # under DeepSpeed ZeRO-3 a parameter is an empty placeholder of its partition; ds_shape is its full shape
+            return int(getattr(weight, "ds_shape", weight.shape)[0])
         config = getattr(model_or_path, "config", None)
     else:
         from transformers import AutoConfig

@@ -1,7 +1,7 @@
 """One run = one folder, and ``--ckpt_path last``: through the ``lightalign`` console script, as users run it.
 
 Each test starts the console script in a subprocess and checks its exit status and what it printed. Runs are the
-shipped quickstart/DPO configs cut to a few steps.
+shipped quickstart/DPO (and, for a killed sampling run, distillation and online DPO) configs cut to a few steps.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -229,3 +230,62 @@ def test_a_rollback_overwrites_last_so_ckpt_path_last_continues_the_new_branch(r
     assert sorted(p.name for p in checkpoints.glob("last*.ckpt")) == ["last.ckpt"]
     last = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=False)
     assert last["global_step"] == 4 and last["hyper_parameters"]["learning_rate"] == 5e-4
+
+
+def _seeded_teacher(tiny_dir: Path, folder: Path) -> Path:
+    """A distillation teacher for the console runs: the tiny model's folder with seeded random weights."""
+    from lightalign.hub import load_causal_lm
+
+    shutil.copytree(tiny_dir, folder)
+    torch.manual_seed(1)
+    load_causal_lm(str(folder), from_config=True).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("config", ["distill_quickstart", "online_dpo_quickstart"])
+def test_a_sampling_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(repo, tiny_dir, tmp_path,
+                                                                                      config):
+    """The shipped distillation (lmbda 0.5: each step draws whether the student samples or the data's completions
+    are used) and online DPO configs: a run SIGKILLed after its step-4 checkpoint, once later steps are logged, and
+    continued by the same command (--ckpt_path last) exports the weights of an uninterrupted run, bit for bit: the
+    lmbda draws and the samples after the checkpoint are the ones the uninterrupted run drew."""
+    from safetensors.torch import load_file
+
+    extra = []
+    if config == "distill_quickstart":
+        extra = ["--model.teacher_model_name_or_path", str(_seeded_teacher(tiny_dir, tmp_path / "teacher"))]
+
+    def args(save_dir: Path) -> list[str]:
+        return ["fit", "--config", f"configs/{config}.yaml", "--trainer.max_steps", "12", "--data.batch_size", "4",
+                "--trainer.limit_val_batches", "0", "--checkpoint.every_n_train_steps", "4",
+                "--trainer.logger.init_args.save_dir", str(save_dir),
+                "--trainer.logger.init_args.flush_logs_every_n_steps", "1", "--plot.enabled", "false",
+                "--ckpt_path", "last", *extra]
+
+    # the uninterrupted run and the run that gets killed are independent: side by side (the uninterrupted one forked
+    # from the console server on a thread, the killed one a process group of its own)
+    finished = {}
+    uninterrupted = threading.Thread(target=lambda: finished.update(a=run_to_end(repo, *args(tmp_path / "a"))))
+    uninterrupted.start()
+    killed = lightalign(repo, *args(tmp_path / "b"))
+    run = tmp_path / "b" / config / "version_0"
+    deadline = time.monotonic() + 600
+    while not ((run / "metrics.csv").is_file() and any(s >= 5 for s in metric_steps(run))):
+        assert killed.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    os.killpg(killed.pid, signal.SIGKILL)
+    finish(killed, -signal.SIGKILL)
+    step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"]
+    assert step in (4, 8) and max(metric_steps(run)) >= step  # steps past the checkpoint were lost: redone
+    uninterrupted.join()  # (one console-server call at a time)
+    assert "a" in finished, "the uninterrupted run failed (its output is above)"
+    out = run_to_end(repo, *args(tmp_path / "b"))
+    assert f"Continuing run {run} from step {step}" in out
+    a = load_file(tmp_path / "a" / config / "version_0" / "hf_model" / "model.safetensors")
+    b = load_file(run / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+    if config == "distill_quickstart":  # both sources were drawn, so the draws mattered
+        sources = [row["train/student_sampled"] for row in csv.DictReader(open(run / "metrics.csv")) if
+                   row.get("train/student_sampled")]
+        assert {float(v) for v in sources} == {0.0, 1.0}, sources

@@ -1,5 +1,6 @@
 """Scale, for real on CPU with 2 gloo processes: DDP, FSDP2, FSDP (v1) and DeepSpeed ZeRO-2 equal a single process
-with the same global batch (SFT, DPO, GRPO with seeded generation); FSDP2, FSDP (v1, sharded and full state dict)
+with the same global batch (SFT, DPO, GRPO with seeded generation; under DDP also PPO, distillation and online DPO,
+under FSDP2 PPO and distillation), the frozen reference or teacher identical on every rank and unchanged; FSDP2, FSDP (v1, sharded and full state dict)
 and ZeRO-2/3 checkpoints taken at step 1 resume to exactly the uninterrupted weights; ZeRO-3 trains with whole
 references; every export reloads; 2 simulated nodes end equal; a rank that exits or hangs makes the other fail
 within the preset's collective timeout; launch mistakes fail fast. FSDP (v1) and DeepSpeed run through CPU test
@@ -26,6 +27,9 @@ TESTS = Path(__file__).resolve().parents[1]
 WORKER = TESTS / "workers" / "scale_worker.py"
 REPO = TESTS.parent
 METHODS = ("sft", "dpo", "grpo")
+SAMPLERS = ("distill", "online_dpo")  # a second, frozen model beside the policy: the teacher / the reference
+# how far the few steps of each method move the weights at least (distillation's divergence gradients are small)
+MOVED = {"distill": 1e-3}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -71,7 +75,7 @@ def _check_resumed(out: Path, strategy: str) -> None:
 def single(tmp_path_factory) -> Path:
     """One process, twice the per-device batch: the reference every 2-process run is compared with."""
     out = tmp_path_factory.mktemp("single")
-    _run(_worker(out, "single", "--batch-mult", "2", "--methods", ",".join(METHODS + ("ppo", "ppo_vm"))))
+    _run(_worker(out, "single", "--batch-mult", "2", "--methods", ",".join(METHODS + ("ppo", "ppo_vm") + SAMPLERS)))
     return out
 
 
@@ -102,29 +106,51 @@ def _check_reference(out: Path, method: str, policy: dict[str, torch.Tensor]) ->
     assert ref["numel"] == sum(v.numel() for k, v in policy.items() if k != "lm_head.weight")
 
 
+def _check_frozen(out: Path, method: str) -> None:
+    """The frozen teacher (distill: the worker's seeded folder) or reference (the policy's initial weights) is the
+    same on both ranks after training and equal to what it was loaded as: whole, not a shard, and never trained."""
+    if method == "distill":
+        from safetensors.torch import load_file
+
+        initial = load_file(out / "teacher" / "model.safetensors")
+    else:
+        initial = _load(out / f"{method}_init.pt")
+    for rank in (0, 1):
+        frozen = _load(out / f"{method}_frozen_rank{rank}.pt")
+        assert set(initial) <= set(frozen), f"{method} rank {rank}: {sorted(set(initial) - set(frozen))[:3]}"
+        changed = [k for k in initial if not torch.equal(frozen[k], initial[k])]
+        assert not changed, f"{method} rank {rank}: the frozen model changed ({changed[:3]})"
+
+
 def test_ddp_two_processes_equal_single_process(single, tmp_path):
     """... and PPO: its advantages are whitened over both ranks' tokens, its value head trained like the policy;
-    ppo_vm: the head on a separate value model, trained (and all-reduced) with it."""
-    _run(_worker(tmp_path, "ddp", "--devices", "2", "--methods", ",".join(METHODS + ("ppo", "ppo_vm"))))
+    ppo_vm: the head on a separate value model, trained (and all-reduced) with it. Distillation (the student samples
+    every batch, the teacher loaded from a folder) and online DPO (pairs ranked by a reward): each rank samples its
+    own prompts, and the result equals one process with both ranks' prompts."""
+    _run(_worker(tmp_path, "ddp", "--devices", "2", "--methods", ",".join(METHODS + ("ppo", "ppo_vm") + SAMPLERS)))
     vm = {k: v for k, v in _load(single / "ppo_vm.pt").items() if k.startswith("value_model.")}
     assert _max_diff(vm, {k: _load(single / "ppo_vm_init.pt")[k] for k in vm}) > 1e-3  # the value model trained
-    for method in METHODS + ("ppo", "ppo_vm"):
+    for method in METHODS + ("ppo", "ppo_vm") + SAMPLERS:
         ddp, one, init = _load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt"), _load(single / f"{method}_init.pt")
         assert _max_diff(init, _load(tmp_path / f"{method}_init.pt")) == 0.0
-        assert _max_diff(one, init) > 1e-2, f"{method} did not train"
+        assert _max_diff(one, init) > MOVED.get(method, 1e-2), f"{method} did not train"
         assert _max_diff(ddp, one) < 1e-5, method
         rank0, rank1 = _load(tmp_path / f"{method}_rank0.pt"), _load(tmp_path / f"{method}_rank1.pt")
         assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), f"{method}: ranks diverged"
-    for method in ("dpo", "grpo"):
+    for method in ("dpo", "grpo") + SAMPLERS:
         _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
+    for method in SAMPLERS:
+        _check_frozen(tmp_path, method)
     _check_export(tmp_path, "sft")
 
 
 def test_fsdp2_two_processes_equal_single_process_and_resume(single, tmp_path):
     """... and PPO: its value head is sharded beside the policy (FSDP2Strategy shards `sharded_submodules()`), its
-    gradient reduced over ranks, its export gathered on every rank."""
-    _run(_worker(tmp_path, "fsdp2", "--devices", "2", "--resume-check", "--methods", ",".join(METHODS + ("ppo",))))
-    for method in METHODS + ("ppo",):
+    gradient reduced over ranks, its export gathered on every rank. Distillation: the teacher placed whole beside the
+    sharded student, as the reference is."""
+    _run(_worker(tmp_path, "fsdp2", "--devices", "2", "--resume-check", "--methods",
+                 ",".join(METHODS + ("ppo", "distill"))))
+    for method in METHODS + ("ppo", "distill"):
         fsdp, one = _load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt")
         assert _max_diff(fsdp, one) < 1e-5, method
         _check_export(tmp_path, method)
@@ -132,7 +158,9 @@ def test_fsdp2_two_processes_equal_single_process_and_resume(single, tmp_path):
     # a sharded checkpoint (one folder, a shard per rank) taken at step 1 and resumed to step 2 = uninterrupted
     assert (tmp_path / "ckpt_fsdp2" / "last.ckpt").is_dir()
     _check_resumed(tmp_path, "fsdp2")
-    _check_reference(tmp_path, "dpo", _load(tmp_path / "dpo.pt"))
+    for method in ("dpo", "distill"):
+        _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
+    _check_frozen(tmp_path, "distill")
 
 
 def test_fsdp_v1_two_processes_equal_single_process_and_resume(single, tmp_path):
@@ -168,14 +196,17 @@ def test_deepspeed_zero3_trains_exports_and_resumes(tmp_path):
     # ZeRO-3: transformers initialises the partitioned random weights itself (other values than one process),
     # so check training moved them, the export holds the gathered weights, and the references are whole. Nothing
     # is compared with one process, so GRPO and PPO sample with the modules' own batched generate (--batched-sampling).
+    # Distillation: the teacher loaded whole beside the partitioned student, as the references are.
     _run(_worker(tmp_path, "zero3", "--devices", "2", "--resume-check", "--batched-sampling",
-                 "--methods", ",".join(METHODS + ("ppo",))))
-    for method in METHODS + ("ppo",):
-        assert _max_diff(_load(tmp_path / f"{method}.pt"), _load(tmp_path / f"{method}_init.pt")) > 1e-2, method
+                 "--methods", ",".join(METHODS + ("ppo", "distill"))))
+    for method in METHODS + ("ppo", "distill"):
+        moved = _max_diff(_load(tmp_path / f"{method}.pt"), _load(tmp_path / f"{method}_init.pt"))
+        assert moved > MOVED.get(method, 1e-2), method
         _check_export(tmp_path, method)
     _check_value_head_export(tmp_path)  # gathered whole from ZeRO-3's partitions
-    for method in ("dpo", "grpo"):
+    for method in ("dpo", "grpo", "distill"):
         _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
+    _check_frozen(tmp_path, "distill")
     # the resumed run starts from other random weights too, which the checkpoint overwrites (weights and momentum)
     _check_resumed(tmp_path, "zero3")
 

@@ -1,10 +1,12 @@
-"""Train SFT, DPO and GRPO for a few steps under one strategy and dump the weights (used by tests/training/test_scale.py).
+"""Train SFT, DPO, GRPO, PPO, distillation or online DPO for a few steps under one strategy and dump the weights (used
+by tests/training/test_scale.py).
 
 python tests/workers/scale_worker.py --strategy ddp --devices 2 --out DIR [--methods sft,dpo,grpo] [--batch-mult 2]
     [--resume-check [STRATEGY ...]] [--fail-at-step N --fail-mode exit|hang --timeout-s S] [--batched-sampling]
 Writes DIR/<method>_rank<r>.pt (each rank's own view: replicated strategies) and, from rank 0, DIR/<method>.pt
 (the full weights: gathered under sharding), DIR/<method>_init.pt (before training) and DIR/<method>_hf (the HF
-export); with --resume-check, DIR/ckpt_<STRATEGY>/ and DIR/sft_resumed_<STRATEGY>.pt.
+export), DIR/<method>_frozen_rank<r>.pt (each rank's frozen reference or teacher after training) and
+DIR/<method>_ref.json (where it ended up); with --resume-check, DIR/ckpt_<STRATEGY>/ and DIR/sft_resumed_<STRATEGY>.pt.
 """
 
 from __future__ import annotations
@@ -104,7 +106,69 @@ def seeded_grpo_class(base=None):
     return SeededGRPO
 
 
-def build(method: str, mult: int, seeded: bool = True):
+def pad_to_max_new(part: dict, pad_token_id: int) -> dict:
+    """A one-prompt sample's completions right-padded to ``MAX_NEW`` tokens (mask 0): every layout's rows alike."""
+    short = MAX_NEW - part["completion_ids"].shape[1]
+    part["completion_ids"] = torch.nn.functional.pad(part["completion_ids"], (0, short), value=pad_token_id)
+    part["completion_mask"] = torch.nn.functional.pad(part["completion_mask"], (0, short), value=0)
+    return part
+
+
+def seeded_per_prompt(sample, batch: dict, step: int, pad_token_id: int) -> dict:
+    """``sample(one_prompt_batch)`` once per prompt of ``batch``, seeded by (prompt, step) as in ``seeded_grpo_class``,
+    the parts merged (tensors concatenated, lists joined)."""
+    import zlib
+
+    parts = []
+    for i, prompt in enumerate(batch["prompts"]):
+        one = {"prompt_input_ids": batch["prompt_input_ids"][i:i + 1],
+               "prompt_attention_mask": batch["prompt_attention_mask"][i:i + 1], "prompts": [prompt],
+               "columns": {k: [v[i]] for k, v in batch["columns"].items()}}
+        torch.manual_seed(zlib.crc32(str(prompt).encode()) + 1000 * step)
+        parts.append(pad_to_max_new(sample(one), pad_token_id))
+    merged = {k: torch.cat([p[k] for p in parts]) if torch.is_tensor(parts[0][k]) else
+              sum((p[k] for p in parts), []) for k in parts[0] if k != "columns"}
+    if "columns" in parts[0]:
+        merged["columns"] = {k: sum((p["columns"][k] for p in parts), []) for k in parts[0]["columns"]}
+    return merged
+
+
+def seeded_distill_class():
+    """DistillModule whose student samples one seeded ``generate`` per prompt (``seeded_per_prompt``)."""
+    from lightalign import DistillModule
+
+    class SeededDistill(DistillModule):
+        def sample(self, who, batch):
+            return seeded_per_prompt(lambda one: super(SeededDistill, self).sample(who, one), batch, self.global_step,
+                                     self.tokenizer.pad_token_id)
+
+    return SeededDistill
+
+
+def seeded_online_dpo_class():
+    """OnlineDPOModule whose pairs are one seeded ``generate`` per prompt (``seeded_per_prompt``)."""
+    from lightalign import OnlineDPOModule
+
+    class SeededOnlineDPO(OnlineDPOModule):
+        def sample_pairs(self, batch):
+            return seeded_per_prompt(super().sample_pairs, batch, self.global_step, self.tokenizer.pad_token_id)
+
+    return SeededOnlineDPO
+
+
+def write_teacher(out: Path) -> None:
+    """The distillation teacher, ``DIR/teacher``: the tiny model with seeded random weights. Written by the launching
+    process before any fit, so before Lightning starts the other ranks (which run this script again)."""
+    import shutil
+
+    from lightalign.hub import load_causal_lm
+
+    shutil.copytree(TINY, out / "teacher", dirs_exist_ok=True)
+    torch.manual_seed(7)
+    load_causal_lm(TINY, from_config=True).save_pretrained(out / "teacher")
+
+
+def build(method: str, mult: int, seeded: bool = True, out: Path | None = None):
     from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
 
     # SGD: the update is linear in the gradient, so float noise stays noise (Adam's first steps turn a gradient
@@ -133,6 +197,19 @@ def build(method: str, mult: int, seeded: bool = True):
                                               generation_batch_size=8 * mult, max_completion_length=MAX_NEW,
                                               num_ppo_epochs=1, **separate, **sampled, **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY)
+    if method == "distill":  # a teacher from a folder, placed as the reference is; the student samples every batch
+        from lightalign import DistillModule  # (lmbda 1), min_new_tokens: equal token counts on every rank
+
+        module = (seeded_distill_class() if seeded else DistillModule)(
+            TINY, teacher_model_name_or_path=str(out / "teacher"), lmbda=1.0, max_completion_length=MAX_NEW,
+            generation_kwargs={"min_new_tokens": MAX_NEW}, **sampled, **common)
+        return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY, batch_size=2 * mult)
+    if method == "online_dpo":  # two samples per prompt ranked by a reward, the policy's frozen copy as reference
+        from lightalign import OnlineDPOModule
+
+        module = (seeded_online_dpo_class() if seeded else OnlineDPOModule)(
+            TINY, reward_funcs=[completion_chars], beta=0.1, max_completion_length=MAX_NEW, **sampled, **common)
+        return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY, batch_size=2 * mult)
     raise SystemExit(f"unknown method {method}")
 
 
@@ -174,7 +251,7 @@ def fit(args, method: str, max_steps: int, ckpt_dir: Path | None = None, ckpt_pa
     from lightalign.callbacks import HFExport
 
     L.seed_everything(1234)
-    module, data = build(method, args.batch_mult, seeded=not args.batched_sampling)
+    module, data = build(method, args.batch_mult, seeded=not args.batched_sampling, out=Path(args.out))
     # Lightning's DDP re-seeds at fit start (reset_seed) and one process does not: seed again, so that whatever the
     # constructor drew (PPO's value head) does not shift the policy's from_config weights in one of them only
     L.seed_everything(1234)
@@ -193,6 +270,12 @@ def fit(args, method: str, max_steps: int, ckpt_dir: Path | None = None, ckpt_pa
                         limit_val_batches=0, callbacks=callbacks)
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer, module
+
+
+def frozen_model(module):
+    """The frozen model beside the policy: the reference (DPO, GRPO, PPO, online DPO) or the teacher (distillation)."""
+    ref = getattr(module, "ref_model", None)
+    return ref if ref is not None else getattr(module, "teacher", None)
 
 
 def main() -> None:
@@ -223,15 +306,21 @@ def main() -> None:
 
     check_multinode_env(args.num_nodes)  # as the CLI does
 
+    if "distill" in args.methods.split(",") and "LOCAL_RANK" not in os.environ:  # not a rank Lightning started
+        write_teacher(out)
     for method in args.methods.split(","):
         trainer, module = fit(args, method, args.steps)
         full = full_state_dict(module.model, root=trainer.strategy.model)
         torch.save({k: v.detach().cpu() for k, v in module.model.state_dict().items()} if full is None else {},
                    out / f"{method}_rank{trainer.global_rank}.pt")
         weights = trained_weights(module, full)
+        frozen = frozen_model(module)
+        if frozen is not None:  # each rank's frozen reference/teacher after training (replicated: whole on each)
+            torch.save({k: v.detach().cpu().clone() for k, v in frozen.state_dict().items()},
+                       out / f"{method}_frozen_rank{trainer.global_rank}.pt")
         if trainer.is_global_zero:
             torch.save(weights, out / f"{method}.pt")
-            ref = getattr(module, "ref_model", None)
+            ref = frozen
             if ref is not None:  # where the frozen reference ended up
                 info = {"trainable": sum(p.requires_grad for p in ref.parameters()),
                         "in_optimizer": any(p is q for g in trainer.optimizers[0].param_groups for q in g["params"]
