@@ -231,15 +231,35 @@ def spawn(args: argparse.Namespace, variant: str) -> dict | None:
     return harness.spawn(__file__, argv, args.threads, f"distill {variant}")
 
 
-def write_data(args: argparse.Namespace) -> list[dict]:
-    """The benchmark rows (prompt, completion strings) as two files of the same conversations: lightalign's
-    prompt/completion message lists and TRL's `messages`."""
+def fit_completion(text: str, tokenizer, max_tokens: int) -> str:
+    """``text`` cut to its first words whose rendered completion (the text, then the template's ``<|im_end|>`` and
+    newline: 2 tokens) holds at most ``max_tokens`` tokens. DistillModule cuts the data's completions to
+    ``max_completion_length`` tokens, TRL's collator does not cut them to ``max_new_tokens``: rows that fit make the
+    two train on the same tokens."""
+    words = text.split()
+
+    def fits(n: int) -> bool:
+        return len(tokenizer(" ".join(words[:n]), add_special_tokens=False)["input_ids"]) + 2 <= max_tokens
+
+    if fits(len(words)):
+        return text
+    low, high = 0, len(words)  # fits(low), not fits(high): bisect (token counts grow with the words kept)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return " ".join(words[:low])
+
+
+def write_data(args: argparse.Namespace, tokenizer) -> list[dict]:
+    """The benchmark rows (prompt, completion strings; completions cut to fit ``--max-new-tokens``) as two files of
+    the same conversations: lightalign's prompt/completion message lists and TRL's `messages`."""
     if args.data == "english":
         n = max(256, 2 * args.batch_size * (args.warmup + args.steps))
         rows = bench_data.rows("sft", "longtail", n, args.mean_length, args.seed)
-        rows = [{"prompt": r["prompt"], "completion": r["completion"].strip()} for r in rows]
     else:
         rows = [json.loads(line) for line in open(DATA[args.data]) if line.strip()]
+    rows = [{"prompt": r["prompt"], "completion": fit_completion(r["completion"], tokenizer, args.max_new_tokens)}
+            for r in rows]
     la, trl = Path(args.workdir) / "lightalign.jsonl", Path(args.workdir) / "trl.jsonl"
     with la.open("w") as f_la, trl.open("w") as f_trl:
         for r in rows:
@@ -304,8 +324,8 @@ def run(args: argparse.Namespace) -> dict:
         args.teacher_dir, args.student_dir = (str(Path(args.workdir) / n) for n in ("teacher", "student"))
         n_teacher = harness.build_model(args.teacher, Path(args.teacher_dir), args.seed)
         n_student = harness.build_model(args.student, Path(args.student_dir), args.seed + 1)
-        rows = write_data(args)
         tok = AutoTokenizer.from_pretrained(args.student_dir)
+        rows = write_data(args, tok)
         full_lens = [len(tok(tok.apply_chat_template([{"role": "user", "content": r["prompt"]},
                                                       {"role": "assistant", "content": r["completion"]}],
                                                      tokenize=False), add_special_tokens=False)["input_ids"])

@@ -197,9 +197,15 @@ def test_distill_bench_settings_ratios_and_rows(tmp_path):
 
     args = distill.build_parser().parse_args(["--data", "english", "--steps", "2", "--warmup", "1"])
     args.workdir = str(tmp_path)
-    rows = distill.write_data(args)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(BENCH.parent / "assets" / "models" / "tiny")
+    rows = distill.write_data(args, tokenizer)
     la = [json.loads(line) for line in open(args.la_data)]
     trl = [json.loads(line) for line in open(args.trl_data)]
     assert len(rows) == len(la) == len(trl) == 256
     assert trl[0]["messages"] == la[0]["prompt"] + la[0]["completion"] == [
         {"role": "user", "content": rows[0]["prompt"]}, {"role": "assistant", "content": rows[0]["completion"]}]
+    # completions fit --max-new-tokens rendered (DistillModule cuts longer ones, TRL does not): cut by words
+    lengths = [len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 2 for r in rows]
+    assert max(lengths) <= args.max_new_tokens < max(lengths) + 4 and min(lengths) > 2
