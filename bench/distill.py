@@ -51,6 +51,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,6 +72,7 @@ class Meter:
         self.window = harness.Window()
         self.batches: list[dict] = []  # one per optimizer step (no gradient accumulation)
         self.first_loss: dict = {}
+        self.cpu = 0.0  # CPU seconds of this process in the window (all its threads)
 
     def batch(self, source: str, tokens: int, completion_tokens: int, rows: int) -> None:
         self.batches.append({"source": source, "tokens": tokens, "completion_tokens": completion_tokens,
@@ -79,8 +81,10 @@ class Meter:
     def step_end(self, step: int) -> None:
         if step == self.warmup:
             self.window.start()
+            self.cpu = time.process_time()
         elif step == self.last:
             self.window.stop()
+            self.cpu = time.process_time() - self.cpu
 
     def summary(self) -> dict:
         if self.window.seconds is None:
@@ -92,6 +96,7 @@ class Meter:
         tokens, completion = sum(b["tokens"] for b in timed), sum(b["completion_tokens"] for b in timed)
         return {"steps_per_sec": len(timed) / seconds, "tokens_per_sec": tokens / seconds,
                 "completion_tokens_per_sec": completion / seconds, "seconds": seconds,
+                "steps_per_cpu_sec": len(timed) / self.cpu,  # what a busy machine skews least
                 "mean_completion_length": completion / sum(b["rows"] for b in timed),
                 "student_sampled": sum(b["source"] == "student" for b in timed) / len(timed),
                 "teacher_sampled": sum(b["source"] == "teacher" for b in timed) / len(timed),
@@ -361,6 +366,7 @@ def run(args: argparse.Namespace) -> dict:
                 res["repeat"] = r + 1
                 runs.append(res)
                 print(f"[{r + 1}/{args.repeats}] {variant:>20}: {res['steps_per_sec']:6.2f} steps/s "
+                      f"({res['steps_per_cpu_sec']:.2f} per CPU-s) "
                       f"{res['tokens_per_sec']:7.0f} tokens/s  completion length {res['mean_completion_length']:5.1f}"
                       f"  student/teacher sampled {res['student_sampled']:.2f}/{res['teacher_sampled']:.2f}"
                       f"  peak RSS {res['peak_rss_mb']:5.0f} MB (PSS {res['peak_pss_mb']:5.0f})"
@@ -373,8 +379,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summarise(settings: dict, runs: list[dict]) -> dict:
-    keys = ("steps_per_sec", "tokens_per_sec", "completion_tokens_per_sec", "mean_completion_length",
-            "student_sampled", "teacher_sampled", "peak_rss_mb", "peak_pss_mb", "others_cpu_share", "first_loss")
+    keys = ("steps_per_sec", "steps_per_cpu_sec", "tokens_per_sec", "completion_tokens_per_sec",
+            "mean_completion_length", "student_sampled", "teacher_sampled", "peak_rss_mb", "peak_pss_mb",
+            "others_cpu_share", "first_loss")
     summary = {v: {k: harness.median_of(runs, k, variant=v) for k in keys}
                for v in dict.fromkeys(r["variant"] for r in runs)}
     trl = {v: row["steps_per_sec"] for v, row in summary.items() if v.startswith("trl:")}
@@ -392,10 +399,13 @@ def main() -> None:
         harness.emit(run_one(args))
         return
     result = run(args)
-    print(f"\n| variant | steps/s | tokens/s | completion length | student/teacher sampled | peak RSS MB | peak PSS MB "
-          f"| vs TRL same setting | vs TRL fastest ({result['trl_fastest']}) |\n|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| variant | steps/s | steps per CPU-s | tokens/s | completion length | student/teacher sampled "
+          f"| peak RSS MB | peak PSS MB | vs TRL same setting | vs TRL fastest ({result['trl_fastest']}) |\n"
+          + "|---" * 10 + "|")
     for variant, row in result["summary"].items():
-        print(f"| {variant} | {harness.fmt(row['steps_per_sec'], '.2f')} | {harness.fmt(row['tokens_per_sec'], '.0f')} "
+        print(f"| {variant} | {harness.fmt(row['steps_per_sec'], '.2f')} "
+              f"| {harness.fmt(row['steps_per_cpu_sec'], '.2f')} "
+              f"| {harness.fmt(row['tokens_per_sec'], '.0f')} "
               f"| {harness.fmt(row['mean_completion_length'], '.1f')} "
               f"| {harness.fmt(row['student_sampled'], '.2f')}/{harness.fmt(row['teacher_sampled'], '.2f')} "
               f"| {harness.fmt(row['peak_rss_mb'], '.0f')} | {harness.fmt(row['peak_pss_mb'], '.0f')} "
