@@ -26,7 +26,7 @@ KV cache, no vLLM, fp32, no gradient checkpointing (TRL's SFTConfig turns it on 
 (TRL's fused default), weight decay 0, constant learning rate, grad clip 1.0, dropout off (both defaults), 2 threads,
 no eval, checkpoints or loggers. Prompts are kept whole on both sides (`max_prompt_length` / TRL `max_length` are set
 above the longest row). lightalign samples with its device default (`generation_backend` unset; the backend is
-reported); TRL with `generate`.
+reported), or with the backend of a `+<backend>` suffix (`lightalign:lmbda1+generate`); TRL with `generate`.
 
 Each (framework, setting) runs in its own process (peak RSS = its ru_maxrss; peak PSS sampled every 0.25 s), settings
 interleaved (lightalign, TRL, lightalign, TRL ...; reversed on odd repeats), --repeats times; medians reported.
@@ -61,6 +61,7 @@ import harness  # noqa: E402
 ROOT, FRAMEWORKS = harness.ROOT, harness.FRAMEWORKS
 SETTINGS = {  # setting -> (lmbda, seq_kd)
     "lmbda0": (0.0, False), "lmbda0.5": (0.5, False), "lmbda1": (1.0, False), "seq_kd": (0.0, True)}
+BACKENDS = ("generate", "continuous", "static", "compact")  # DistillModule's generation_backend
 DATA = {"arithmetic": ROOT / "examples" / "data" / "arithmetic_sft.jsonl", "english": None}
 
 
@@ -112,7 +113,8 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
 
     from lightalign import DistillModule, PromptDataModule
 
-    lmbda, seq_kd = SETTINGS[args.setting]
+    setting, _, backend = args.setting.partition("+")
+    lmbda, seq_kd = SETTINGS[setting]
 
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -142,6 +144,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
     module = TimedDistillModule(
         args.student_dir, teacher_model_name_or_path=args.teacher_dir, loss_type="gkd", lmbda=lmbda, seq_kd=seq_kd,
         beta=args.beta, temperature=args.temperature, max_completion_length=args.max_new_tokens,
+        generation_backend=backend or None,
         learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0)
     data = PromptDataModule(args.la_data, tokenizer=args.student_dir, max_prompt_length=args.max_prompt_length,
                             batch_size=args.batch_size, num_workers=0, seed=args.seed)
@@ -283,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", choices=tuple(DATA), default="arithmetic")
     parser.add_argument("--mean-length", type=int, default=24, help="--data english: mean words per row")
     parser.add_argument("--variants", nargs="+", default=None, help="framework:setting entries (settings: "
-                        f"{', '.join(SETTINGS)}; default: every setting for both frameworks)")
+                        f"{', '.join(SETTINGS)}; lightalign's may end in +<sampler>, e.g. lightalign:lmbda1+generate; "
+                        "default: every setting for both frameworks)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="sampled completion tokens at most")
     parser.add_argument("--beta", type=float, default=0.5)
@@ -310,9 +314,13 @@ def check(args: argparse.Namespace) -> None:
         args.variants = [f"{fw}:{s}" for s in SETTINGS for fw in FRAMEWORKS]
     for variant in args.variants:
         framework, _, setting = variant.partition(":")
+        setting, _, backend = setting.partition("+")
         if framework not in FRAMEWORKS or setting not in SETTINGS:
             raise SystemExit(f"--variants {variant!r}: use framework:setting with a framework of {list(FRAMEWORKS)} "
                              f"and a setting of {list(SETTINGS)}.")
+        if backend and (framework != "lightalign" or backend not in BACKENDS):
+            raise SystemExit(f"--variants {variant!r}: a +<backend> suffix is lightalign's sampler, one of "
+                             f"{list(BACKENDS)} (TRL samples with generate).")
     if args.warmup < 1:
         raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
     if args.temperature != 1.0:
@@ -387,7 +395,7 @@ def summarise(settings: dict, runs: list[dict]) -> dict:
     trl = {v: row["steps_per_sec"] for v, row in summary.items() if v.startswith("trl:")}
     fastest = max(trl, key=lambda v: trl[v] or 0, default=None)
     for variant, row in summary.items():
-        same = summary.get("trl:" + variant.partition(":")[2], {}).get("steps_per_sec")
+        same = summary.get("trl:" + variant.partition(":")[2].partition("+")[0], {}).get("steps_per_sec")
         row["vs_trl_same_setting"] = harness.ratio(row["steps_per_sec"], same)
         row["vs_trl_fastest"] = harness.ratio(row["steps_per_sec"], trl.get(fastest))
     return {"settings": settings, "runs": runs, "summary": summary, "trl_fastest": fastest}

@@ -182,18 +182,22 @@ def test_distill_bench_settings_ratios_and_rows(tmp_path):
     with pytest.raises(SystemExit, match=r"^--variants 'trl:lmbda2': use framework:setting .* "
                                          r"\['lmbda0', 'lmbda0.5', 'lmbda1', 'seq_kd'\]"):
         distill.check(distill.build_parser().parse_args(["--variants", "trl:lmbda2"]))
+    with pytest.raises(SystemExit, match=r"^--variants 'trl:lmbda1\+compact': a \+<backend> suffix is lightalign's"):
+        distill.check(distill.build_parser().parse_args(["--variants", "trl:lmbda1+compact"]))
+    distill.check(distill.build_parser().parse_args(["--variants", "lightalign:lmbda1+generate"]))
 
     def run(variant, steps):
         return {"variant": variant, "steps_per_sec": steps, "others_cpu_share": 0.0}
 
     runs = [run("lightalign:lmbda0", 4.0), run("lightalign:lmbda0", 6.0), run("trl:lmbda0", 2.0),
-            run("lightalign:lmbda1", 1.0), run("trl:lmbda1", 0.5)]
+            run("lightalign:lmbda1", 1.0), run("trl:lmbda1", 0.5), run("lightalign:lmbda1+generate", 0.25)]
     result = distill.summarise({}, runs)
     assert result["trl_fastest"] == "trl:lmbda0"
     row = result["summary"]["lightalign:lmbda0"]
     assert row["steps_per_sec"] == 5.0 and row["vs_trl_same_setting"] == 2.5 and row["vs_trl_fastest"] == 2.5
     row = result["summary"]["lightalign:lmbda1"]
     assert row["vs_trl_same_setting"] == 2.0 and row["vs_trl_fastest"] == 0.5
+    assert result["summary"]["lightalign:lmbda1+generate"]["vs_trl_same_setting"] == 0.5  # the suffix is the sampler
 
     args = distill.build_parser().parse_args(["--data", "english", "--steps", "2", "--warmup", "1"])
     args.workdir = str(tmp_path)
