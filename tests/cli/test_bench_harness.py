@@ -2,6 +2,7 @@
 lengths it is computed on, and the length shapes of the generated data. No benchmark is run here."""
 
 import importlib.util
+import json
 import random
 import statistics
 from pathlib import Path
@@ -167,3 +168,48 @@ def test_suite_rows_of_kto_and_rloo_and_no_target_for_them():
     (row,) = suite.rows_of("rloo", rloo_result, "small", "longtail", 1e10)
     assert (row["unit"], row["ratio"], row["trl_peak_rss_mb"]) == ("completions/s", 2.0, 2.0)
     assert all("kto" not in t["target"] and "rloo" not in t["target"] for t in suite.targets([row]))
+
+
+def test_distill_bench_settings_ratios_and_rows(tmp_path):
+    # bench/distill.py: every GKD setting for both frameworks by default, interleaved; a typo refused naming the
+    # settings; each variant compared with TRL's same setting and with TRL's fastest; the same conversations in
+    # lightalign's (prompt / completion messages) and TRL's (messages) format
+    distill = load("distill")
+    args = distill.build_parser().parse_args([])
+    distill.check(args)
+    settings = ("lmbda0", "lmbda0.5", "lmbda1", "seq_kd")
+    assert args.variants == [f"{fw}:{s}" for s in settings for fw in ("lightalign", "trl")]
+    with pytest.raises(SystemExit, match=r"^--variants 'trl:lmbda2': use framework:setting .* "
+                                         r"\['lmbda0', 'lmbda0.5', 'lmbda1', 'seq_kd'\]"):
+        distill.check(distill.build_parser().parse_args(["--variants", "trl:lmbda2"]))
+    with pytest.raises(SystemExit, match=r"^--variants 'trl:lmbda1\+compact': a \+<backend> suffix is lightalign's"):
+        distill.check(distill.build_parser().parse_args(["--variants", "trl:lmbda1+compact"]))
+    distill.check(distill.build_parser().parse_args(["--variants", "lightalign:lmbda1+generate"]))
+
+    def run(variant, steps):
+        return {"variant": variant, "steps_per_sec": steps, "others_cpu_share": 0.0}
+
+    runs = [run("lightalign:lmbda0", 4.0), run("lightalign:lmbda0", 6.0), run("trl:lmbda0", 2.0),
+            run("lightalign:lmbda1", 1.0), run("trl:lmbda1", 0.5), run("lightalign:lmbda1+generate", 0.25)]
+    result = distill.summarise({}, runs)
+    assert result["trl_fastest"] == "trl:lmbda0"
+    row = result["summary"]["lightalign:lmbda0"]
+    assert row["steps_per_sec"] == 5.0 and row["vs_trl_same_setting"] == 2.5 and row["vs_trl_fastest"] == 2.5
+    row = result["summary"]["lightalign:lmbda1"]
+    assert row["vs_trl_same_setting"] == 2.0 and row["vs_trl_fastest"] == 0.5
+    assert result["summary"]["lightalign:lmbda1+generate"]["vs_trl_same_setting"] == 0.5  # the suffix is the sampler
+
+    args = distill.build_parser().parse_args(["--data", "english", "--steps", "2", "--warmup", "1"])
+    args.workdir = str(tmp_path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(BENCH.parent / "assets" / "models" / "tiny")
+    rows = distill.write_data(args, tokenizer)
+    la = [json.loads(line) for line in open(args.la_data)]
+    trl = [json.loads(line) for line in open(args.trl_data)]
+    assert len(rows) == len(la) == len(trl) == 256
+    assert trl[0]["messages"] == la[0]["prompt"] + la[0]["completion"] == [
+        {"role": "user", "content": rows[0]["prompt"]}, {"role": "assistant", "content": rows[0]["completion"]}]
+    # completions fit --max-new-tokens rendered (DistillModule cuts longer ones, TRL does not): cut by words
+    lengths = [len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 2 for r in rows]
+    assert max(lengths) <= args.max_new_tokens < max(lengths) + 4 and min(lengths) > 2
