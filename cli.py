@@ -48,12 +48,12 @@ TRAINER_DEFAULTS = {
 }
 
 
-KNOB_HELP = """lightalign: LLM post-training on PyTorch Lightning: SFT, DPO, KTO, reward models, GRPO, RLOO and PPO
-(iterative SFT from Python: lightalign.IterativeSFT).
+KNOB_HELP = """lightalign: LLM post-training on PyTorch Lightning: SFT, DPO, KTO, reward models, GRPO, RLOO, PPO,
+distillation and online DPO (iterative SFT from Python: lightalign.IterativeSFT).
 
 The method and data knobs belong to the classes a config names; list them with
   lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RLOOModule, KTOModule,
-                                                       RewardModule, PPOModule)
+                                                       RewardModule, PPOModule, DistillModule, OnlineDPOModule)
   lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule,
                                                        UnpairedPreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config

@@ -13,7 +13,7 @@ exception). Whatever the libraries printed while the server imported them is wri
 child's output, so a warning a user would see is still in the output the tests check.
 
 Calls with another environment (a variable removed or added: ``HF_HUB_OFFLINE`` and the like are read at import
-time) run the real script as an ordinary subprocess, as does ``run(..., real=True)``; tests/cli/test_console.py checks
+time; W&B's ``WANDB_*`` are the exception, read only when a run starts) run the real script as an ordinary subprocess, as does ``run(..., real=True)``; tests/cli/test_console.py checks
 that both ways give the same status and output.
 """
 
@@ -171,15 +171,25 @@ class ConsoleServer:
 _SERVER: ConsoleServer | None = None
 
 
+# Variables no preloaded library reads: W&B's are read by wandb (never imported by the server) and by Lightning's
+# WandbLogger when it is built, so a call that adds them can still be forked (the child gets the call's environment).
+_READ_AFTER_IMPORT = ("WANDB_",)
+
+
+def _as_imported(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as the preloaded libraries see it at import: without the variables only read later."""
+    return {k: v for k, v in env.items() if not k.startswith(_READ_AFTER_IMPORT)}
+
+
 def _server_for(env: dict[str, str]) -> ConsoleServer | None:
     """The console server for calls with ``env`` (started on first use), or None when ``env`` is not the one it
-    imported the libraries with."""
+    imported the libraries with (up to variables they read only later)."""
     global _SERVER
     if _SERVER is None or _SERVER.proc.poll() is not None:
-        if env != standard_env():
+        if _as_imported(env) != standard_env():
             return None
-        _SERVER = ConsoleServer(env)
-    return _SERVER if env == _SERVER.env else None
+        _SERVER = ConsoleServer(standard_env())
+    return _SERVER if _as_imported(env) == _SERVER.env else None
 
 
 def expect(repo, *args: str, status: int = 0, **extra_env: str) -> str:

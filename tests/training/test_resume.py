@@ -65,12 +65,15 @@ CASES = [
     ("dpo", 1, 9, 3, 5, 7, 6),
     # a rollout serves 4 steps, 2 rollouts/epoch: 8 steps/epoch. Kill at 3 -> resume 2 (mid-rollout); 9 -> 8
     ("grpo", 1, 10, 2, 3, 9, 8),
+    # The DDP cases take 2 prompts per rank: one rollout, 4 steps per epoch. Kill at 3 -> resume 2 (mid-rollout);
+    # 5 -> 4 (epoch end).
     # DDP GRPO with tool calls (the single-process case's knobs): each rank its own prompts, multi-turn rollouts
     # (tool results between sampled turns) in flight at the first kill, and reward normaliser
-    ("grpo_tools", 2, 10, 2, 3, 9, 8),
+    ("grpo_tools", 2, 6, 2, 3, 5, 4),
     # DDP GRPO sampled one rollout ahead (max_staleness 4) by a sampling process per rank: the first kill comes
-    # with the next rollout sampled ahead (kept in the step-2 checkpoint), the resumed runs sample on in step
-    ("grpo_async", 2, 10, 2, 3, 9, 8),
+    # with the next rollout (the next epoch's) sampled ahead, kept in the step-2 checkpoint; the resumed runs
+    # sample on in step
+    ("grpo_async", 2, 6, 2, 3, 5, 4),
 ]
 
 
@@ -83,6 +86,8 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
     assert resume1 % epoch_steps and resume2 % epoch_steps == 0  # mid-epoch, then at an epoch end
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--max-steps", str(max_steps), "--every", str(every), "--devices", str(devices)]
+    if method.startswith("grpo"):  # a rollout of 2 prompts serves 4 steps
+        common += ["--prompts-per-rank", str(epoch_steps // 2)]
     if method == "grpo_tools":
         common += ["--model", str(request.getfixturevalue("tool_policy_dir"))]
     # the uninterrupted run and the run that gets killed are independent: run them side by side

@@ -202,8 +202,8 @@ def test_tracker_runs_get_one_folder_each(repo, tmp_path, logger):
                 "--trainer.logger.init_args.artifact_location", str(tmp_path / "mlartifacts"),
                 "--trainer.default_root_dir", str(tmp_path)]
         root = tmp_path / "runs" / "exp"
-    # W&B's variables keep it offline and inside tmp_path; MLflow needs none, so its runs keep the tests' standard
-    # environment and are forked from the console server (no second import of torch and transformers per run)
+    # W&B's variables keep it offline and inside tmp_path (read when the run starts: the runs are still forked from
+    # the console server, no second import of torch and transformers per run); MLflow needs none
     extra_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path),
                  "WANDB_CONFIG_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path), "WANDB_DATA_DIR": str(tmp_path),
                  "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"} if logger == "wandb" else {}

@@ -98,7 +98,7 @@ def rows(name: str, n: int) -> Dataset:
     return Dataset.from_list([json.loads(line) for line in lines])
 
 
-def build(method: str, model: str, devices: int):
+def build(method: str, model: str, devices: int, prompts_per_rank: int = 4):
     from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
 
     common = dict(from_config=True, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=2)
@@ -113,13 +113,13 @@ def build(method: str, model: str, devices: int):
                 PreferenceDataModule(rows("arithmetic_preference.jsonl", 44), tokenizer=TINY, batch_size=4), 2)
     if method == "grpo":
         # a rollout (2 prompts x 4 completions) serves 4 steps (2 micro-batches x 2 iterations); 4 prompts per
-        # rank: 2 rollouts, 8 steps per epoch. The adaptive entropy coefficient rises every step (entropy < target):
+        # rank (--prompts-per-rank): 2 rollouts, 8 steps per epoch. The adaptive entropy coefficient rises every step (entropy < target):
         # its controller state must resume too
         module = GRPOModule(model, reward_funcs=[varied_reward], num_generations=4, generation_batch_size=8,
                             steps_per_generation=2, num_iterations=2, max_completion_length=6,
                             normalize_rewards=True, scale_rewards="none", use_adaptive_entropy=True,
                             entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
-        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 4 * devices), tokenizer=TINY), 1
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY), 1
     if method == "grpo_async":
         # the GRPO case's knobs, sampled one rollout ahead (a rollout trains 4 optimizer steps: max_staleness 4) by
         # a sampling process per rank: a checkpoint inside a rollout holds the next one, sampled or in flight
@@ -127,7 +127,7 @@ def build(method: str, model: str, devices: int):
                             steps_per_generation=2, num_iterations=2, max_completion_length=6, max_staleness=4,
                             normalize_rewards=True, scale_rewards="none", use_adaptive_entropy=True,
                             entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
-        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", 4 * devices), tokenizer=TINY), 1
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY), 1
     if method == "grpo_tools":
         # the GRPO case's knobs, with tools: the fitted tool policy (tests/helpers/tool_policy.py, weights loaded: no
         # from_config) samples multi-turn trajectories at temperature 1 (calls, malformed calls, answers)
@@ -139,7 +139,7 @@ def build(method: str, model: str, devices: int):
                             max_completion_length=160, normalize_rewards=True, scale_rewards="none",
                             use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.01,
                             entropy_target=100.0, **common)
-        prompts = Dataset.from_list([{"prompt": QUESTION, "answer": "6"}] * (4 * devices))
+        prompts = Dataset.from_list([{"prompt": QUESTION, "answer": "6"}] * (prompts_per_rank * devices))
         return module, PromptDataModule(prompts, tokenizer=model, max_prompt_length=256), 1
     raise SystemExit(f"unknown method {method}")
 
@@ -156,11 +156,13 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--log-version", type=int, default=0, help="CSVLogger version (one per process run)")
     parser.add_argument("--model", default=TINY, help="the model folder to start from (copied, with dropout)")
+    parser.add_argument("--prompts-per-rank", type=int, default=4, help="GRPO: prompts per rank and epoch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     L.seed_everything(1234)
-    module, data, accumulate = build(args.method, tiny_with_dropout(out, args.model), args.devices)
+    module, data, accumulate = build(args.method, tiny_with_dropout(out, args.model), args.devices,
+                                     args.prompts_per_rank)
     callbacks = [SaveInit(out / "init.pt"),
                  ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
     if args.kill_at:
