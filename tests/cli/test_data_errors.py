@@ -479,3 +479,52 @@ def test_console_uncached_hub_name_without_network_fails_fast_with_the_offline_m
                      env_drop=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"), HF_ENDPOINT=f"http://127.0.0.1:{port}")
     line = one_error_line(out)
     assert "'some-org/not-cached-model-xyz' is not a local folder, and the Hugging Face hub cannot be reached" in line, line
+
+
+def bad_data_files(data_dir: Path, folder: Path) -> dict[str, Path]:
+    """The issue's repro files: row index 29 (line 30) of the first 200 rows holds the number 2 among strings."""
+    rows = arithmetic(data_dir)
+    rows[29]["completion"] = 2
+    files = {"completion": folder / "bad.jsonl", "chosen": folder / "bad_pref.jsonl", "content": folder / "bad_chat.jsonl"}
+    for key, make in (("completion", dict), ("chosen", as_pair), ("content", as_chat)):
+        files[key].write_text("".join(json.dumps(make(r)) + "\n" for r in rows))
+    return files
+
+
+# the console cases: (name, arguments after the shipped config, the start of the one error line); {f[...]} are the files
+CONSOLE_CASES = [
+    ("completion", ("--data.path", "{f[completion]}", "--data.val_path", "null"),
+     "Data file '{f[completion]}', line 30 (lines counted from 1): column 'completion' holds a number 2"),
+    ("completion with a carve-out", ("--data.path", "{f[completion]}", "--data.val_path", "null",
+                                     "--data.val_split_size", "0.5"),
+     "Data file '{f[completion]}', line 30 (lines counted from 1): column 'completion' holds a number 2"),
+    ("chosen", ("--data.path", "{f[chosen]}"),
+     "Data file '{f[chosen]}', line 30 (lines counted from 1): column 'chosen' holds a number 2"),
+    ("content", ("--data.path", "{f[content]}", "--data.val_path", "null"),
+     "Data file '{f[content]}', line 30 (lines counted from 1): column 'messages' (at messages[].content) holds a number 2"),
+    ("carve-out larger than the data", ("--data.val_path", "null", "--data.val_split_size", "100000"),
+     "val_split_size=100000 asks for 100000 validation rows but 'examples/data/arithmetic_sft.jsonl' has 3000 rows"),
+    ("whitespace-only file", ("--data.path", "{f[blank]}"), "Data file '{f[blank]}' holds no rows: its 3 line(s) are all blank"),
+    ("folder with different columns", ("--data.path", "{f[folder]}", "--data.val_path", "null"),
+     "Data folder '{f[folder]}': file 'b.jsonl' has columns ['text'] but 'a.jsonl' has ['completion', 'prompt']"),
+    ("negative num_workers", ("--data.num_workers", "-1"),
+     "num_workers must be >= 0 (0: load batches in the training process), got -1."),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, extra, expected", CONSOLE_CASES, ids=[c[0] for c in CONSOLE_CASES])
+def test_console_data_refusals_are_one_line(repo, data_dir, tmp_path, name, extra, expected):
+    """Each refuses before the model loads, in one line naming the file and its line (exit 1, no traceback)."""
+    files = bad_data_files(data_dir, tmp_path)
+    files["blank"] = write_lines(tmp_path / "blank.jsonl", ["  ", "", "   "])
+    files["folder"] = tmp_path / "folder"
+    files["folder"].mkdir()
+    write_lines(files["folder"] / "a.jsonl", [json.dumps(r) for r in arithmetic(data_dir, 20)])
+    write_lines(files["folder"] / "b.jsonl", [json.dumps({"text": r["prompt"] + r["completion"]})
+                                              for r in arithmetic(data_dir, 20)])
+    config = "configs/dpo_tiny.yaml" if name == "chosen" else "configs/quickstart.yaml"
+    args = [a.format(f=files) for a in extra]
+    line = one_error_line(lightalign(repo, "fit", "--config", config, "--trainer.max_steps", "2",
+                                     "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *args))
+    assert line.startswith(f"lightalign: error: {expected.format(f=files)}"), line
