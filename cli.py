@@ -12,8 +12,9 @@ learning curves as ``curves.png``), and ``--hub.*`` (push the export to the Hugg
 
 Runs and resume (``lightalign.runs``): everything a run writes goes into one run folder; ``--ckpt_path last``
 continues the newest run of the config in its folder, after checking the checkpoint against the config.
-lightalign's own errors (bad data, config, checkpoint) print as one message and exit 1; ``--debug`` or
-``LIGHTALIGN_DEBUG=1`` shows the traceback.
+lightalign's own errors (bad data, config, checkpoint) print as one message and exit 1, config and option errors as
+one message naming the file, line and key and exit 2 (``cli_errors``); ``--debug`` or ``LIGHTALIGN_DEBUG=1`` shows
+the traceback.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightalign.callbacks import (CompletionSamples, HFExport, HubPush, PlotCurves, RunFolder, RunSummary,
                                   SaveRunConfig, StepProgressBar, TokenThroughput)
+from lightalign.cli_errors import OneLineErrorParser, OptionError, check_trainer_can_run, trainer_refusal
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.runs import ResumeError, RunError, check_resume, continue_logs, latest_run, pin_version, read_checkpoint, \
     run_of_checkpoint, runs_root, version_of
@@ -80,6 +82,7 @@ class LightalignCLI(LightningCLI):
         for package in (lightalign, datamodules):  # every method and data module imported: `--model GRPOModule`,
             for name in package.__all__:  # `--data PromptDataModule` and the help list them
                 getattr(package, name)
+        kwargs.setdefault("parser_class", OneLineErrorParser)  # option errors in one line, no usage dump
         kwargs.setdefault("model_class", PolicyModule)
         kwargs.setdefault("datamodule_class", L.LightningDataModule)
         kwargs.setdefault("subclass_mode_model", True)
@@ -155,10 +158,17 @@ class LightalignCLI(LightningCLI):
         if config.get("logger") is False:  # Lightning's LearningRateMonitor refuses a Trainer without a logger
             skip.add("lr_monitor")
         keys = [k for k in self._parser(self.subcommand).callback_keys if k not in skip]
-        return self._instantiate_trainer(config, [self.run_folder] + [self._get(self.config_init, k) for k in keys])
+        try:
+            return self._instantiate_trainer(config, [self.run_folder] + [self._get(self.config_init, k) for k in keys])
+        except Exception as err:  # an unknown strategy, a GPU that is not there: one line naming the settings
+            refusal = trainer_refusal(err, config)
+            if refusal is None:
+                raise
+            raise refusal from err
 
     def before_fit(self) -> None:
         check_multinode_env(self.trainer.num_nodes)  # before any process group: a missing variable would hang
+        check_trainer_can_run(self.trainer)  # DeepSpeed on CPU, an unwritable logger folder
         hub = self._get(self.config_init, "hub")
         if hub is not None:  # HF_HUB_OFFLINE, no repository name: refused before the data is read or the model loads
             export = self._get(self.config_init, "export")
@@ -227,6 +237,11 @@ def main(args: list[str] | None = None) -> int:
             return plot_main(argv[1:])
         LightalignCLI(args=None if args is None else argv)
         return 0
+    except OptionError as err:
+        if debug:
+            raise
+        print(f"lightalign: error: {err.describe(argv)}", file=sys.stderr)
+        return 2
     except Exception as err:
         user = user_error_of(err)
         if debug or user is None:
@@ -261,7 +276,7 @@ def is_user_error(err: BaseException) -> bool:
     if isinstance(err, (DataFormatError, CheckpointError, RunError, ModelNotFoundError, RewardFunctionError,
                         RewardImportError, EnvironmentCallError, HubPushError)):
         return True
-    if not isinstance(err, (ValueError, TypeError, FileNotFoundError)):
+    if not isinstance(err, (ValueError, TypeError, FileNotFoundError, FloatingPointError)):
         return False
     if err.__traceback__ is None:
         return False

@@ -75,12 +75,15 @@ def _hub_unreachable_hint(name: str, example: str = "`--model.model_name_or_path
     )
 
 
-def _check_local_folder(name: str, what: str) -> None:
+def _check_local_folder(name: str, what: str, knob: str | None = None) -> None:
+    """A name that is a path (``.``, ``/``, ``~``) must be an existing folder; ``knob`` (the argument that names it) is
+    said first."""
     path = Path(name).expanduser()
+    said = f"{knob}: " if knob else ""
     if name.startswith((".", "/", "~")) and not path.exists():
-        raise ModelNotFoundError(f"{what} folder '{name}' does not exist (resolved to '{path.resolve()}').")
+        raise ModelNotFoundError(f"{said}{what} folder '{name}' does not exist (resolved to '{path.resolve()}').")
     if path.is_file():
-        raise ModelNotFoundError(f"{what} path '{name}' is a file; pass the folder that holds config.json.")
+        raise ModelNotFoundError(f"{said}{what} path '{name}' is a file; pass the folder that holds config.json.")
 
 
 def _remote_code_error(name: str, err: Exception) -> ValueError:

@@ -8,6 +8,7 @@ RNG, see ``step_loader``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import lightning as L
@@ -73,6 +74,8 @@ class TokenizedDataModule(L.LightningDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         if val_split_size < 0:
             raise ValueError(f"val_split_size must be >= 0, got {val_split_size}.")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0: load batches in the training process), got {num_workers}.")
         self.path, self.split, self.name = path, split, name
         self.val_path, self.val_split, self.val_split_size, self.test_path = val_path, val_split, val_split_size, test_path
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
@@ -123,6 +126,12 @@ class TokenizedDataModule(L.LightningDataModule):
         elif self.val_split_size:
             size = self.val_split_size
             size = int(size) if size >= 1 else size  # a row count, or a fraction
+            held = size if isinstance(size, int) else math.ceil(size * len(raw_train))  # as train_test_split counts
+            if held >= len(raw_train):
+                raise DataFormatError(
+                    f"val_split_size={self.val_split_size:g} asks for {held} validation rows but '{describe(self.path)}' "
+                    f"has {len(raw_train)} rows, which would leave none to train on. Use fewer rows, or a fraction "
+                    "below 1 (e.g. 0.1).")
             parts = raw_train.train_test_split(test_size=size, seed=self.seed, shuffle=True)
             raw_train, raw_val, val_source = parts["train"], parts["test"], self.path
             # the same split of the row numbers, so errors name rows as they are in the user's file

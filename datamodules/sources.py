@@ -5,8 +5,12 @@ Local text files are checked before ``datasets`` reads them, so a bad file fails
 rename a second CSV column ``a`` to ``a.1``):
 
 * every byte is UTF-8 (the error gives the byte offset and the line of the first bad byte);
-* json/jsonl: every line (or the whole document) parses, and no object repeats a key, at any depth;
-* csv: no two header columns share a name.
+* json/jsonl: every line (or the whole document) parses, no object repeats a key, at any depth, and every column
+  (and every field inside one, e.g. ``messages[].content``) holds one JSON type: ``datasets`` casts a column to one
+  type, so a ``2`` among strings like ``"60"`` would turn the whole column into numbers and an error after loading
+  would name a row that was fine (``column_types.py``);
+* csv: no two header columns share a name;
+* a folder's files all have the same columns.
 
 A path that looks local (it exists, starts with ``.``, ``/`` or ``~``, or ends in a file extension) is never sent
 to the hub; a folder must hold one kind of supported file (mixed folders are refused, naming the files).
@@ -24,6 +28,7 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict, Features, Value
 
+from lightalign.datamodules.column_types import ColumnTypes
 from lightalign.datamodules.formats import DataFormatError
 
 # What ``path``/``val_path``/``test_path`` take: a local path, a hub name or a ``Dataset``. Typed ``Any`` for the CLI:
@@ -149,19 +154,31 @@ def check_folder(path: Path, source: str) -> None:
             f"Data folder '{source}' mixes file formats ({listing}); only one kind would be loaded. Convert them to "
             "one format, or move the others out of the folder."
         )
+    first: tuple[Path, list[str]] | None = None
     for p in data:
         if p.stat().st_size and FILE_BUILDERS[p.suffix.lower()] in ("json", "csv"):
-            check_file(p, str(p))
+            columns = check_file(p, str(p))
+            if first is None:
+                first = (p, columns)
+            elif set(columns) != set(first[1]):
+                only_first, only_here = sorted(set(first[1]) - set(columns)), sorted(set(columns) - set(first[1]))
+                raise DataFormatError(
+                    f"Data folder '{source}': file '{p.relative_to(path)}' has columns {sorted(columns)} but "
+                    f"'{first[0].relative_to(path)}' has {sorted(first[1])} (only in the first: {only_first}; only in "
+                    f"the second: {only_here}); a folder loads as one dataset, so its files need the same columns."
+                )
 
 
 # --------------------------------------------------------------------------------------------- files
-def check_file(path: Path, source: str) -> None:
-    """UTF-8 throughout; JSON that parses without repeated keys; CSV headers without repeated names."""
+def check_file(path: Path, source: str) -> list[str]:
+    """UTF-8 throughout; JSON that parses without repeated keys, one type per column; CSV headers without repeated
+    names. Returns the file's columns (json, csv; [] otherwise)."""
     kind = FILE_BUILDERS.get(path.suffix.lower())
     if kind == "json":
-        _check_json(path, source)
-    elif kind == "csv":
-        _check_csv(path, source)
+        return _check_json(path, source)
+    if kind == "csv":
+        return _check_csv(path, source)
+    return []
 
 
 class _DuplicateKey(ValueError):
@@ -190,14 +207,17 @@ def _decode(raw: bytes, source: str, offset: int, line: int) -> str:
         ) from None
 
 
-def _check_json(path: Path, source: str) -> None:
+def _check_json(path: Path, source: str) -> list[str]:
     """A .json file is one document (an array of rows, or an object) or JSON lines; a .jsonl file is JSON lines."""
-    if path.suffix.lower() == ".json" and not _check_json_document(_decode(path.read_bytes(), source, 0, 1), source):
-        return
-    _check_json_lines(path, source)
+    types = ColumnTypes(source)
+    if path.suffix.lower() != ".json" or _check_json_document(_decode(path.read_bytes(), source, 0, 1), source, types):
+        types = ColumnTypes(source)
+        _check_json_lines(path, source, types)
+    types.check()
+    return types.columns()
 
 
-def _check_json_document(text: str, source: str) -> bool:
+def _check_json_document(text: str, source: str, types: ColumnTypes) -> bool:
     """Check a whole JSON document; True when it turns out to be JSON lines (more than one value)."""
     decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
 
@@ -209,9 +229,9 @@ def _check_json_document(text: str, source: str) -> bool:
     def line_of(i: int) -> int:
         return text.count("\n", 0, i) + 1
 
-    def decode(i: int) -> int:
+    def decode(i: int, row: bool = False) -> int:
         try:
-            return decoder.raw_decode(text, i)[1]
+            value, end = decoder.raw_decode(text, i)
         except _DuplicateKey as err:
             raise DataFormatError(
                 f"Data file '{source}', line {line_of(i)}: the object starting there repeats the key '{err.key}'; "
@@ -221,13 +241,16 @@ def _check_json_document(text: str, source: str) -> bool:
             raise DataFormatError(
                 f"Data file '{source}', line {err.lineno}, column {err.colno}: invalid JSON ({err.msg})."
             ) from None
+        if row and isinstance(value, dict):
+            types.add(value, line_of(i))
+        return end
 
     i = skip(0)
     if not text.startswith("[", i):  # one object, or JSON lines
-        return skip(decode(i)) < len(text)
+        return skip(decode(i, row=True)) < len(text)
     i = skip(i + 1)
     while not text.startswith("]", i):
-        i = skip(decode(i))  # one row of the array
+        i = skip(decode(i, row=True))  # one row of the array
         if text.startswith(",", i):
             i = skip(i + 1)
             if text.startswith("]", i):
@@ -239,8 +262,8 @@ def _check_json_document(text: str, source: str) -> bool:
     return False
 
 
-def _check_json_lines(path: Path, source: str) -> None:
-    offset = 0
+def _check_json_lines(path: Path, source: str, types: ColumnTypes) -> None:
+    offset, rows = 0, 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             line = _decode(raw, source, offset, number)
@@ -264,9 +287,14 @@ def _check_json_lines(path: Path, source: str) -> None:
                     f"Data file '{source}', line {number}: expected a JSON object (a row with named columns), got "
                     f"{type(value).__name__} {line.strip()[:60]!r}."
                 )
+            types.add(value, number)
+            rows += 1
+    if not rows:
+        raise DataFormatError(f"Data file '{source}' holds no rows: its {number} line(s) are all blank. Write one JSON "
+                              "object per line.")
 
 
-def _check_csv(path: Path, source: str) -> None:
+def _check_csv(path: Path, source: str) -> list[str]:
     offset = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -282,3 +310,4 @@ def _check_csv(path: Path, source: str) -> None:
                 "renamed or lost. Give every column its own name."
             )
         seen.add(column)
+    return header

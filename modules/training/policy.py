@@ -194,6 +194,10 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"learning_rate must be > 0 (the peak of the schedule), got {learning_rate}.")
         if learning_rate == 0 and optimizer is None:  # allowed: losses measured on frozen weights
             warnings.warn("learning_rate is 0: the optimizer will not change the weights.", stacklevel=2)
+        if model is None:  # the model's folder, named by its knob (the datamodule's tokenizer would name it first)
+            from lightalign.hub import _check_local_folder
+
+            _check_local_folder(model_name_or_path, "model", knob="model_name_or_path")
         if model is None and from_config and model_name_or_path and _has_weights(model_name_or_path):
             warnings.warn(f"from_config: true builds random weights from {model_name_or_path}/config.json and does not "
                           "load the weights in that folder; set from_config: false to train from them.", stacklevel=2)

@@ -52,5 +52,6 @@ def test_mixed_standard_and_conversational_rows(tiny_dir, write_jsonl):
     rows = [{"prompt": "one plus one", "chosen": "two", "rejected": "three"},
             {"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
              "rejected": [{"role": "assistant", "content": "3"}]}]
-    with pytest.raises(DataFormatError, match="row 1, column 'prompt': mixes conversations with the strings"):
+    # refused while reading the file: a column holds one JSON type (a list among strings names its line)
+    with pytest.raises(DataFormatError, match=r"line 2 \(lines counted from 1\): column 'prompt' holds a list"):
         _data(write_jsonl(rows), tiny_dir)

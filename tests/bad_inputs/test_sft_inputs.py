@@ -44,7 +44,7 @@ def test_empty_file_and_empty_split(tiny_dir, tmp_path, write_jsonl):
 @pytest.mark.parametrize(
     "messages, match",
     [
-        ([{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}], r"row 1, column 'messages', message 0 \(user\): content must be a string, got int"),
+        ([{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}], r"line 2 \(lines counted from 1\): column 'messages' \(at messages\[\]\.content\) holds a number 5"),
         ([{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}], r"row 1, column 'messages', message 0 \(user\): content is empty"),
         ([{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}], r"row 1, column 'messages', message 0: unknown role 'wizard'"),
     ],

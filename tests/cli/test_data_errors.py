@@ -56,7 +56,7 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 # --------------------------------------------------------------------------------------------- row numbers
 def chat_rows(n: int, bad_row: int) -> list[dict]:
     rows = [json.loads(json.dumps(GOOD_CHAT)) for _ in range(n)]
-    rows[bad_row]["messages"][1]["content"] = 7
+    rows[bad_row]["messages"][1]["content"] = "  "  # of the column's type (a string), so the reader keeps it
     return rows
 
 
@@ -65,8 +65,93 @@ def test_row_numbers_are_the_users_rows_with_a_validation_carve_out(tiny_dir, wr
     """Row 30 (the 31st line) is reported as row 30 whichever part of the carve-out it lands in."""
     path = write_jsonl(chat_rows(40, 30))
     with pytest.raises(DataFormatError, match=r"data '.*data.jsonl': row 30, column 'messages', message 1 "
-                                              r"\(assistant\): content must be a string, got int 7"):
+                                              r"\(assistant\): content is empty"):
         setup_sft(path, tiny_dir, val_split_size=val_split_size)
+
+
+# --------------------------------------------------------------------------------------------- one type per column
+def arithmetic(data_dir: Path, n: int = 200) -> list[dict]:
+    return [json.loads(line) for line in (data_dir / "arithmetic_sft.jsonl").read_text().splitlines()[:n]]
+
+
+def as_chat(row: dict) -> dict:
+    return {"messages": [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]}
+
+
+def as_pair(row: dict) -> dict:
+    return {"prompt": row["prompt"], "chosen": row["completion"], "rejected": f"{row['completion']}1"}
+
+
+@pytest.mark.parametrize("shape, column", [
+    ("completion", r"column 'completion'"),
+    ("chosen", r"column 'chosen'"),
+    ("content", r"column 'messages' \(at messages\[\]\.content\)"),
+    ("json_array", r"column 'completion'"),
+])
+@pytest.mark.parametrize("val_split_size", [0.0, 0.5])
+def test_a_value_of_another_type_names_the_files_line(tiny_dir, data_dir, tmp_path, shape, column, val_split_size):
+    """Row index 29 holds the number 2 among strings that look like numbers ("60"): datasets' reader would turn the
+    column into numbers, so a check after loading named a good row (row 0, int 60). The source check sees the rows
+    as the file holds them: line 30 (counted from 1), also with a carve-out (checked before any split)."""
+    rows = arithmetic(data_dir)
+    rows[29]["completion"] = 2
+    rows = {"chosen": [as_pair(r) for r in rows], "content": [as_chat(r) for r in rows]}.get(shape, rows)
+    path = tmp_path / ("bad.json" if shape == "json_array" else "bad.jsonl")
+    path.write_text(json.dumps(rows, indent=0) if shape == "json_array" else "".join(json.dumps(r) + "\n" for r in rows))
+    line = 30 if shape != "json_array" else 1 + 4 * 29 + 1  # indent=0: "[", then 4 lines per row
+    cls = PreferenceDataModule if shape == "chosen" else SFTDataModule
+    with pytest.raises(DataFormatError, match=rf"Data file '{path}', line {line} \(lines counted from 1\): {column} "
+                                              r"holds a number 2, but \d+ other (row|value)\(s\) hold a string there "
+                                              r"\(the first at line \d+\).*Write it as \"2\" if it is text"):
+        cls(str(path), tokenizer=str(tiny_dir), val_split_size=val_split_size).setup("fit")
+
+
+def test_columns_of_one_type_with_nulls_and_mixed_numbers_load(tiny_dir, tmp_path):
+    """null (or a missing key) is no type, ints and floats are one (numbers): such files load as before."""
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1), "score": 1 if i % 2 else 0.5, "note": None if i % 3 else "x"}
+            for i in range(8)]
+    rows[3].pop("note")
+    path = write_lines(tmp_path / "ok.jsonl", [json.dumps(r) for r in rows])
+    assert len(setup_sft(path, tiny_dir).train_dataset) == 8
+
+
+def test_the_odd_type_out_is_named_even_when_it_comes_first(tmp_path):
+    from lightalign.datamodules.sources import check_file
+
+    path = write_lines(tmp_path / "first.jsonl", ['{"text": 5}'] + ['{"text": "a"}'] * 3)
+    with pytest.raises(DataFormatError, match=r"line 1 \(lines counted from 1\): column 'text' holds a number 5, but 3 "
+                                              r"other row\(s\) hold a string there \(the first at line 2\)"):
+        check_file(path, str(path))
+
+
+# --------------------------------------------------------------------------------------------- files and splits
+def test_whitespace_only_file_is_refused(tiny_dir, tmp_path):
+    path = write_lines(tmp_path / "blank.jsonl", ["  ", "", "\t"])
+    with pytest.raises(DataFormatError, match=rf"Data file '{path}' holds no rows: its 3 line\(s\) are all blank"):
+        setup_sft(path, tiny_dir)
+
+
+def test_folder_files_with_different_columns_are_refused(tiny_dir, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_lines(folder / "a.jsonl", ['{"prompt": "1+1=", "completion": "2"}'])
+    write_lines(folder / "b.jsonl", ['{"text": "1+1=2"}'])
+    with pytest.raises(DataFormatError, match=r"file 'b.jsonl' has columns \['text'\] but 'a.jsonl' has \['completion', "
+                                              r"'prompt'\].*need the same columns"):
+        setup_sft(folder, tiny_dir)
+
+
+@pytest.mark.parametrize("size, held", [(3, 3), (5, 5), (0.9, 3)])
+def test_a_carve_out_that_leaves_no_training_row_is_refused(tiny_dir, tmp_path, size, held):
+    path = write_lines(tmp_path / "three.jsonl", ['{"text": "a b"}'] * 3)
+    with pytest.raises(DataFormatError, match=rf"val_split_size={size:g} asks for {held} validation rows but "
+                                              rf"'{path}' has 3 rows, which would leave none to train on"):
+        setup_sft(path, tiny_dir, val_split_size=size)
+
+
+def test_negative_num_workers_is_refused():
+    with pytest.raises(ValueError, match=r"num_workers must be >= 0 \(0: load batches in the training process\), got -1"):
+        SFTDataModule("x.jsonl", tokenizer="t", num_workers=-1)
 
 
 def test_carve_out_is_unchanged(tiny_dir, data_dir):
@@ -82,10 +167,12 @@ def test_carve_out_is_unchanged(tiny_dir, data_dir):
     assert firsts == [p.split("=")[0] for p in expected]
 
 
-def test_preference_mixed_rows_name_the_row(tiny_dir, write_jsonl):
+def test_preference_mixed_rows_name_the_line(tiny_dir, write_jsonl):
+    """A conversation among strings: refused while reading the file (one type per column), naming its line."""
     rows = [{"prompt": f"Is {i} even?", "chosen": " yes", "rejected": " no"} for i in range(40)]
     rows[30]["chosen"] = [{"role": "assistant", "content": "yes"}]
-    with pytest.raises(DataFormatError, match=r"row 30, column 'chosen': mixes conversations with the strings of row \d+"):
+    with pytest.raises(DataFormatError, match=r"line 31 \(lines counted from 1\): column 'chosen' holds a list "
+                                              r".*but 39 other row\(s\) hold a string"):
         PreferenceDataModule(write_jsonl(rows), tokenizer=str(tiny_dir), val_split_size=0.25).setup("fit")
 
 
@@ -101,9 +188,14 @@ def test_unpaired_rows_name_the_row(tiny_dir, write_jsonl):
     from lightalign.datamodules.unpaired import UnpairedPreferenceDataModule
 
     rows = [{"prompt": f"Is {i} even?", "completion": " yes", "label": True} for i in range(40)]
-    rows[30]["label"] = "yes"
-    with pytest.raises(DataFormatError, match=r"row 30, column 'label': expected a boolean"):
+    rows[30]["label"] = 1.5
+    with pytest.raises(DataFormatError, match=r"line 31 \(lines counted from 1\): column 'label' holds a number 1.5, "
+                                              r"but 39 other row\(s\) hold a boolean"):
         UnpairedPreferenceDataModule(write_jsonl(rows), tokenizer=str(tiny_dir), val_split_size=0.25).setup("fit")
+    rows[30]["label"] = None  # null is no type: found by the row check, named by its row in the user's data
+    with pytest.raises(DataFormatError, match=r"row 30, column 'label': expected a boolean .*got no label \(null\)"):
+        UnpairedPreferenceDataModule(write_jsonl(rows, "strings.jsonl"), tokenizer=str(tiny_dir),
+                                     val_split_size=0.25).setup("fit")
     paired = [{"chosen": f"Is {i} even? yes", "rejected": f"Is {i} even? no"} for i in range(40)]
     paired[30] = {"chosen": "abc", "rejected": "xyz"}  # implicit prompt: found while unpairing
     with pytest.raises(DataFormatError, match=r"row 30: 'chosen' and 'rejected' share no prefix"):
@@ -352,7 +444,7 @@ def test_console_data_errors(repo, tmp_path):
     bad.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(40, 30)))
     line = one_error_line(lightalign(repo, *fit_args(tmp_path, "--data.path", str(bad), "--data.val_path", "null",
                                                      "--data.val_split_size", "0.25")))
-    assert "row 30, column 'messages', message 1 (assistant): content must be a string" in line, line
+    assert "row 30, column 'messages', message 1 (assistant): content is empty" in line, line
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     line = one_error_line(lightalign(repo, *fit_args(tmp_path, "--data.path", str(empty))))
@@ -387,3 +479,52 @@ def test_console_uncached_hub_name_without_network_fails_fast_with_the_offline_m
                      env_drop=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"), HF_ENDPOINT=f"http://127.0.0.1:{port}")
     line = one_error_line(out)
     assert "'some-org/not-cached-model-xyz' is not a local folder, and the Hugging Face hub cannot be reached" in line, line
+
+
+def bad_data_files(data_dir: Path, folder: Path) -> dict[str, Path]:
+    """The issue's repro files: row index 29 (line 30) of the first 200 rows holds the number 2 among strings."""
+    rows = arithmetic(data_dir)
+    rows[29]["completion"] = 2
+    files = {"completion": folder / "bad.jsonl", "chosen": folder / "bad_pref.jsonl", "content": folder / "bad_chat.jsonl"}
+    for key, make in (("completion", dict), ("chosen", as_pair), ("content", as_chat)):
+        files[key].write_text("".join(json.dumps(make(r)) + "\n" for r in rows))
+    return files
+
+
+# the console cases: (name, arguments after the shipped config, the start of the one error line); {f[...]} are the files
+CONSOLE_CASES = [
+    ("completion", ("--data.path", "{f[completion]}", "--data.val_path", "null"),
+     "Data file '{f[completion]}', line 30 (lines counted from 1): column 'completion' holds a number 2"),
+    ("completion with a carve-out", ("--data.path", "{f[completion]}", "--data.val_path", "null",
+                                     "--data.val_split_size", "0.5"),
+     "Data file '{f[completion]}', line 30 (lines counted from 1): column 'completion' holds a number 2"),
+    ("chosen", ("--data.path", "{f[chosen]}"),
+     "Data file '{f[chosen]}', line 30 (lines counted from 1): column 'chosen' holds a number 2"),
+    ("content", ("--data.path", "{f[content]}", "--data.val_path", "null"),
+     "Data file '{f[content]}', line 30 (lines counted from 1): column 'messages' (at messages[].content) holds a number 2"),
+    ("carve-out larger than the data", ("--data.val_path", "null", "--data.val_split_size", "100000"),
+     "val_split_size=100000 asks for 100000 validation rows but 'examples/data/arithmetic_sft.jsonl' has 3000 rows"),
+    ("whitespace-only file", ("--data.path", "{f[blank]}"), "Data file '{f[blank]}' holds no rows: its 3 line(s) are all blank"),
+    ("folder with different columns", ("--data.path", "{f[folder]}", "--data.val_path", "null"),
+     "Data folder '{f[folder]}': file 'b.jsonl' has columns ['text'] but 'a.jsonl' has ['completion', 'prompt']"),
+    ("negative num_workers", ("--data.num_workers", "-1"),
+     "num_workers must be >= 0 (0: load batches in the training process), got -1."),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, extra, expected", CONSOLE_CASES, ids=[c[0] for c in CONSOLE_CASES])
+def test_console_data_refusals_are_one_line(repo, data_dir, tmp_path, name, extra, expected):
+    """Each refuses before the model loads, in one line naming the file and its line (exit 1, no traceback)."""
+    files = bad_data_files(data_dir, tmp_path)
+    files["blank"] = write_lines(tmp_path / "blank.jsonl", ["  ", "", "   "])
+    files["folder"] = tmp_path / "folder"
+    files["folder"].mkdir()
+    write_lines(files["folder"] / "a.jsonl", [json.dumps(r) for r in arithmetic(data_dir, 20)])
+    write_lines(files["folder"] / "b.jsonl", [json.dumps({"text": r["prompt"] + r["completion"]})
+                                              for r in arithmetic(data_dir, 20)])
+    config = "configs/dpo_tiny.yaml" if name == "chosen" else "configs/quickstart.yaml"
+    args = [a.format(f=files) for a in extra]
+    line = one_error_line(lightalign(repo, "fit", "--config", config, "--trainer.max_steps", "2",
+                                     "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *args))
+    assert line.startswith(f"lightalign: error: {expected.format(f=files)}"), line

@@ -1,0 +1,58 @@
+"""Trainer settings, the logger's folder, the model folder and the sampling knobs: refused in one line through the
+console script (#37), exit 1, no traceback, before the data is read or the model loads.
+
+Lightning refuses an unknown strategy, a GPU that is not there and FSDP on CPU when it builds the Trainer (its
+traceback, ~30 lines, was what a user saw); DeepSpeed on CPU and an unwritable logger folder failed only once
+training started. Each case is a few seconds through the console server.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import console_script
+
+QUICKSTART = ("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "2")
+GRPO = ("fit", "--config", "configs/grpo_quickstart.yaml", "--trainer.max_steps", "2")
+
+# (name, arguments, the start of the line after "lightalign: error: "); {tmp} is the test's folder
+CASES = [
+    ("unknown strategy", QUICKSTART + ("--trainer.strategy", "dpp"),
+     "Lightning refused the trainer settings (--trainer.accelerator cpu, --trainer.strategy dpp, --trainer.devices 1): "
+     "You selected an invalid strategy name: `strategy='dpp'`."),
+    ("gpu without a GPU", QUICKSTART + ("--trainer.accelerator", "gpu"),
+     "Lightning refused the trainer settings (--trainer.accelerator gpu, --trainer.devices 1): no GPU is visible here "
+     "(torch.cuda.is_available() is False). Use --trainer.accelerator cpu"),
+    ("fsdp on cpu", QUICKSTART + ("--trainer.strategy", "fsdp"),
+     "Lightning refused the trainer settings (--trainer.accelerator cpu, --trainer.strategy fsdp, --trainer.devices 1): "
+     "The strategy `fsdp` requires a GPU accelerator"),
+    ("deepspeed on cpu", QUICKSTART + ("--trainer.strategy", "deepspeed_stage_2"),
+     "--trainer.strategy asks for DeepSpeed, which runs on CUDA GPUs only, and the accelerator here is CPUAccelerator."),
+    ("unwritable logger folder", QUICKSTART + ("--trainer.logger.init_args.save_dir", "{tmp}/file/runs"),
+     "The logger's folder '{tmp}/file/runs' cannot be written (Not a directory)"),
+    ("missing model folder", QUICKSTART + ("--model.model_name_or_path", "{tmp}/no-such-model"),
+     "model_name_or_path: model folder '{tmp}/no-such-model' does not exist"),
+    ("negative temperature", GRPO + ("--model.temperature", "-1"),
+     "temperature must be > 0 (the rollout always samples; the loss divides the logits by it), got -1.0."),
+    ("zero completion length", GRPO + ("--model.max_completion_length", "0"),
+     "max_completion_length must be >= 1, got 0."),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, args, expected", CASES, ids=[c[0] for c in CASES])
+def test_console_refusals_are_one_line(repo, tmp_path, name, args, expected):
+    if name == "gpu without a GPU" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    (tmp_path / "file").write_text("a file where a folder is expected\n")
+    args = [a.format(tmp=tmp_path) for a in args]
+    if not any(a == "--trainer.logger.init_args.save_dir" for a in args):
+        args += ["--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    proc = console_script.run(repo, *args, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    errors = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-4000:]
+    assert errors[0].startswith(f"lightalign: error: {expected.format(tmp=tmp_path)}"), errors[0]
+    assert "Tokenizing" not in out and not list(tmp_path.rglob("*.ckpt"))  # before the data and the model

@@ -1,0 +1,56 @@
+"""Config and option errors in one line (#37): the file, line and key (or the option as typed), what was wrong, and
+the close match of a misspelt name; exit 2, no usage dump, no traceback.
+
+jsonargparse printed its ~100-line usage and a nested message that never named the YAML file. Every case refuses
+while parsing, before the data or the model loads (a few seconds each through the console server).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import console_script
+
+QUICKSTART = ("fit", "--config", "configs/quickstart.yaml")
+
+# (name, YAML file text or None, extra arguments, the error line after "lightalign: error: "; {file} is the YAML file)
+CASES = [
+    ("unknown key in a file", "model:\n  init_args:\n    learning_rat: 1.0e-4\n", (),
+     "{file}, line 3: SFTModule has no option 'learning_rat'; did you mean 'learning_rate'?"),
+    ("wrong type in a file", "data:\n  init_args:\n    batch_size: 8\nmodel:\n  init_args:\n    learning_rate: abc\n", (),
+     "{file}, line 6: 'model.learning_rate' expects float, got 'abc'."),
+    ("YAML syntax", "model:\n  init_args:\n    learning_rate: [1\n  bad: : x\n", (),
+     "{file}, line 4, column 6: invalid YAML (expected ',' or ']', but got ':'; while parsing a flow sequence)."),
+    ("unknown trainer key in a file", "trainer:\n  max_stepz: 3\n", (),
+     "{file}, line 2: unknown key 'trainer.max_stepz'; did you mean 'trainer.max_steps'?"),
+    ("unknown knob typed", None, ("--model.learning_rat", "1e-4"),
+     "SFTModule has no option --model.learning_rat; did you mean --model.learning_rate?"),
+    ("wrong type typed", None, ("--data.batch_size", "x"), "--data.batch_size expects int, got 'x'."),
+    ("unknown option typed", None, ("--trainer.max_stepz", "3"),
+     "unknown option --trainer.max_stepz; did you mean --trainer.max_steps?"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, text, extra, expected", CASES, ids=[c[0] for c in CASES])
+def test_config_and_option_errors_are_one_line(repo, tmp_path, name, text, extra, expected):
+    args = list(QUICKSTART)
+    file = tmp_path / "override.yaml"
+    if text is not None:
+        file.write_text(text)
+        args += ["--config", str(file)]
+    proc = console_script.run(repo, *args, *extra, "--trainer.logger.init_args.save_dir", str(tmp_path), timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    errors = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
+    assert errors == [f"lightalign: error: {expected.format(file=file)}"], out[-4000:]
+    assert "usage:" not in out and "Traceback" not in out and "tip:" not in out, out[-4000:]
+
+
+@pytest.mark.slow
+def test_a_wrong_type_for_an_online_rl_knob_names_it(repo, tmp_path):
+    """The issue's `--model.max_staleness 1.5` (GRPO's int knob), and a knob another method has."""
+    proc = console_script.run(repo, "fit", "--config", "configs/grpo_quickstart.yaml", "--model.max_staleness", "1.5",
+                              "--trainer.logger.init_args.save_dir", str(tmp_path), timeout=600)
+    assert proc.returncode == 2 and "usage:" not in proc.stderr, proc.stderr[-4000:]
+    assert "lightalign: error: --model.max_staleness expects int, got '1.5'." in proc.stderr.splitlines(), proc.stderr
