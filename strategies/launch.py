@@ -46,6 +46,22 @@ def check_multinode_env(num_nodes: int, environ: Mapping[str, str] | None = None
         raise RuntimeError(f"MASTER_PORT={port!r} is not a TCP port number.")
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_processes_note(accelerator: str, devices: int, cores: int | None = None) -> str | None:
+    """What ``--trainer.devices N`` means on CPU when N exceeds the cores (None otherwise): Lightning's CPU "devices"
+    are processes (DDP over gloo), each with a full copy of the model and its own batches, whatever the cores."""
+    cores = usable_cores() if cores is None else cores
+    if accelerator != "cpu" or devices <= cores:
+        return None
+    return (f"--trainer.devices {devices} on CPU starts {devices} training processes (DDP over gloo), each holding a "
+            f"full copy of the model and training its own batches (effective batch x{devices}), on {cores} CPU "
+            f"core(s): they share the cores, so this is slower than --trainer.devices {cores}, not faster.")
+
+
 LOGGERS = ("lightalign", "lightning.pytorch", "lightning.fabric", "transformers", "datasets")
 
 
