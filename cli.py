@@ -229,7 +229,10 @@ def main(args: list[str] | None = None) -> int:
             from lightalign.plotting import main as plot_main
 
             return plot_main(argv[1:])
-        LightalignCLI(args=None if args is None else argv)
+        from lightalign.quiet import console_quiet
+
+        with console_quiet():  # library messages a user cannot act on (lightalign/quiet.py), for this command only
+            LightalignCLI(args=None if args is None else argv)
         return 0
     except Exception as err:
         user = user_error_of(err)

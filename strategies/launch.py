@@ -63,6 +63,9 @@ def cpu_processes_note(accelerator: str, devices: int, cores: int | None = None)
 
 
 LOGGERS = ("lightalign", "lightning.pytorch", "lightning.fabric", "transformers", "datasets")
+# Libraries whose INFO messages are their own chatter (transformers dumps the model config at every load and names
+# every file it saves): at ``log_level info`` they stay at WARNING; ``debug`` shows them.
+CHATTY = ("transformers", "datasets")
 
 
 def _level(name: str | int) -> int:
@@ -78,7 +81,9 @@ class RankLogging(L.Callback):
     """Log levels per rank (``--logging.log_level info --logging.log_level_replica warning``).
 
     Args:
-        log_level: level of the main process (``debug`` | ``info`` | ``warning`` | ``error`` | ``critical``).
+        log_level: level of the main process (``debug`` | ``info`` | ``warning`` | ``error`` | ``critical``);
+            transformers and datasets log at ``warning`` or above unless it is ``debug`` (their INFO messages are
+            the model config of every load and every file saved).
         log_level_replica: level of every other process.
         log_on_each_node: True: the first process of each node is a main process; False: only global rank 0.
     """
@@ -96,4 +101,5 @@ class RankLogging(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         level = self.level_for(trainer)
         for name in LOGGERS:
-            logging.getLogger(name).setLevel(level)
+            logging.getLogger(name).setLevel(max(level, logging.WARNING) if name in CHATTY and level > logging.DEBUG
+                                             else level)

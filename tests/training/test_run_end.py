@@ -46,11 +46,65 @@ def train_rows(run: Path) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def odd_run(repo, tmp_path_factory) -> Path:
+def odd_run_and_output(repo, tmp_path_factory) -> tuple[Path, str]:
     """A finished 3-step run whose checkpoint interval (2) does not divide max_steps; its last step ends epoch 0."""
     save_dir = tmp_path_factory.mktemp("odd")
-    run_to_end(repo, *short_run(save_dir))
-    return save_dir / "quickstart" / "version_0"
+    out = run_to_end(repo, *short_run(save_dir))
+    return save_dir / "quickstart" / "version_0", out
+
+
+@pytest.fixture(scope="module")
+def odd_run(odd_run_and_output) -> Path:
+    return odd_run_and_output[0]
+
+
+# What the console script keeps out of a run's output (lightalign/quiet.py, RankLogging), by where it came from
+NOISE = {
+    "transformers config dump at INFO": "Model config Qwen2Config",
+    "transformers file names at INFO": "Configuration saved in",
+    "Lightning's litlogger tip": "Tip: For seamless cloud",
+    "DeepSpeed's accelerator warning": "Setting accelerator to CPU",
+    "torch's LeafSpec deprecation": "LeafSpec",
+    "datasets' progress bars": "Generating train split",
+    "transformers' export progress bar": "Writing model shards",
+    "deprecated config aliases read by the layer probe": "is deprecated! Use",
+}
+
+
+def test_a_run_prints_what_a_user_acts_on_and_not_the_libraries_chatter(odd_run_and_output):
+    """Mutations (each caught by its line): RankLogging at info for transformers; each filter of quiet.py removed;
+    progress bars kept; shrink.py reading torch_dtype/use_return_dict."""
+    run, out = odd_run_and_output
+    assert {name: text for name, text in NOISE.items() if text in out} == {}
+    for kept in ("step 3/3 | train/loss", f"Hugging Face model written to {run / 'hf_model'}", "lightalign run summary",
+                 "lightalign adaptations: model qwen2", "Using `precision='bf16-mixed'` instead", "config.yaml records trainer.precision bf16-mixed"):
+        assert kept in out, kept
+    assert len(out.splitlines()) < 60, out
+
+
+def test_console_quiet_is_undone_when_the_command_ends():
+    """The filters are installed for the command only: after the block, Lightning's tip logs again and the libraries'
+    progress bars are back on. Mutation: no removeFilter / no re-enable -> fails."""
+    import logging
+    import warnings
+
+    from datasets.utils.tqdm import are_progress_bars_disabled
+    from transformers.utils import logging as transformers_logging
+
+    from lightalign.quiet import console_quiet
+
+    tip = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    record = tip.makeRecord(tip.name, logging.INFO, __file__, 1, "💡 Tip: For seamless cloud logging", (), None)
+    assert not are_progress_bars_disabled() and transformers_logging.is_progress_bar_enabled()
+    with console_quiet(progress_bars=False):
+        assert not tip.filter(record)
+        assert are_progress_bars_disabled() and not transformers_logging.is_progress_bar_enabled()
+        assert any(action == "ignore" and category is FutureWarning and pattern.match("`isinstance(treespec, LeafSpec)` "
+                   "is deprecated") for action, pattern, category, _, _ in warnings.filters if pattern is not None)
+    assert not any(pattern is not None and pattern.match("`isinstance(treespec, LeafSpec)` is deprecated")
+                   for _, pattern, _, _, _ in warnings.filters)
+    assert tip.filter(record)
+    assert not are_progress_bars_disabled() and transformers_logging.is_progress_bar_enabled()
 
 
 def copy_run(run: Path, tmp_path: Path) -> Path:
