@@ -232,3 +232,19 @@ def test_run_end_check(loss, skipped, steps, message):
     else:
         with pytest.raises(NonFiniteRunError, match=re.escape(message)):
             guard.check_run(trainer, None)
+
+
+def test_readme_first_contact(repo, odd_run, tmp_path, monkeypatch):
+    """The README says to activate the venv right after `make quickstart`, and its reload snippet loads the newest
+    run's export (here version_1; version_0 has none). Mutation: the snippet with runs/quickstart/version_0 -> fails."""
+    readme = (repo / "README.md").read_text()
+    setup = readme[readme.index("make quickstart"):readme.index("## Quickstart")]
+    assert ". .venv/bin/activate" in setup and ".venv/bin/lightalign" in setup
+    snippet = re.search(r"```python\n(from pathlib import Path\n.*?latest_run.*?)```", readme, re.S).group(1)
+    shutil.copytree(odd_run, tmp_path / "runs" / "quickstart" / "version_1")
+    (tmp_path / "runs" / "quickstart" / "version_0").mkdir()
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    prompt = len(scope["tok"]("12+7=")["input_ids"])
+    assert prompt < scope["out"].shape[1] <= prompt + 4  # it generated from the loaded model
