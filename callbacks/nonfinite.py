@@ -168,7 +168,8 @@ class NonFiniteGuard(L.Callback):
         steps, skipped = trainer.global_step, self.nonfinite_steps
         loss = trainer.callback_metrics.get("train/loss")
         loss = float(loss) if loss is not None else None
-        if loss is not None and not math.isfinite(loss):
+        # every rank must take the same decision (a rank that raised alone would leave the others waiting)
+        if _on_any_rank(trainer, pl_module, loss is not None and not math.isfinite(loss)):
             raise NonFiniteRunError(
                 f"Training ended with a non-finite train/loss ({loss}) at step {steps} ({skipped} of {steps} optimizer "
                 "steps skipped for non-finite gradients): the model is not exported. Lower the learning rate or "

@@ -225,7 +225,7 @@ def test_run_end_check(loss, skipped, steps, message):
 
     guard = NonFiniteGuard("skip")
     guard.nonfinite_steps = skipped
-    trainer = SimpleNamespace(global_step=steps, callback_metrics={"train/loss": torch.tensor(loss)})
+    trainer = SimpleNamespace(global_step=steps, world_size=1, callback_metrics={"train/loss": torch.tensor(loss)})
     if message is None:
         with pytest.warns(UserWarning, match=f"{skipped} of {steps} optimizer steps were skipped"):
             guard.check_run(trainer, None)
