@@ -3,9 +3,9 @@
 The config names a module (``model: class_path: lightalign.SFTModule``) and a datamodule
 (``data: class_path: lightalign.SFTDataModule``). The module's ``model_name_or_path`` is linked to the
 datamodule's ``tokenizer``, so a config names the model once. Always present and configurable:
-``--checkpoint.*`` (a ModelCheckpoint that keeps ``last.ckpt``), ``--export.*`` (the Hugging Face export at the
-end of fit), ``--throughput.*`` (tokens/s in the progress bar and the logger), ``--progress_bar.*`` (one line
-every N steps when stdout is not a terminal), ``--summary.*`` (a table at the end of fit) and ``--plot.*`` (the
+``--checkpoint.*`` (a ModelCheckpoint that keeps ``last.ckpt``, also at the final step), ``--export.*`` (the
+Hugging Face export at the end of fit), ``--throughput.*`` (tokens/s in the progress bar and the logger),
+``--progress_bar.*`` (one line every N steps when stdout is not a terminal), ``--summary.*`` (a table at the end of fit) and ``--plot.*`` (the
 learning curves as ``curves.png``), and ``--hub.*`` (push the export to the Hugging Face Hub: docs/hub.md).
 ``config.yaml`` and ``versions.json`` are saved in every run's folder.
 ``lightalign plot RUN_DIR ...`` draws the curves of finished runs (``lightalign.plotting``).
@@ -27,18 +27,18 @@ from pathlib import Path
 
 import lightning as L
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightalign.callbacks import (CompletionSamples, HFExport, HubPush, PlotCurves, RunFolder, RunSummary,
-                                  SaveRunConfig, StepProgressBar, TokenThroughput)
+from lightalign.callbacks import (CompletionSamples, HFExport, HubPush, PlotCurves, RunCheckpoint, RunFolder,
+                                  RunSummary, SaveRunConfig, StepProgressBar, TokenThroughput)
 from lightalign.cli_errors import OneLineErrorParser, OptionError, check_trainer_can_run, trainer_refusal
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.runs import ResumeError, RunError, check_resume, continue_logs, latest_run, pin_version, read_checkpoint, \
     run_of_checkpoint, runs_root, version_of
-from lightalign.strategies.launch import RankLogging, check_multinode_env
+from lightalign.strategies.launch import RankLogging, check_multinode_env, cpu_processes_note
 
 TRAINER_DEFAULTS = {
     "logger": {
@@ -119,7 +119,7 @@ class LightalignCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.description = KNOB_HELP
         parser.link_arguments("model.init_args.model_name_or_path", "data.init_args.tokenizer", apply_on="parse")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")  # + last.ckpt at the final step
         # one last.ckpt per run folder: a run continued from an earlier checkpoint (a rollback) overwrites it rather
         # than writing last-v1.ckpt beside the abandoned branch's, which --ckpt_path last would then continue
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0,
@@ -169,6 +169,10 @@ class LightalignCLI(LightningCLI):
     def before_fit(self) -> None:
         check_multinode_env(self.trainer.num_nodes)  # before any process group: a missing variable would hang
         check_trainer_can_run(self.trainer)  # DeepSpeed on CPU, an unwritable logger folder
+        note = cpu_processes_note(type(self.trainer.accelerator).__name__.replace("Accelerator", "").lower(),
+                                  self.trainer.num_devices)
+        if note:
+            rank_zero_warn(note)
         hub = self._get(self.config_init, "hub")
         if hub is not None:  # HF_HUB_OFFLINE, no repository name: refused before the data is read or the model loads
             export = self._get(self.config_init, "export")
@@ -235,7 +239,10 @@ def main(args: list[str] | None = None) -> int:
             from lightalign.plotting import main as plot_main
 
             return plot_main(argv[1:])
-        LightalignCLI(args=None if args is None else argv)
+        from lightalign.quiet import console_quiet
+
+        with console_quiet():  # library messages a user cannot act on (lightalign/quiet.py), for this command only
+            LightalignCLI(args=None if args is None else argv)
         return 0
     except OptionError as err:
         if debug:

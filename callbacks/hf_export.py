@@ -57,9 +57,25 @@ class HFExport(L.Callback):
                 check_writable(out, "the Hugging Face export", "--export.output_dir")
             except RunError as err:
                 problem = str(err)
+            if problem is None:
+                self.remove_unfinished_exports(out)
         problem = trainer.strategy.broadcast(problem)
         if problem is not None:
             raise RunError(problem)
+
+    @staticmethod
+    def remove_unfinished_exports(out: Path) -> None:
+        """Remove what an export killed midway left beside ``out`` (only ``export_hf``'s own temporary folders)."""
+        import shutil
+
+        from lightalign.modules.training.export import unfinished_exports
+
+        left = unfinished_exports(out)
+        for folder in left:
+            shutil.rmtree(folder, ignore_errors=True)
+        if left:
+            rank_zero_info(f"Removed {len(left)} unfinished export folder(s) an interrupted run left in {out.parent}: "
+                           + ", ".join(p.name for p in left))
 
     def _tokenizer(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
         datamodule = getattr(trainer, "datamodule", None)

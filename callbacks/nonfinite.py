@@ -9,13 +9,21 @@ small model's step), and its per-tensor norms are kept for the module's gradient
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Iterable
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 POLICIES = ("skip", "stop", "off")
+MAX_SKIPPED_FRACTION = 0.5  # a run that skipped more of its optimizer steps than this did not train: it fails
+
+
+class NonFiniteRunError(FloatingPointError, ValueError):
+    """A run that ended without having trained (most steps skipped, a non-finite final loss): its message says
+    what happened and what to do."""
 
 
 def first_nonfinite(named_tensors: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
@@ -50,6 +58,11 @@ class NonFiniteGuard(L.Callback):
     make them non-finite from finite gradients (a learning rate far too high), and no later step can repair that,
     so the run stops with an error naming the step and the parameter. Whatever the policy, a checkpoint of
     non-finite weights is refused with an error (``PolicyModule.export_hf`` refuses them too).
+
+    When training ends (at the last epoch end, before the final export and checkpoint), unless ``off``: a run whose
+    last logged ``train/loss`` is NaN/inf, or that skipped more than half of its optimizer steps, fails with
+    ``NonFiniteRunError`` (exit 1 from the console script) and writes no export; a run that skipped fewer says how
+    many in the log.
     """
 
     def __init__(self, policy: str = "skip", max_consecutive_nonfinite_steps: int | None = 10) -> None:
@@ -63,6 +76,7 @@ class NonFiniteGuard(L.Callback):
         self.consecutive = 0  # skipped steps since the last good one (checkpointed)
         self.grad_norms: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
         self._checked_step = -1
+        self._run_checked = False
 
     # ------------------------------------------------------------------------------------- gradients
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
@@ -130,6 +144,44 @@ class NonFiniteGuard(L.Callback):
             f"Non-finite weights {where}: parameter '{name}' holds NaN/inf. {explanation}Lower the learning rate, "
             "then resume from the last checkpoint (its weights are finite) or start over."
         )
+
+    # ------------------------------------------------------------------------------------- end of the run
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._run_checked = False
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the last epoch end comes before on_train_end, where the export and the final checkpoint are written
+        loop = trainer.fit_loop
+        max_epochs = trainer.max_epochs
+        if (trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step) or trainer.should_stop \
+                or (max_epochs is not None and 0 <= max_epochs <= loop.epoch_progress.current.processed):
+            self.check_run(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check_run(trainer, pl_module)
+
+    def check_run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Fail a run that ended without training (see the class docstring); say how many steps were skipped."""
+        if self.policy == "off" or self._run_checked:
+            return
+        self._run_checked = True
+        steps, skipped = trainer.global_step, self.nonfinite_steps
+        loss = trainer.callback_metrics.get("train/loss")
+        loss = float(loss) if loss is not None else None
+        # every rank must take the same decision (a rank that raised alone would leave the others waiting)
+        if _on_any_rank(trainer, pl_module, loss is not None and not math.isfinite(loss)):
+            raise NonFiniteRunError(
+                f"Training ended with a non-finite train/loss ({loss}) at step {steps} ({skipped} of {steps} optimizer "
+                "steps skipped for non-finite gradients): the model is not exported. Lower the learning rate or "
+                "enable gradient_clip_val, and check the data; resume from an earlier checkpoint or start over.")
+        if steps > 0 and skipped > MAX_SKIPPED_FRACTION * steps:
+            raise NonFiniteRunError(
+                f"{skipped} of {steps} optimizer steps were skipped for non-finite gradients (more than half): the run "
+                "did not train, so the model is not exported. Lower the learning rate or enable gradient_clip_val, "
+                "and check the data; resume from an earlier checkpoint or start over.")
+        if skipped:
+            rank_zero_warn(f"{skipped} of {steps} optimizer steps were skipped for non-finite gradients "
+                           "(train/nonfinite_steps); the others trained.")
 
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -20,6 +20,8 @@ class RunSummary(L.Callback):
 
     Tokens are the non-padding tokens trained on, summed over ranks. Best values are taken over every logged
     value of the run (minimum for losses, perplexity and KL, maximum otherwise), with the step they were seen at.
+    The table covers the whole run: its tallies are checkpointed, so a resumed run adds to those of the steps
+    before the checkpoint (wall time: the time spent in fit, every attempt's up to its checkpoint).
     """
 
     def __init__(self, enabled: bool = True) -> None:
@@ -31,10 +33,31 @@ class RunSummary(L.Callback):
         self._step = -1
         self._final: dict[str, tuple[int, float]] = {}
         self._best: dict[str, tuple[int, float]] = {}
+        self._earlier_seconds = 0.0  # fit time of the run before the checkpoint it resumed from
+        self._resumed_at: int | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # before a checkpoint's tallies are loaded (load_state_dict)
+            self._tokens, self._earlier_seconds, self._resumed_at = 0, 0.0, None
+            self._final, self._best = {}, {}
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start, self._tokens, self._step = time.perf_counter(), 0, trainer.global_step
-        self._final, self._best = {}, {}
+        self._start, self._step = time.perf_counter(), trainer.global_step
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step = trainer.global_step  # restored by now under every strategy
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self._step, "tokens": int(self._tokens), "seconds": self._earlier_seconds + time.perf_counter() - self._start,
+                "final": {k: list(v) for k, v in self._final.items()},
+                "best": {k: list(v) for k, v in self._best.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._tokens = int(state_dict.get("tokens", 0))
+        self._earlier_seconds = float(state_dict.get("seconds", 0.0))
+        self._final = {k: (int(v[0]), float(v[1])) for k, v in state_dict.get("final", {}).items()}
+        self._best = {k: (int(v[0]), float(v[1])) for k, v in state_dict.get("best", {}).items()}
+        self._resumed_at = int(state_dict.get("step", 0))
 
     def _record(self, trainer: L.Trainer, stages: tuple[str, ...]) -> None:
         for name, value in trainer.callback_metrics.items():
@@ -67,12 +90,13 @@ class RunSummary(L.Callback):
             tokens = trainer.strategy.reduce(tokens, reduce_op="sum")
         if not trainer.is_global_zero:
             return
-        seconds = time.perf_counter() - self._start
+        seconds = self._earlier_seconds + time.perf_counter() - self._start
         self.values = {"steps": trainer.global_step, "tokens": int(tokens.item()), "seconds": seconds,
                        "tokens_per_sec": tokens.item() / max(seconds, 1e-9),
                        "final": {k: v for k, (_, v) in self._final.items()},
                        "best": {k: v for k, (_, v) in self._best.items()}}
-        rows = [("steps", f"{trainer.global_step:,}"), ("tokens", f"{self.values['tokens']:,}"),
+        steps = f"{trainer.global_step:,}" + (f" (resumed at step {self._resumed_at:,})" if self._resumed_at else "")
+        rows = [("steps", steps), ("tokens", f"{self.values['tokens']:,}"),
                 ("wall time", f"{seconds:.1f} s"), ("tokens/s (wall)", f"{self.values['tokens_per_sec']:,.0f}")]
         for name in sorted(self._final, key=lambda n: (n.partition("/")[2], n)):
             best_step, best = self._best[name]

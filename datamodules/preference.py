@@ -407,7 +407,7 @@ class PreferenceDataModule(TokenizedDataModule):
         conversational = isinstance(first[columns[0]], list)
         if conversational:
             check_chat_template(tokenizer, f"{label} preference data")
-        identical = 0
+        identical, first_identical = 0, None
         for i, row in iter_rows(raw, columns, self.row_numbers):
             for col in columns:
                 validate_field(row[col], i, col)
@@ -419,9 +419,15 @@ class PreferenceDataModule(TokenizedDataModule):
                     )
             if row["chosen"] == row["rejected"]:
                 identical += 1
+                first_identical = i if first_identical is None else first_identical
+        if identical and identical == len(raw):
+            raise DataFormatError(
+                f"Every one of the {identical} {label} rows has identical 'chosen' and 'rejected' (the first: row "
+                f"{first_identical}): there is no preference to learn (zero gradient for most losses). Check that the "
+                "columns hold the preferred and the dispreferred answer.")
         if identical:
             warnings.warn(
-                f"{identical} of {len(raw)} {label} rows have identical 'chosen' and 'rejected'; they carry no "
-                "preference signal (zero gradient for most losses).",
+                f"{identical} of {len(raw)} {label} rows have identical 'chosen' and 'rejected' (the first: row "
+                f"{first_identical}); they carry no preference signal (zero gradient for most losses).",
                 stacklevel=2,
             )

@@ -46,7 +46,26 @@ def check_multinode_env(num_nodes: int, environ: Mapping[str, str] | None = None
         raise RuntimeError(f"MASTER_PORT={port!r} is not a TCP port number.")
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_processes_note(accelerator: str, devices: int, cores: int | None = None) -> str | None:
+    """What ``--trainer.devices N`` means on CPU when N exceeds the cores (None otherwise): Lightning's CPU "devices"
+    are processes (DDP over gloo), each with a full copy of the model and its own batches, whatever the cores."""
+    cores = usable_cores() if cores is None else cores
+    if accelerator != "cpu" or devices <= cores:
+        return None
+    return (f"--trainer.devices {devices} on CPU starts {devices} training processes (DDP over gloo), each holding a "
+            f"full copy of the model and training its own batches (effective batch x{devices}), on {cores} CPU "
+            f"core(s): they share the cores, so this is slower than --trainer.devices {cores}, not faster.")
+
+
 LOGGERS = ("lightalign", "lightning.pytorch", "lightning.fabric", "transformers", "datasets")
+# Libraries whose INFO messages are their own chatter (transformers dumps the model config at every load and names
+# every file it saves): at ``log_level info`` they stay at WARNING; ``debug`` shows them.
+CHATTY = ("transformers", "datasets")
 
 
 def _level(name: str | int) -> int:
@@ -62,7 +81,9 @@ class RankLogging(L.Callback):
     """Log levels per rank (``--logging.log_level info --logging.log_level_replica warning``).
 
     Args:
-        log_level: level of the main process (``debug`` | ``info`` | ``warning`` | ``error`` | ``critical``).
+        log_level: level of the main process (``debug`` | ``info`` | ``warning`` | ``error`` | ``critical``);
+            transformers and datasets log at ``warning`` or above unless it is ``debug`` (their INFO messages are
+            the model config of every load and every file saved).
         log_level_replica: level of every other process.
         log_on_each_node: True: the first process of each node is a main process; False: only global rank 0.
     """
@@ -80,4 +101,5 @@ class RankLogging(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         level = self.level_for(trainer)
         for name in LOGGERS:
-            logging.getLogger(name).setLevel(level)
+            logging.getLogger(name).setLevel(max(level, logging.WARNING) if name in CHATTY and level > logging.DEBUG
+                                             else level)

@@ -333,6 +333,10 @@ def _reduce_layers(config, shrunk, d: dict, model_class, facts: dict):
     return shrunk
 
 
+# config properties that are deprecated aliases of other fields (transformers warns when they are read)
+DEPRECATED_ALIASES = ("torch_dtype", "use_return_dict")
+
+
 def _layer_rows(config, table: dict, n: int, model_class, lists: list[str], indices: list[str]) -> list[str] | None:
     """One string per layer, equal for layers of one kind: per-layer config values (``lists``, ``indices``,
     per-layer overrides, list-valued properties) and the structure of its modules (None: not buildable here)."""
@@ -347,6 +351,8 @@ def _layer_rows(config, table: dict, n: int, model_class, lists: list[str], indi
         rows[int(i)].append(("override", repr(sorted(override.items()))))
     text = config.get_text_config(decoder=True)
     for name in sorted({k for c in type(text).__mro__ for k, v in vars(c).items() if isinstance(v, property)}):
+        if name in DEPRECATED_ALIASES:  # reading them logs a deprecation warning; never per-layer values
+            continue
         try:
             value = getattr(text, name) if name not in ("per_layer_config", "rope_scaling") else None
         except Exception:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -79,3 +80,14 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output_dir
+
+
+def unfinished_exports(output_dir: str | os.PathLike) -> list[Path]:
+    """The temporary folders ``export_hf`` left beside ``output_dir`` when its process was killed mid-export:
+    ``.<name>.tmp-XXXXXXXX`` of the final export and of the ``checkpoint-N`` exports beside it (mkdtemp's names:
+    8 characters of ``[a-z0-9_]``), nothing else."""
+    output_dir = Path(output_dir)
+    pattern = re.compile(rf"^\.({re.escape(output_dir.name)}|checkpoint-\d+)\.tmp-[a-z0-9_]{{8}}$")
+    if not output_dir.parent.is_dir():
+        return []
+    return sorted(p for p in output_dir.parent.iterdir() if pattern.match(p.name) and p.is_dir() and not p.is_symlink())

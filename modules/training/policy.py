@@ -11,6 +11,7 @@ from typing import Any, Callable, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
@@ -182,6 +183,8 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"max_consecutive_nonfinite_steps must be >= 1 or null, got {max_consecutive_nonfinite_steps}.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        if weight_decay < 0:  # AdamW would grow the weights by lr * |weight_decay| each step instead of shrinking them
+            raise ValueError(f"weight_decay must be >= 0 (0 turns it off), got {weight_decay}.")
         if optim is not None:
             from lightalign.modules.training.optimizers import check_optim_name
 
@@ -396,6 +399,7 @@ class PolicyModule(L.LightningModule):
         if pending:
             set_rng_state(pending[min(self.global_rank, len(pending) - 1)])
             self._pending_rng_states = None
+        self.continue_schedule()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lightalign_rng"] = gather_rng_states()
@@ -525,11 +529,40 @@ class PolicyModule(L.LightningModule):
         else:
             total = total_steps or (int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1)
             warmup = hp.warmup_steps or math.ceil(hp.warmup_ratio * total)
-            scheduler = LambdaLR(
-                optimizer,
-                lambda step: schedule_factor(step, total, warmup, hp.lr_scheduler_type, hp.min_lr_rate),
-            )
+            def factor(step: int) -> float:
+                return schedule_factor(step, total, warmup, hp.lr_scheduler_type, hp.min_lr_rate)
+
+            # what continue_schedule names on resume; on the function, which LambdaLR does not checkpoint (the
+            # scheduler's own attributes would come back from the checkpoint with the old run's values)
+            factor.lightalign_span = (total, warmup)
+            scheduler = LambdaLR(optimizer, factor)
         return scheduler
+
+    def continue_schedule(self) -> None:
+        """On resume, after the optimizer and schedule states are restored: the optimizer holds the learning rate the
+        checkpoint's run set for its next step, computed over *that* run's ``max_steps``. A resume with another
+        ``max_steps`` continues the schedule built for the new one instead, at the lr an uninterrupted run with
+        that ``max_steps`` would use at this step, and says so."""
+        if self._trainer is None or self.trainer.ckpt_path is None:
+            return
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            span = getattr(getattr(scheduler, "lr_lambdas", [None])[0], "lightalign_span", None)
+            if span is None:
+                continue
+            step = scheduler.last_epoch
+            groups = scheduler.optimizer.param_groups
+            new = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            old = [group["lr"] for group in groups]
+            if all(math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) for a, b in zip(old, new)):
+                continue
+            for group, lr in zip(groups, new):
+                group["lr"] = lr
+            scheduler._last_lr = list(new)
+            rank_zero_info(f"Resumed at step {step} with max_steps {self.trainer.max_steps}: the learning-rate schedule "
+                           f"is rebuilt over {span[0]} steps (warmup {span[1]}), so step {step + 1} runs at lr "
+                           f"{new[0]:.3g} as an uninterrupted run of {span[0]} steps would (the checkpoint's schedule "
+                           f"had {old[0]:.3g}).")
 
     # ----------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,

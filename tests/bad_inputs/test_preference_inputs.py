@@ -38,8 +38,28 @@ def test_implicit_rows_without_shared_prefix(tiny_dir, write_jsonl):
 def test_identical_pairs_warn_with_count(tiny_dir, write_jsonl):
     rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "2"}, {"prompt": "1+2=", "chosen": "3", "rejected": "4"},
             {"prompt": "2+2=", "chosen": "4", "rejected": "4"}]
-    with pytest.warns(UserWarning, match="2 of 3 train rows have identical 'chosen' and 'rejected'"):
+    with pytest.warns(UserWarning, match=r"2 of 3 train rows have identical 'chosen' and 'rejected' \(the first: row 0\)"):
         _data(write_jsonl(rows), tiny_dir)
+
+
+def test_every_pair_identical_is_refused_through_the_console_script(repo, tmp_path):
+    """Nothing to learn: refused at data load in one line naming the count and the first row (the file's line
+    numbering, 0-based). Mutation: the refusal removed -> DPO trains with exit 0."""
+    import json
+
+    from helpers import console_script
+
+    rows = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 1)} for i in range(40)]
+    data = tmp_path / "same.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = console_script.run(repo, "fit", "--config", "configs/dpo_tiny.yaml", "--data.path", str(data),
+                              "--data.val_split_size", "0", "--trainer.max_steps", "2",
+                              "--trainer.logger.init_args.save_dir", str(tmp_path))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("lightalign: error:"))
+    assert line.startswith(f"lightalign: error: train data '{data}': Every one of the 40 train rows has identical 'chosen' and 'rejected' "
+                           "(the first: row 0): there is no preference to learn"), line
 
 
 def test_prompt_leaves_nothing_for_completion(tiny_dir, write_jsonl):

@@ -368,6 +368,12 @@ def test_rank_logging_setup_sets_every_library_logger_per_rank():
         callback.setup(SimpleNamespace(local_rank=0, global_rank=2), None, "fit")  # a node's first process
         assert {name: logging.getLogger(name).level for name in LOGGERS} == dict.fromkeys(LOGGERS, logging.DEBUG)
         assert set(LOGGERS) >= {"lightalign", "lightning.pytorch", "transformers", "datasets"}
+        # at info, transformers and datasets stay at WARNING: their INFO is the model config of every load
+        # (mutation: CHATTY ignored -> INFO)
+        RankLogging(log_level="info").setup(SimpleNamespace(local_rank=0, global_rank=0), None, "fit")
+        levels = {name: logging.getLogger(name).level for name in LOGGERS}
+        assert levels == {name: logging.WARNING if name in ("transformers", "datasets") else logging.INFO
+                          for name in LOGGERS}
     finally:
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
