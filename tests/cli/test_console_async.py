@@ -36,11 +36,14 @@ def test_async_grpo_trains_one_rollout_ahead_and_resumes_on_the_kept_rollout(rep
     assert all(float(r["train/sampling/importance_sampling_ratio/mean"]) > 0 for r in logged)
     assert all(r["train/sampling/sampling_logp_difference/max"] != "" for r in logged)
     kept = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["lightalign_rollout"]["ranks"][0]
-    assert list(kept["ahead_rollouts"]) == [2]  # the step-2 checkpoint holds rollout 2, sampled on step 1's weights
+    # last.ckpt is the final step's (3, not a multiple of every_n_train_steps): it holds rollout 3, sampled on step
+    # 2's weights
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert list(kept["ahead_rollouts"]) == [3]
     out = lightalign(repo, *async_run(tmp_path, 4, "--ckpt_path", "last"))
     assert "Traceback" not in out
     resumed = {int(r["step"]): float(r["train/sampling/staleness"]) for r in rows(tmp_path, 1)}
-    assert resumed == {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0}  # the run's log continued: steps 2 and 3 one step stale
+    assert resumed == {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0}  # the run's log continued: step 3 trained on the kept rollout
 
 
 def test_a_staleness_the_schedule_cannot_honour_is_one_line_before_training(repo, tmp_path):

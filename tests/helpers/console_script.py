@@ -19,6 +19,7 @@ that both ways give the same status and output.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import select
@@ -35,6 +36,11 @@ LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console 
 PRELOAD = ("torch", "lightning.pytorch", "lightning.pytorch.cli", "jsonargparse", "torchmetrics", "datasets",
            "safetensors.torch", "huggingface_hub", "tokenizers", "transformers", "transformers.modeling_utils",
            "transformers.generation.utils", "transformers.models.qwen2.modeling_qwen2")
+# Imported by every run that exports (transformers' save_pretrained unwraps the model through accelerate, which
+# imports DeepSpeed when it is installed, as in the dev venv, and DeepSpeed imports MLflow): about 2 s of CPU per run.
+# Its import prints only what the console script drops (lightalign/quiet.py: DeepSpeed's "Setting accelerator to
+# CPU"), so the server imports it after the preamble was read, and refuses to start if it printed anything else.
+QUIET_PRELOAD = ("deepspeed",)
 _NOT_INHERITED = ("LIGHTALIGN_DEBUG", "PYTEST_CURRENT_TEST")  # pytest sets the second per test; the script ignores it
 # The test process's environment as the tests started (tests/conftest.py imports this module first thing). Tests that
 # train in-process change os.environ as they go (Lightning's seed_everything sets PL_GLOBAL_SEED, inductor its cache
@@ -89,7 +95,20 @@ sys.stdout.flush(); sys.stderr.flush()
 preamble = []
 for fd in captured:
     os.lseek(fd, 0, 0)
-    preamble.append(os.read(fd, 1 << 24)); os.close(fd)
+    preamble.append(os.read(fd, 1 << 24))
+# the quiet preloads: their output must be only lines the console script drops
+for fd in captured:
+    os.ftruncate(fd, 0); os.lseek(fd, 0, 0)
+for name in json.loads(sys.argv[4]):
+    importlib.import_module(name)
+sys.stdout.flush(); sys.stderr.flush()
+dropped = json.loads(sys.argv[5])
+for fd in captured:
+    os.lseek(fd, 0, 0)
+    for line in os.read(fd, 1 << 24).decode(errors="replace").splitlines():
+        if line.strip() and not any(text in line for text in dropped):
+            proto_out.write("printed: " + line + "\n"); os._exit(1)
+    os.close(fd)
 proto_out.write("ready\n")
 request = None
 while True:
@@ -115,7 +134,7 @@ os.environ.clear(); os.environ.update(request["env"])
 script = request["script"]
 sys.argv = request["argv"][1:] if script else request["argv"]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-del json, os, importlib, request, preamble, captured, proto_in, proto_out
+del json, os, importlib, request, preamble, captured, proto_in, proto_out, dropped
 if script:
     import runpy
     runpy.run_path(script, run_name="__main__")
@@ -127,14 +146,20 @@ else:
 
 class ConsoleServer:
     def __init__(self, env: dict[str, str]) -> None:
+        from lightalign.quiet import DROPPED_RECORDS
+
         self.env = env
         self.dir = tempfile.mkdtemp(prefix="lightalign-console-")
         self.lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER, f"{self.dir}/import.out", f"{self.dir}/import.err", json.dumps(PRELOAD)],
+            [sys.executable, "-c", SERVER, f"{self.dir}/import.out", f"{self.dir}/import.err", json.dumps(PRELOAD),
+             json.dumps([m for m in QUIET_PRELOAD if importlib.util.find_spec(m) is not None]),
+             json.dumps([text for _, text in DROPPED_RECORDS])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, cwd=self.dir, text=True, bufsize=1)
-        if self._line(600) != "ready":
-            raise RuntimeError(f"the console server did not start: {Path(self.dir, 'import.err').read_text()[-3000:]}")
+        answer = self._line(600)
+        if answer != "ready":
+            raise RuntimeError(f"the console server did not start ({answer}): "
+                               f"{Path(self.dir, 'import.err').read_text()[-3000:]}")
         self.calls = 0
 
     def _line(self, timeout: float) -> str | None:

@@ -72,11 +72,14 @@ def test_margin_column_reaches_the_batch_and_a_bad_margin_names_its_row(tiny_dir
     dm = PreferenceDataModule(str(csv), tokenizer=str(tiny_dir), prompt_sharing=False, shuffle=False)
     dm.setup("fit")
     assert [dm.train_dataset[i]["margin"] for i in range(2)] == [1.5, -1.0]
-    for bad in ("large", None, float("nan")):
+    # a string among numbers is caught as the file is read, by its line; a missing or non-finite number by its row
+    for bad, message in [("large", r"line 3 \(lines counted from 1\): column 'margin' holds a string \"large\""),
+                         (None, r"row 2, column 'margin'.*not a finite number"),
+                         (float("nan"), r"row 2, column 'margin'.*not a finite number")]:
         rows = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "0", "margin": 1.0} for i in range(3)]
         rows[2]["margin"] = bad
         dm = PreferenceDataModule(write_jsonl(rows, f"bad{bad}.jsonl"), tokenizer=str(tiny_dir))
-        with pytest.raises(DataFormatError, match=r"row 2, column 'margin'.*not a finite number"):
+        with pytest.raises(DataFormatError, match=message):
             dm.setup("fit")
 
 
