@@ -39,7 +39,8 @@ PRELOAD = ("torch", "lightning.pytorch", "lightning.pytorch.cli", "jsonargparse"
 # Imported by every run that exports (transformers' save_pretrained unwraps the model through accelerate, which
 # imports DeepSpeed when it is installed, as in the dev venv, and DeepSpeed imports MLflow): about 2 s of CPU per run.
 # Its import prints only what the console script drops (lightalign/quiet.py: DeepSpeed's "Setting accelerator to
-# CPU"), so the server imports it after the preamble was read, and refuses to start if it printed anything else.
+# CPU"), so the server imports it after the preamble was read; if it printed anything else, the server starts again
+# without it (the children then import it as the script does).
 QUIET_PRELOAD = ("deepspeed",)
 _NOT_INHERITED = ("LIGHTALIGN_DEBUG", "PYTEST_CURRENT_TEST")  # pytest sets the second per test; the script ignores it
 # The test process's environment as the tests started (tests/conftest.py imports this module first thing). Tests that
@@ -151,15 +152,24 @@ class ConsoleServer:
         self.env = env
         self.dir = tempfile.mkdtemp(prefix="lightalign-console-")
         self.lock = threading.Lock()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER, f"{self.dir}/import.out", f"{self.dir}/import.err", json.dumps(PRELOAD),
-             json.dumps([m for m in QUIET_PRELOAD if importlib.util.find_spec(m) is not None]),
-             json.dumps([text for _, text in DROPPED_RECORDS])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, cwd=self.dir, text=True, bufsize=1)
-        answer = self._line(600)
+        quiet = [m for m in QUIET_PRELOAD if importlib.util.find_spec(m) is not None]
+        while True:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", SERVER, f"{self.dir}/import.out", f"{self.dir}/import.err", json.dumps(PRELOAD),
+                 json.dumps(quiet), json.dumps([text for _, text in DROPPED_RECORDS])],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, cwd=self.dir, text=True, bufsize=1)
+            answer = self._line(600)
+            if answer is not None and answer.startswith("printed:") and quiet:
+                # a quiet preload printed more than the console script drops (another DeepSpeed version): the
+                # children import it themselves, as the script does
+                self.proc.wait(30)
+                quiet = []
+                continue
+            break
         if answer != "ready":
             raise RuntimeError(f"the console server did not start ({answer}): "
                                f"{Path(self.dir, 'import.err').read_text()[-3000:]}")
+        self.quiet_preloaded = quiet
         self.calls = 0
 
     def _line(self, timeout: float) -> str | None:
