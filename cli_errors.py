@@ -48,7 +48,10 @@ class OptionError(Exception):
             typed = where.startswith("--")  # on the command line, else `file, line N`
             line = f"{name} has no option {where}" if typed else f"{where}: {name} has no option '{leaf}'"
             match = difflib.get_close_matches(leaf, known, n=1)
-            if match:
+            instead = getattr(owner, "knob_equivalents", {}).get(leaf)  # TRL's name for one of the method's knobs
+            if instead:
+                line += f"; its {f'--{section}.{instead}' if typed else repr(instead)} is the same idea"
+            elif match:
                 line += f"; did you mean {f'--{section}.{match[0]}' if typed else repr(match[0])}?"
             elif section == "model":
                 from lightalign.modules.rollout.module import methods_with_knob
@@ -62,6 +65,9 @@ class OptionError(Exception):
         if typed is not None:
             key, expected, value = typed.groups()
             expected = re.sub(r"<class '([\w.]+)'>", r"\1", expected)
+            choices = re.fullmatch(r"(?:typing\.)?Literal\[(.*)\]", expected)  # Literal['gkd', 'on_policy']
+            if choices is not None:
+                expected = f"one of {choices.group(1)}"
             full = key if section is None or key == section or key.startswith(section + ".") else f"{section}.{key}"
             head, _, leaf = full.rpartition(".")
             where = _where(head or None, leaf, argv, configs)

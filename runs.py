@@ -76,6 +76,18 @@ def latest_run(root: Path) -> Path | None:
     return max(runs, key=version_of) if runs else None
 
 
+def latest_export(root: Path | str) -> Path:
+    """The Hugging Face export (``hf_model``) of the newest ``version_N`` under ``root`` that wrote one: a run that
+    stopped early (an error, a kill, a non-finite loss) has none and is passed over."""
+    root = Path(root)
+    exports = [p / "hf_model" for p in root.glob("version_*")
+               if version_of(p) is not None and (p / "hf_model" / "config.json").is_file()]
+    if not exports:
+        raise FileNotFoundError(f"No run under '{root}' has a Hugging Face export (version_N/hf_model): a run writes "
+                                "it when it finishes.")
+    return max(exports, key=lambda p: version_of(p.parent))
+
+
 def run_of_checkpoint(checkpoint: Path, root: Path) -> Path | None:
     """The run folder under ``root`` a checkpoint file lives in (``root/version_N/checkpoints/x.ckpt``), else None."""
     folder = checkpoint.resolve().parent.parent

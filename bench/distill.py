@@ -153,7 +153,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, callbacks=[Clock()])
     trainer.fit(module, data)
-    samplers = ", ".join(f"{who} {name[0]}" for who, name in module.sampler_names.items())
+    samplers = ", ".join(f"{who} {name[0]}" for who, name in module.sampling.chosen.items())
     return {"backend": samplers or "-", "attn": module.model.config._attn_implementation}
 
 

@@ -138,6 +138,8 @@ class PromptDataModule(TokenizedDataModule):
         return self.collate_fn()([self.train_dataset[i] for i in rows])
 
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
+        if "prompt" not in raw.column_names and "messages" in raw.column_names:
+            raw = split_conversations(raw, label, self.row_numbers)
         if "prompt" not in raw.column_names:
             raise DataFormatError(
                 f"Prompt data needs a 'prompt' column; the {label} data has {sorted(raw.column_names)}. "
@@ -171,3 +173,23 @@ class PromptDataModule(TokenizedDataModule):
         # loader is already sharded; otherwise they try to inject a sampler into the batch sampler and fail.
         object.__setattr__(loader, "sampler", sampler.sampler)
         return loader
+
+
+def split_conversations(raw: Dataset, label: str, numbers: Any = None) -> Dataset:
+    """TRL's conversational language-modeling rows (a ``messages`` column, as its GKD trainer reads them) as
+    prompt-completion rows: the conversation before its last message is the prompt, that message (the assistant's)
+    the completion."""
+    if "completion" in raw.column_names:
+        raise DataFormatError(f"The {label} data has both 'messages' and 'completion' columns: give either "
+                              "conversations ('messages') or prompt-completion rows ('prompt', 'completion').")
+    for i, row in iter_rows(raw, ["messages"], numbers):
+        messages = row["messages"]
+        if not isinstance(messages, list) or len(messages) < 2 or not isinstance(messages[-1], dict) \
+                or messages[-1].get("role") != "assistant":
+            raise DataFormatError(
+                f"row {i}, column 'messages': a conversation is split into a prompt (the messages before its last) "
+                "and a completion (its last message, the assistant's), so it needs at least two messages and must "
+                "end with an assistant message.")
+    return raw.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
+                   remove_columns=["messages"], desc=f"Splitting {label} conversations")
+

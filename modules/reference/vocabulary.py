@@ -42,8 +42,10 @@ def check_same_vocabulary(student: Any, teacher: Any, student_kwargs: dict[str, 
         raise ValueError(
             f"The teacher's vocabulary ({teacher_size} tokens, {describe_model(teacher)}) differs from the student's "
             f"({student_size} tokens, {describe_model(student)}): distillation compares their distributions token by "
-            "token, so both must use the same tokenizer and vocabulary. Pick a teacher of the student's family "
-            "(or a student of the teacher's).")
+            "token over output layers of the same size. Models of one family can differ here only because their "
+            "embedding matrices are padded to different sizes (e.g. a family's large and small checkpoints): "
+            "lightalign does not map padded vocabularies yet; pick a teacher and student whose configs give the "
+            "same vocab_size.")
 
 
 def describe_model(model_or_path: Any) -> str:

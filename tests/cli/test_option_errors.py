@@ -54,3 +54,18 @@ def test_a_wrong_type_for_an_online_rl_knob_names_it(repo, tmp_path):
                               "--trainer.logger.init_args.save_dir", str(tmp_path), timeout=600)
     assert proc.returncode == 2 and "usage:" not in proc.stderr, proc.stderr[-4000:]
     assert "lightalign: error: --model.max_staleness expects int, got '1.5'." in proc.stderr.splitlines(), proc.stderr
+
+
+@pytest.mark.slow
+def test_a_trl_knob_name_points_to_the_methods_knob_and_choices_are_listed(repo, tmp_path):
+    """TRL GKD's `max_new_tokens` names DistillModule's `max_completion_length` (its knob_equivalents; mutation: the
+    lookup dropped -> no pointer); a Literal knob's refusal lists its choices (mutation: the raw typing.Literal)."""
+    distill = ["fit", "--config", "configs/distill_quickstart.yaml", "--model.teacher_model_name_or_path",
+               "assets/models/tiny", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    for extra, expected in [
+            (("--model.max_new_tokens", "8"), "DistillModule has no option --model.max_new_tokens; its "
+                                              "--model.max_completion_length is the same idea"),
+            (("--model.loss_type", "kl"), "--model.loss_type expects one of 'gkd', 'on_policy', got 'kl'.")]:
+        proc = console_script.run(repo, *distill, *extra, timeout=600)
+        assert proc.returncode == 2 and "usage:" not in proc.stderr, proc.stderr[-4000:]
+        assert f"lightalign: error: {expected}" in proc.stderr.splitlines(), proc.stderr[-4000:]

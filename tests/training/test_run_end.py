@@ -238,13 +238,17 @@ def test_run_end_check(loss, skipped, steps, message):
 
 def test_readme_first_contact(repo, odd_run, tmp_path, monkeypatch):
     """The README says to activate the venv right after `make quickstart`, and its reload snippet loads the newest
-    run's export (here version_1; version_0 has none). Mutation: the snippet with runs/quickstart/version_0 -> fails."""
+    run's export (here version_1; version_0 has none, nor has version_2, a run that stopped early with a checkpoint).
+    Mutations: the snippet with runs/quickstart/version_0 -> fails; latest_run(...) / "hf_model" (the newest run with
+    a checkpoint) -> fails."""
     readme = (repo / "README.md").read_text()
     setup = readme[readme.index("make quickstart"):readme.index("## Quickstart")]
     assert ". .venv/bin/activate" in setup and ".venv/bin/lightalign" in setup
-    snippet = re.search(r"```python\n(from pathlib import Path\n.*?latest_run.*?)```", readme, re.S).group(1)
+    snippet = re.search(r"```python\n(from pathlib import Path\n.*?latest_export.*?)```", readme, re.S).group(1)
     shutil.copytree(odd_run, tmp_path / "runs" / "quickstart" / "version_1")
     (tmp_path / "runs" / "quickstart" / "version_0").mkdir()
+    stopped = tmp_path / "runs" / "quickstart" / "version_2"  # stopped early: a checkpoint, no export
+    shutil.copytree(odd_run / "checkpoints", stopped / "checkpoints")
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
     exec(compile(snippet, "README.md", "exec"), scope)
