@@ -72,20 +72,23 @@ def version_of(folder: Path) -> int | None:
 
 def latest_run(root: Path) -> Path | None:
     """The newest ``version_N`` under ``root`` that holds ``checkpoints/last.ckpt`` (None: no such run)."""
-    runs = [p for p in root.glob("version_*") if version_of(p) is not None and (p / "checkpoints" / "last.ckpt").is_file()]
+    return newest_run_with(root, "checkpoints/last.ckpt")
+
+
+def newest_run_with(root: Path, member: str) -> Path | None:
+    """The newest ``version_N`` under ``root`` that holds the file ``member`` (None: no such run)."""
+    runs = [p for p in Path(root).glob("version_*") if version_of(p) is not None and (p / member).is_file()]
     return max(runs, key=version_of) if runs else None
 
 
 def latest_export(root: Path | str) -> Path:
     """The Hugging Face export (``hf_model``) of the newest ``version_N`` under ``root`` that wrote one: a run that
     stopped early (an error, a kill, a non-finite loss) has none and is passed over."""
-    root = Path(root)
-    exports = [p / "hf_model" for p in root.glob("version_*")
-               if version_of(p) is not None and (p / "hf_model" / "config.json").is_file()]
-    if not exports:
+    run = newest_run_with(Path(root), "hf_model/config.json")
+    if run is None:
         raise FileNotFoundError(f"No run under '{root}' has a Hugging Face export (version_N/hf_model): a run writes "
                                 "it when it finishes.")
-    return max(exports, key=lambda p: version_of(p.parent))
+    return run / "hf_model"
 
 
 def run_of_checkpoint(checkpoint: Path, root: Path) -> Path | None:
