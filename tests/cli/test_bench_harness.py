@@ -213,3 +213,34 @@ def test_distill_bench_settings_ratios_and_rows(tmp_path):
     # completions fit --max-new-tokens rendered (DistillModule cuts longer ones, TRL does not): cut by words
     lengths = [len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 2 for r in rows]
     assert max(lengths) <= args.max_new_tokens < max(lengths) + 4 and min(lengths) > 2
+
+
+def test_online_dpo_bench_settings_ratios_and_prompts(tmp_path):
+    # bench/online_dpo.py: both settings for both frameworks by default; a typo refused naming the settings; each
+    # variant compared with TRL's same setting (a sampler suffix is lightalign's, not a setting); the same prompts for
+    # both; `short` samples the demo's 8 tokens, `long` --max-new-tokens
+    online = load("online_dpo")
+    args = online.build_parser().parse_args([])
+    online.check(args)
+    assert args.variants == [f"{fw}:{s}" for s in ("short", "long") for fw in ("lightalign", "trl")]
+    with pytest.raises(SystemExit, match=r"^--variants 'trl:medium': use framework:setting .* \['short', 'long'\]"):
+        online.check(online.build_parser().parse_args(["--variants", "trl:medium"]))
+    with pytest.raises(SystemExit, match=r"^--variants 'trl:long\+compact': a \+<backend> suffix is lightalign's"):
+        online.check(online.build_parser().parse_args(["--variants", "trl:long+compact"]))
+    assert (online.new_tokens(args, "short"), online.new_tokens(args, "long")) == (8, 32)
+
+    def run(variant, steps):
+        return {"variant": variant, "steps_per_sec": steps, "others_cpu_share": 0.0}
+
+    runs = [run("lightalign:short", 4.0), run("lightalign:short", 6.0), run("trl:short", 2.0),
+            run("lightalign:long", 1.0), run("trl:long", 0.5), run("lightalign:long+generate", 0.25)]
+    summary = online.summarise({}, runs)["summary"]
+    assert summary["lightalign:short"]["steps_per_sec"] == 5.0 and summary["lightalign:short"]["vs_trl_same_setting"] == 2.5
+    assert summary["lightalign:long"]["vs_trl_same_setting"] == 2.0
+    assert summary["lightalign:long+generate"]["vs_trl_same_setting"] == 0.5
+
+    args = online.build_parser().parse_args(["--data", "english", "--steps", "2", "--warmup", "1"])
+    args.workdir = str(tmp_path)
+    prompts = online.write_prompts(args)
+    assert len(prompts) == 256 and len(set(prompts)) > 200
+    assert [json.loads(line) for line in open(args.prompts)] == [{"prompt": p} for p in prompts]
