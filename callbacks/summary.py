@@ -10,16 +10,23 @@ import torch
 
 from lightalign.callbacks.throughput import batch_tokens
 
-#: Metrics worth a line in the summary (any stage): their final and best values.
-SUMMARY_KEYS = ("loss", "perplexity", "token_accuracy", "rewards/accuracies", "rewards/margins", "reward/mean", "kl")
-LOWER_IS_BETTER = ("loss", "perplexity", "kl")
+#: Metrics worth a line in the summary (any stage, any method), with which way is better ("min" or "max"): their
+#: final and best values. A method adds its own in ``summary_stats`` (e.g. distillation's ``divergence``).
+SUMMARY_KEYS = {"loss": "min", "perplexity": "min", "token_accuracy": "max", "rewards/accuracies": "max",
+                "rewards/margins": "max", "reward/mean": "max", "kl": "min"}
+
+
+def summary_keys(pl_module: Any) -> dict[str, str]:
+    """The summary's metrics for ``pl_module``: the shared ones and its method's ``summary_stats``."""
+    return {**SUMMARY_KEYS, **getattr(pl_module, "summary_stats", {})}
 
 
 class RunSummary(L.Callback):
     """Print, from rank 0, a table at the end of fit (also kept as ``self.table`` and ``self.values``).
 
     Tokens are the non-padding tokens trained on, summed over ranks. Best values are taken over every logged
-    value of the run (minimum for losses, perplexity and KL, maximum otherwise), with the step they were seen at.
+    value of the run (minimum for losses, perplexity, KL and a method's divergences, maximum otherwise:
+    ``summary_keys``), with the step they were seen at.
     The table covers the whole run: its tallies are checkpointed, so a resumed run adds to those of the steps
     before the checkpoint (wall time: the time spent in fit, every attempt's up to its checkpoint).
     """
@@ -59,15 +66,16 @@ class RunSummary(L.Callback):
         self._best = {k: (int(v[0]), float(v[1])) for k, v in state_dict.get("best", {}).items()}
         self._resumed_at = int(state_dict.get("step", 0))
 
-    def _record(self, trainer: L.Trainer, stages: tuple[str, ...]) -> None:
+    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule, stages: tuple[str, ...]) -> None:
+        keys = summary_keys(pl_module)
         for name, value in trainer.callback_metrics.items():
             stage, _, key = name.partition("/")
-            if stage not in stages or key not in SUMMARY_KEYS:
+            if stage not in stages or key not in keys:
                 continue
             value = float(value)
             self._final[name] = (trainer.global_step, value)
             best = self._best.get(name)
-            lower = key in LOWER_IS_BETTER
+            lower = keys[key] == "min"
             if best is None or (value < best[1] if lower else value > best[1]):
                 self._best[name] = (trainer.global_step, value)
 
@@ -76,11 +84,11 @@ class RunSummary(L.Callback):
         self._tokens += getattr(pl_module, "last_batch_tokens", None) or batch_tokens(batch)
         if trainer.global_step != self._step:  # an optimizer step ended: its metrics are logged
             self._step = trainer.global_step
-            self._record(trainer, ("train",))
+            self._record(trainer, pl_module, ("train",))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._record(trainer, ("val",))
+            self._record(trainer, pl_module, ("val",))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.enabled:

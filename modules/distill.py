@@ -110,6 +110,7 @@ class DistillModule(SamplingModule):
     knob_equivalents = {"max_new_tokens": "max_completion_length", "teacher_model_revision":
                         "teacher_model_init_kwargs.revision"}
     progress_stats = ("loss", "divergence")
+    summary_stats = {"divergence": "min"}  # the run summary's lines beyond the shared ones (callbacks/summary.py)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"teacher"}
     teacher: torch.nn.Module | None = None
 

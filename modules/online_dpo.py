@@ -141,6 +141,7 @@ class OnlineDPOModule(SamplingModule):
 
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
     progress_stats = ("loss", "reward/mean")
+    summary_stats = {"win_rate": "max"}  # the run summary's lines beyond the shared ones (callbacks/summary.py)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"reward_funcs", "judge"}
 
     def __init__(

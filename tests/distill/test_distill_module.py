@@ -5,6 +5,7 @@ vocabulary is refused before any weights load, exact resume, and the console scr
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -307,6 +308,12 @@ def test_console_script_fits_the_shipped_config_and_refuses_a_missing_teacher(re
             "--trainer.logger.init_args.save_dir", str(tmp_path)]
     out = console_script.run(repo, *base, "--model.teacher_model_name_or_path", str(teacher_dir), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    # the run summary has the method's own line (summary_stats), lower is better (mutations: divergence not declared
+    # -> no line; declared "max" -> best above final)
+    summary = out.stdout[out.stdout.index("lightalign run summary"):]
+    final, best = re.search(r"^  train/divergence +final ([\d.e-]+) +best ([\d.e-]+) \(step \d\)$", summary,
+                            re.M).groups()
+    assert float(best) <= float(final), summary
     export = next(tmp_path.rglob("hf_model"))
     assert (export / "model.safetensors").is_file() and (export / "config.json").is_file()
     out = console_script.run(repo, *base, "--model.teacher_model_name_or_path", str(tmp_path / "no-such-teacher"))
