@@ -47,11 +47,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,34 +63,20 @@ BACKENDS = ("generate", "continuous", "static", "compact")  # DistillModule's ge
 DATA = {"arithmetic": ROOT / "examples" / "data" / "arithmetic_sft.jsonl", "english": None}
 
 
-class Meter:
-    """Times optimizer steps warmup+1 .. warmup+steps and counts what they trained on."""
+class Meter(harness.StepWindow):
+    """The timed window, and what each optimizer step trained on."""
 
     def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.last = warmup, warmup + steps
-        self.window = harness.Window()
+        super().__init__(warmup, steps)
         self.batches: list[dict] = []  # one per optimizer step (no gradient accumulation)
         self.first_loss: dict = {}
-        self.cpu = 0.0  # CPU seconds of this process in the window (all its threads)
 
     def batch(self, source: str, tokens: int, completion_tokens: int, rows: int) -> None:
         self.batches.append({"source": source, "tokens": tokens, "completion_tokens": completion_tokens,
                              "rows": rows})
 
-    def step_end(self, step: int) -> None:
-        if step == self.warmup:
-            self.window.start()
-            self.cpu = time.process_time()
-        elif step == self.last:
-            self.window.stop()
-            self.cpu = time.process_time() - self.cpu
-
     def summary(self) -> dict:
-        if self.window.seconds is None:
-            raise RuntimeError(f"training stopped before optimizer step {self.last}: too few rows?")
-        timed = self.batches[self.warmup:self.last]
-        if len(timed) != self.last - self.warmup:
-            raise RuntimeError(f"{len(timed)} batches in a window of {self.last - self.warmup} optimizer steps.")
+        timed = self.timed(self.batches)
         seconds = self.window.seconds
         tokens, completion = sum(b["tokens"] for b in timed), sum(b["completion_tokens"] for b in timed)
         return {"steps_per_sec": len(timed) / seconds, "tokens_per_sec": tokens / seconds,
@@ -217,16 +201,8 @@ def run_trl(args: argparse.Namespace, meter: Meter) -> dict:
 
 
 def run_one(args: argparse.Namespace) -> dict:
-    import torch
-
-    torch.set_num_threads(args.threads)
-    os.environ["HF_DATASETS_CACHE"] = str(Path(args.workdir) / f"datasets-{os.getpid()}")  # no cache hit across runs
-    meter = Meter(args.warmup, args.steps)
-    pss = harness.PeakPSS()
-    extra = (run_lightalign if args.framework == "lightalign" else run_trl)(args, meter)
-    return {"framework": args.framework, "setting": args.setting, "variant": f"{args.framework}:{args.setting}",
-            **meter.summary(), "threads": args.threads, "peak_rss_mb": harness.peak_rss_mb(),
-            "peak_pss_mb": pss.stop(), **extra}
+    train = run_lightalign if args.framework == "lightalign" else run_trl
+    return harness.measured_run(args, Meter(args.warmup, args.steps), train)
 
 
 def spawn(args: argparse.Namespace, variant: str) -> dict | None:
@@ -292,15 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="sampled completion tokens at most")
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="file name under bench/results/ (default distill_<data>.json)")
-    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    harness.add_run_arguments(parser)
     for hidden in ("--framework", "--setting", "--workdir", "--student-dir", "--teacher-dir", "--la-data",
                    "--trl-data"):  # set by the parent for its subprocesses
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -310,19 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check(args: argparse.Namespace) -> None:
-    if args.variants is None:
-        args.variants = [f"{fw}:{s}" for s in SETTINGS for fw in FRAMEWORKS]
-    for variant in args.variants:
-        framework, _, setting = variant.partition(":")
-        setting, _, backend = setting.partition("+")
-        if framework not in FRAMEWORKS or setting not in SETTINGS:
-            raise SystemExit(f"--variants {variant!r}: use framework:setting with a framework of {list(FRAMEWORKS)} "
-                             f"and a setting of {list(SETTINGS)}.")
-        if backend and (framework != "lightalign" or backend not in BACKENDS):
-            raise SystemExit(f"--variants {variant!r}: a +<backend> suffix is lightalign's sampler, one of "
-                             f"{list(BACKENDS)} (TRL samples with generate).")
-    if args.warmup < 1:
-        raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
+    harness.check_variants(args, tuple(SETTINGS), BACKENDS)
     if args.temperature != 1.0:
         print(f"note: --temperature {args.temperature}: TRL's GKDTrainer compares the distributions at 1, "
               "DistillModule at this temperature: the two compute different losses.", flush=True)
@@ -360,27 +317,17 @@ def run(args: argparse.Namespace) -> dict:
             "beta": args.beta, "temperature": f"{args.temperature} (sampling; TRL's divergence is always at 1)",
             "sampling": "top_k 0, top_p 1, KV cache, no vLLM", "variants": args.variants,
             "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused, wd 0",
-            "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
-            "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
-            "versions": harness.versions(),
+            **harness.run_settings(args),
         }
         harness.print_settings("Distillation benchmark: lightalign DistillModule vs TRL GKDTrainer", settings)
-        runs = []
-        for r in range(args.repeats):
-            for variant in harness.alternate(args.variants, r):
-                res = spawn(args, variant)
-                if res is None:
-                    continue
-                res["repeat"] = r + 1
-                runs.append(res)
-                print(f"[{r + 1}/{args.repeats}] {variant:>20}: {res['steps_per_sec']:6.2f} steps/s "
-                      f"({res['steps_per_cpu_sec']:.2f} per CPU-s) "
-                      f"{res['tokens_per_sec']:7.0f} tokens/s  completion length {res['mean_completion_length']:5.1f}"
-                      f"  student/teacher sampled {res['student_sampled']:.2f}/{res['teacher_sampled']:.2f}"
-                      f"  peak RSS {res['peak_rss_mb']:5.0f} MB (PSS {res['peak_pss_mb']:5.0f})"
-                      f"  first loss {res['first_loss']:.6f}"
-                      + f"\n{'':>26}other processes {100 * res['others_cpu_share']:.0f}% of the machine  "
-                        f"sampler {res['backend']}  attn {res['attn']}", flush=True)
+        runs = harness.interleaved_runs(args, spawn, lambda res: (
+            f"{res['steps_per_sec']:6.2f} steps/s ({res['steps_per_cpu_sec']:.2f} per CPU-s) "
+            f"{res['tokens_per_sec']:7.0f} tokens/s  completion length {res['mean_completion_length']:5.1f}"
+            f"  student/teacher sampled {res['student_sampled']:.2f}/{res['teacher_sampled']:.2f}"
+            f"  peak RSS {res['peak_rss_mb']:5.0f} MB (PSS {res['peak_pss_mb']:5.0f})"
+            f"  first loss {res['first_loss']:.6f}"
+            f"\n{'':>30}other processes {100 * res['others_cpu_share']:.0f}% of the machine  "
+            f"sampler {res['backend']}  attn {res['attn']}"))
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     return summarise(settings, runs)

@@ -146,6 +146,33 @@ class Window:
         return self.wall is not None and self.seconds is None
 
 
+class StepWindow:
+    """Times optimizer steps ``warmup + 1`` .. ``warmup + steps`` of a training run (``step_end`` called with the
+    global step after each): wall seconds and this process's CPU seconds (all its threads) in that window."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.last = warmup, warmup + steps
+        self.window = Window()
+        self.cpu = 0.0
+
+    def step_end(self, step: int) -> None:
+        if step == self.warmup:
+            self.window.start()
+            self.cpu = time.process_time()
+        elif step == self.last:
+            self.window.stop()
+            self.cpu = time.process_time() - self.cpu
+
+    def timed(self, per_step: list) -> list:
+        """The entries of ``per_step`` (one per optimizer step) inside the window, checked complete."""
+        if self.window.seconds is None:
+            raise RuntimeError(f"training stopped before optimizer step {self.last}: too few rows?")
+        timed = per_step[self.warmup:self.last]
+        if len(timed) != self.last - self.warmup:
+            raise RuntimeError(f"{len(timed)} batches in a window of {self.last - self.warmup} optimizer steps.")
+        return timed
+
+
 def child_env(threads: int) -> dict[str, str]:
     return dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads), TQDM_DISABLE="1",
                 HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_DISABLED="true", PYTHONWARNINGS="ignore")
@@ -160,6 +187,21 @@ def spawn(script: str | Path, argv: Sequence[str], threads: int, label: str) -> 
         print(f"{label}: failed (exit {out.returncode})\n{out.stderr[-3000:]}", flush=True)
         return None
     return json.loads(line[len("RESULT "):])
+
+
+def measured_run(args: Any, meter: Any, train: Any) -> dict:
+    """A child's run of ``args.framework`` on ``args.setting``: ``train(args, meter)`` (which returns extra fields) on
+    ``args.threads`` threads with a datasets cache of its own (no cache hit across runs), and the figures: the
+    meter's ``summary()``, peak RSS and peak PSS."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    os.environ["HF_DATASETS_CACHE"] = str(Path(args.workdir) / f"datasets-{os.getpid()}")
+    pss = PeakPSS()
+    extra = train(args, meter)
+    return {"framework": args.framework, "setting": args.setting, "variant": f"{args.framework}:{args.setting}",
+            **meter.summary(), "threads": args.threads, "peak_rss_mb": peak_rss_mb(), "peak_pss_mb": pss.stop(),
+            **extra}
 
 
 def emit(result: dict) -> None:
@@ -325,6 +367,64 @@ def sequence_lengths(batch: Any) -> list[int]:
                 lengths[-1] += 1
         return lengths
     return [int(batch["input_ids"].shape[-1])] * int(batch["input_ids"].shape[0])
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_run_arguments(parser: Any) -> None:
+    """The arguments of a framework-against-framework benchmark that are not about the method: the timed window,
+    repeats, threads, the optimiser's learning rate and clipping, the seed, and the hidden ``--one`` of a child run."""
+    import argparse
+
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the clock starts")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+
+
+def check_variants(args: Any, settings: Sequence[str], backends: Sequence[str]) -> None:
+    """``args.variants`` (``framework:setting``, lightalign's with an optional ``+<sampler>``) checked; None becomes
+    every setting for both frameworks. Also refuses ``--warmup`` < 1 (the clock starts at the end of that step)."""
+    if args.variants is None:
+        args.variants = [f"{fw}:{s}" for s in settings for fw in FRAMEWORKS]
+    for variant in args.variants:
+        framework, _, setting = variant.partition(":")
+        setting, _, backend = setting.partition("+")
+        if framework not in FRAMEWORKS or setting not in settings:
+            raise SystemExit(f"--variants {variant!r}: use framework:setting with a framework of {list(FRAMEWORKS)} "
+                             f"and a setting of {list(settings)}.")
+        if backend and (framework != "lightalign" or backend not in backends):
+            raise SystemExit(f"--variants {variant!r}: a +<backend> suffix is lightalign's sampler, one of "
+                             f"{list(backends)} (TRL samples with generate).")
+    if args.warmup < 1:
+        raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
+
+
+def run_settings(args: Any) -> dict:
+    """The settings ``add_run_arguments`` set, for ``print_settings`` (constant learning rate)."""
+    return {"lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
+            "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats, "versions": versions()}
+
+
+def interleaved_runs(args: Any, spawn_one: Any, describe: Any) -> list[dict]:
+    """``args.repeats`` rounds over ``args.variants`` (order reversed on odd rounds), each run ``spawn_one(args,
+    variant)`` in its own process; a run that failed is left out (its error printed); each finished one is printed
+    as ``describe(result)``. Returns the results, each with its ``repeat`` (from 1)."""
+    runs = []
+    for r in range(args.repeats):
+        for variant in alternate(args.variants, r):
+            res = spawn_one(args, variant)
+            if res is None:
+                continue
+            res["repeat"] = r + 1
+            runs.append(res)
+            print(f"[{r + 1}/{args.repeats}] {variant:>22}: {describe(res)}", flush=True)
+    return runs
 
 
 # --------------------------------------------------------------------------- printing

@@ -18,9 +18,9 @@ the prompts and the decoded completions.
 Settings (`--variants`, `framework:setting`): `short` (8 new tokens per completion, the demo's) and `long`
 (`--max-new-tokens`, 32). Common: `--batch-size` prompts per optimizer step (two completions each, no gradient
 accumulation), loss sigmoid, beta 0.1, sampling at temperature 1 with top_k 0 / top_p 1 and a KV cache, no vLLM,
-fp32, no gradient checkpointing, torch AdamW, weight decay 0, constant learning rate, grad clip 1.0, dropout off
-(both defaults), 2 threads, no eval, checkpoints or loggers. lightalign samples with its device default
-(`generation_backend` unset; the sampler is reported) or the backend of a `+<backend>` suffix
+fp32, no gradient checkpointing, torch AdamW (TRL: its fused default), weight decay 0, constant learning rate, grad
+clip 1.0, dropout off (both defaults), 2 threads, no eval, checkpoints or loggers. lightalign samples with its device
+default (`generation_backend` unset; the sampler is reported) or the backend of a `+<backend>` suffix
 (`lightalign:long+generate`); TRL with `generate`. A random model rarely writes EOS, so completions run to the
 token limit on both sides (the mean completion length is reported: compare only rows where they agree).
 
@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,32 +55,18 @@ def new_tokens(args: argparse.Namespace, setting: str) -> int:
     return 8 if setting == "short" else args.max_new_tokens
 
 
-class Meter:
-    """Times optimizer steps warmup+1 .. warmup+steps and counts the completions they trained on."""
+class Meter(harness.StepWindow):
+    """The timed window, and the completions each optimizer step trained on."""
 
     def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.last = warmup, warmup + steps
-        self.window = harness.Window()
+        super().__init__(warmup, steps)
         self.batches: list[dict] = []  # one per optimizer step
-        self.cpu = 0.0
 
     def batch(self, completions: int, completion_tokens: int) -> None:
         self.batches.append({"completions": completions, "completion_tokens": completion_tokens})
 
-    def step_end(self, step: int) -> None:
-        if step == self.warmup:
-            self.window.start()
-            self.cpu = time.process_time()
-        elif step == self.last:
-            self.window.stop()
-            self.cpu = time.process_time() - self.cpu
-
     def summary(self) -> dict:
-        if self.window.seconds is None:
-            raise RuntimeError(f"training stopped before optimizer step {self.last}: too few prompts?")
-        timed = self.batches[self.warmup:self.last]
-        if len(timed) != self.last - self.warmup:
-            raise RuntimeError(f"{len(timed)} batches in a window of {self.last - self.warmup} optimizer steps.")
+        timed = self.timed(self.batches)
         seconds, tokens = self.window.seconds, sum(b["completion_tokens"] for b in timed)
         return {"steps_per_sec": len(timed) / seconds, "completion_tokens_per_sec": tokens / seconds,
                 "seconds": seconds, "steps_per_cpu_sec": len(timed) / self.cpu,
@@ -143,7 +127,7 @@ def run_trl(args: argparse.Namespace, meter: Meter) -> dict:
         output_dir=str(Path(args.workdir) / "trl_out"), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=1, max_new_tokens=new_tokens(args, args.setting), temperature=1.0, top_k=0,
         top_p=1.0, beta=[args.beta], loss_type="sigmoid", max_steps=meter.last, learning_rate=args.lr,
-        lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        lr_scheduler_type="constant", optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
         bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, dataloader_num_workers=0,
         eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10,
         seed=args.seed, disable_dropout=True)
@@ -156,16 +140,8 @@ def run_trl(args: argparse.Namespace, meter: Meter) -> dict:
 
 
 def run_one(args: argparse.Namespace) -> dict:
-    import torch
-
-    torch.set_num_threads(args.threads)
-    os.environ["HF_DATASETS_CACHE"] = str(Path(args.workdir) / f"datasets-{os.getpid()}")
-    meter = Meter(args.warmup, args.steps)
-    pss = harness.PeakPSS()
-    extra = (run_lightalign if args.framework == "lightalign" else run_trl)(args, meter)
-    return {"framework": args.framework, "setting": args.setting, "variant": f"{args.framework}:{args.setting}",
-            **meter.summary(), "threads": args.threads, "peak_rss_mb": harness.peak_rss_mb(),
-            "peak_pss_mb": pss.stop(), **extra}
+    train = run_lightalign if args.framework == "lightalign" else run_trl
+    return harness.measured_run(args, Meter(args.warmup, args.steps), train)
 
 
 def spawn(args: argparse.Namespace, variant: str) -> dict | None:
@@ -200,15 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per optimizer step (2 completions each)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="the `long` setting's completion tokens")
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="file name under bench/results/ (default online_dpo_<data>.json)")
-    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    harness.add_run_arguments(parser)
     for hidden in ("--framework", "--setting", "--workdir", "--model-dir", "--prompts"):  # set by the parent
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--max-prompt-length", type=int, help=argparse.SUPPRESS)
@@ -216,19 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check(args: argparse.Namespace) -> None:
-    if args.variants is None:
-        args.variants = [f"{fw}:{s}" for s in SETTINGS for fw in FRAMEWORKS]
-    for variant in args.variants:
-        framework, _, setting = variant.partition(":")
-        setting, _, backend = setting.partition("+")
-        if framework not in FRAMEWORKS or setting not in SETTINGS:
-            raise SystemExit(f"--variants {variant!r}: use framework:setting with a framework of {list(FRAMEWORKS)} "
-                             f"and a setting of {list(SETTINGS)}.")
-        if backend and (framework != "lightalign" or backend not in BACKENDS):
-            raise SystemExit(f"--variants {variant!r}: a +<backend> suffix is lightalign's sampler, one of "
-                             f"{list(BACKENDS)} (TRL samples with generate).")
-    if args.warmup < 1:
-        raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
+    harness.check_variants(args, SETTINGS, BACKENDS)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -254,25 +211,16 @@ def run(args: argparse.Namespace) -> dict:
             "reward": REWARD, "batch_size": f"{args.batch_size} prompts x 2 completions", "grad_accum": 1,
             "max_new_tokens": f"short 8, long {args.max_new_tokens}", "loss": f"sigmoid, beta {args.beta}",
             "sampling": "temperature 1, top_k 0, top_p 1, KV cache, no vLLM", "variants": args.variants,
-            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW, wd 0",
-            "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
-            "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
-            "versions": harness.versions(),
+            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused, wd 0",
+            **harness.run_settings(args),
         }
         harness.print_settings("Online DPO benchmark: lightalign OnlineDPOModule vs TRL OnlineDPOTrainer", settings)
-        runs = []
-        for r in range(args.repeats):
-            for variant in harness.alternate(args.variants, r):
-                res = spawn(args, variant)
-                if res is None:
-                    continue
-                res["repeat"] = r + 1
-                runs.append(res)
-                print(f"[{r + 1}/{args.repeats}] {variant:>22}: {res['steps_per_sec']:6.2f} steps/s "
-                      f"({res['steps_per_cpu_sec']:.2f} per CPU-s) {res['completion_tokens_per_sec']:7.0f} completion "
-                      f"tokens/s  completion length {res['mean_completion_length']:5.1f}  peak RSS "
-                      f"{res['peak_rss_mb']:5.0f} MB (PSS {res['peak_pss_mb']:5.0f})  other processes "
-                      f"{100 * res['others_cpu_share']:.0f}%  sampler {res['backend']}", flush=True)
+        runs = harness.interleaved_runs(args, spawn, lambda res: (
+            f"{res['steps_per_sec']:6.2f} steps/s ({res['steps_per_cpu_sec']:.2f} per CPU-s) "
+            f"{res['completion_tokens_per_sec']:7.0f} completion tokens/s  completion length "
+            f"{res['mean_completion_length']:5.1f}  peak RSS {res['peak_rss_mb']:5.0f} MB "
+            f"(PSS {res['peak_pss_mb']:5.0f})"
+            f"  other processes {100 * res['others_cpu_share']:.0f}%  sampler {res['backend']}"))
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     return summarise(settings, runs)

@@ -1,6 +1,7 @@
 """Pure helpers of the benchmark suite (bench/harness.py, bench/data.py): the FLOP count behind MFU, the sequence
 lengths it is computed on, and the length shapes of the generated data. No benchmark is run here."""
 
+import argparse
 import importlib.util
 import json
 import random
@@ -235,7 +236,8 @@ def test_online_dpo_bench_settings_ratios_and_prompts(tmp_path):
     runs = [run("lightalign:short", 4.0), run("lightalign:short", 6.0), run("trl:short", 2.0),
             run("lightalign:long", 1.0), run("trl:long", 0.5), run("lightalign:long+generate", 0.25)]
     summary = online.summarise({}, runs)["summary"]
-    assert summary["lightalign:short"]["steps_per_sec"] == 5.0 and summary["lightalign:short"]["vs_trl_same_setting"] == 2.5
+    assert summary["lightalign:short"]["steps_per_sec"] == 5.0
+    assert summary["lightalign:short"]["vs_trl_same_setting"] == 2.5
     assert summary["lightalign:long"]["vs_trl_same_setting"] == 2.0
     assert summary["lightalign:long+generate"]["vs_trl_same_setting"] == 0.5
 
@@ -244,3 +246,21 @@ def test_online_dpo_bench_settings_ratios_and_prompts(tmp_path):
     prompts = online.write_prompts(args)
     assert len(prompts) == 256 and len(set(prompts)) > 200
     assert [json.loads(line) for line in open(args.prompts)] == [{"prompt": p} for p in prompts]
+
+
+def test_interleaved_runs_alternate_the_order_and_leave_out_failed_runs(capsys):
+    # bench/harness.py's loop of the framework-against-framework benchmarks: the variants' order reversed on odd
+    # repeats, each run numbered with its repeat, a failed run (None) left out, each finished one printed
+    harness = load("harness")
+    args = argparse.Namespace(repeats=2, variants=["lightalign:a", "trl:a", "lightalign:b"])
+    calls = []
+
+    def spawn_one(args, variant):
+        calls.append(variant)
+        return None if (variant, len(calls)) == ("trl:a", 5) else {"variant": variant}
+
+    runs = harness.interleaved_runs(args, spawn_one, lambda res: f"ran {res['variant']}")
+    assert calls == ["lightalign:a", "trl:a", "lightalign:b", "lightalign:b", "trl:a", "lightalign:a"]
+    assert [(r["variant"], r["repeat"]) for r in runs] == [
+        ("lightalign:a", 1), ("trl:a", 1), ("lightalign:b", 1), ("lightalign:b", 2), ("lightalign:a", 2)]
+    assert capsys.readouterr().out.splitlines()[3] == "[2/2]           lightalign:b: ran lightalign:b"
