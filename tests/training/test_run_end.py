@@ -254,3 +254,21 @@ def test_readme_first_contact(repo, odd_run, tmp_path, monkeypatch):
     exec(compile(snippet, "README.md", "exec"), scope)
     prompt = len(scope["tok"]("12+7=")["input_ids"])
     assert prompt < scope["out"].shape[1] <= prompt + 4  # it generated from the loaded model
+
+
+def test_the_summary_takes_each_metrics_best_in_its_own_direction():
+    # the shared keys and a method's summary_stats: a loss and a divergence are best at their minimum, a win rate at
+    # its maximum (mutations: a method's summary_stats ignored -> no divergence / win-rate line; every key "max" ->
+    # the loss's best is 0.75)
+    from types import SimpleNamespace
+
+    from lightalign.callbacks.summary import RunSummary
+
+    summary = RunSummary()
+    module = SimpleNamespace(summary_stats={"divergence": "min", "win_rate": "max"})
+    for step, (loss, divergence, win_rate) in enumerate([(0.75, 0.75, 0.25), (0.125, 0.125, 0.625), (0.5, 0.5, 0.375)]):
+        metrics = {"val/loss": torch.tensor(loss), "val/divergence": torch.tensor(divergence),
+                   "val/win_rate": torch.tensor(win_rate), "val/other": torch.tensor(1.0)}
+        summary._record(SimpleNamespace(callback_metrics=metrics, global_step=step), module, ("val",))
+    assert summary._best == {"val/loss": (1, 0.125), "val/divergence": (1, 0.125), "val/win_rate": (1, 0.625)}
+    assert summary._final == {"val/loss": (2, 0.5), "val/divergence": (2, 0.5), "val/win_rate": (2, 0.375)}
