@@ -225,3 +225,30 @@ def test_the_engine_memory_share_defaults_to_the_methods_trl_default(tiny_dir):
     assert VLLMConfig.of(_distill(tiny_dir)).vllm_gpu_memory_utilization == 0.3  # DistillationConfig's
     assert VLLMConfig.of(_online_dpo(tiny_dir)).vllm_gpu_memory_utilization == 0.55  # OnlineDPOConfig's
     assert VLLMConfig.of(_online_dpo(tiny_dir, vllm_gpu_memory_utilization=0.4)).vllm_gpu_memory_utilization == 0.4
+
+
+def test_a_token_the_engine_gave_no_log_prob_for_takes_the_students(tiny_dir):
+    """vLLM can leave a sampled token's log-prob out (NaN, as TRL keeps it); on-policy distillation's advantage then
+    takes the student's own log-prob there, so the loss is the one with that value written in (not NaN)."""
+    from lightalign import DistillModule
+    from lightalign.modules.training.logprobs import completion_logits, selective_log_softmax
+
+    torch.manual_seed(0)
+    teacher = load_causal_lm(str(tiny_dir), from_config=True)
+    module = DistillModule(str(tiny_dir), from_config=True, teacher_model=teacher, loss_type="on_policy",
+                           iw_opd_gamma=0.5)
+    module.configure_model()
+    rows = {"prompt_ids": torch.tensor([[5, 6], [7, 8]]), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+            "completion_ids": torch.tensor([[9, 10, 11], [12, 13, 14]]), "completion_mask": torch.ones(2, 3).long()}
+    with torch.no_grad():
+        own = selective_log_softmax(completion_logits(module.model, rows) / module.hparams.temperature,
+                                    rows["completion_ids"])
+    engine = own + 0.3
+    with_gap = engine.clone()
+    with_gap[0, 1] = float("nan")
+    filled = engine.clone()
+    filled[0, 1] = own[0, 1]
+    loss, _ = module.distill_loss({**rows, "sampling_logps": with_gap})
+    expected, _ = module.distill_loss({**rows, "sampling_logps": filled})
+    assert torch.isfinite(loss) and torch.equal(loss, expected)
+    assert not torch.equal(module.distill_loss({**rows, "sampling_logps": engine})[0], expected)  # the value matters
