@@ -45,25 +45,25 @@ class VLLMConfig:
     read at fit start by ``VLLMConfig.of``). ``vllm_gpu_memory_utilization`` is resolved: the method's TRL default
     (``SamplingModule.vllm_gpu_memory_utilization_default``) when the knob is null."""
 
-    use_vllm: bool = False
-    vllm_mode: str = "colocate"
-    vllm_server_base_url: str | None = None
-    vllm_server_host: str = "0.0.0.0"
-    vllm_server_port: int = 8000
-    vllm_server_timeout: float = 240.0
-    vllm_weight_sync_timeout: float = 1800.0
-    vllm_group_port: int = 51216
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_tensor_parallel_size: int = 1
-    vllm_max_model_length: int | None = None
-    vllm_enable_sleep_mode: bool = False
-    vllm_model_impl: str = "vllm"
+    use_vllm: bool  # no defaults here: the knobs' one definition is SamplingModule's signature
+    vllm_mode: str
+    vllm_server_base_url: str | None
+    vllm_server_host: str
+    vllm_server_port: int
+    vllm_server_timeout: float
+    vllm_weight_sync_timeout: float
+    vllm_group_port: int
+    vllm_gpu_memory_utilization: float
+    vllm_tensor_parallel_size: int
+    vllm_max_model_length: int | None
+    vllm_enable_sleep_mode: bool
+    vllm_model_impl: str
 
     @classmethod
     def of(cls, module: Any) -> "VLLMConfig":
         """The knobs of ``module`` (its hyper-parameters), the memory share resolved to the method's default."""
         hp = module.hparams
-        knobs = {f.name: hp[f.name] for f in fields(cls) if f.name in hp}
+        knobs = {f.name: hp[f.name] for f in fields(cls)}
         if knobs.get("vllm_gpu_memory_utilization") is None:
             knobs["vllm_gpu_memory_utilization"] = type(module).vllm_gpu_memory_utilization_default
         return cls(**knobs)
@@ -71,6 +71,8 @@ class VLLMConfig:
     @property
     def server_url(self) -> str:
         return self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
+
+
 # transformers GenerationConfig fields (our generation_kwargs) with a vLLM SamplingParams equivalent
 GENERATION_KWARGS_TO_VLLM = {"min_new_tokens": "min_tokens", "presence_penalty": "presence_penalty",
                              "frequency_penalty": "frequency_penalty"}

@@ -252,3 +252,26 @@ def test_a_token_the_engine_gave_no_log_prob_for_takes_the_students(tiny_dir):
     expected, _ = module.distill_loss({**rows, "sampling_logps": filled})
     assert torch.isfinite(loss) and torch.equal(loss, expected)
     assert not torch.equal(module.distill_loss({**rows, "sampling_logps": engine})[0], expected)  # the value matters
+
+
+@pytest.mark.gpu
+def test_distill_on_real_colocated_engines(tiny_dir, data_dir, teacher_dir, tmp_path):
+    """Real vLLM on a GPU (never run on this project's CPU machines): the student and a seq_kd teacher each on a
+    colocated engine, four optimizer steps, every batch's completions sampled by one of them."""
+    pytest.importorskip("vllm")
+    from lightalign import DistillModule
+    from lightalign.hub import load_tokenizer
+
+    torch.manual_seed(0)
+    load_causal_lm(str(tiny_dir), from_config=True).save_pretrained(tmp_path)  # the student, with weights
+    load_tokenizer(str(tiny_dir)).save_pretrained(tmp_path)
+    module = DistillModule(str(tmp_path), teacher_model_name_or_path=str(teacher_dir), lmbda=0.5, seq_kd=True,
+                           max_completion_length=5, use_vllm=True, vllm_gpu_memory_utilization=0.2,
+                           vllm_max_model_length=128)
+    record = Record("completions")
+    trainer = L.Trainer(accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, max_steps=4,
+                        callbacks=[record])
+    trainer.fit(module, _data(tiny_dir, data_dir))
+    assert len(record.rows) == 4 and set(record.sources) <= {"student", "teacher"}
+    assert all(rows["completion_mask"].sum() > 0 for rows in record.rows)
