@@ -220,8 +220,11 @@ def test_vllm_and_iw_opd_refusals_before_the_model_loads(tiny_dir, monkeypatch, 
 
 
 def test_the_engine_memory_share_defaults_to_the_methods_trl_default(tiny_dir):
+    from lightalign import GRPOModule
     from lightalign.modules.generation.vllm import VLLMConfig
 
+    grpo = GRPOModule(str(tiny_dir), from_config=True, reward_funcs=[length_reward])
+    assert VLLMConfig.of(grpo).vllm_gpu_memory_utilization == 0.3  # GRPOConfig's, as before the knob moved
     assert VLLMConfig.of(_distill(tiny_dir)).vllm_gpu_memory_utilization == 0.3  # DistillationConfig's
     assert VLLMConfig.of(_online_dpo(tiny_dir)).vllm_gpu_memory_utilization == 0.55  # OnlineDPOConfig's
     assert VLLMConfig.of(_online_dpo(tiny_dir, vllm_gpu_memory_utilization=0.4)).vllm_gpu_memory_utilization == 0.4
