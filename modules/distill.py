@@ -7,7 +7,8 @@ from torch's RNG so a resumed run draws the same), else from the teacher (``seq_
 whole vocabulary (``losses/distill.py``: ``generalized_jsd_loss``, chunked over tokens) or, with
 ``loss_type: on_policy``, the on-policy reverse-KL policy gradient, which reads only the teacher's log-prob of each
 sampled token (``on_policy_distillation_loss``). The pieces are the shared ones: ``SamplingModule`` (the sampling
-knobs, the ``Sampling`` component choosing each model's sampler, the logged statistics: ``sampling/``), the reference
+knobs, the ``Sampling`` component choosing each model's sampler or, with ``use_vllm``, handing it the vLLM engines'
+samplers, the logged statistics: ``sampling/``), the reference
 component's loading, freezing and placement of a separate frozen model and its vocabulary check (``reference/``), the
 RNG state of ``PolicyModule``'s checkpoints.
 """
@@ -21,6 +22,7 @@ import torch
 from lightalign.datamodules.formats import DataFormatError, render_prompt_completion
 from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
+from lightalign.modules.offpolicy.component import MISMATCH_STATS, update_mismatch_stats
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.reference.model import freeze
 from lightalign.modules.reference.vocabulary import check_same_vocabulary, describe_model
@@ -72,7 +74,17 @@ class DistillModule(SamplingModule):
     divergence of the loss type), ``train/student_sampled`` and ``train/teacher_sampled`` (the share of batches whose
     completions the student / the teacher sampled; the rest came from the data), ``train/completions/mean_length``;
     per validation: ``val/divergence`` (the student-teacher divergence of the loss type on the student's own samples
-    of the held prompts) and ``val/completions/mean_length``.
+    of the held prompts) and ``val/completions/mean_length``. With ``use_vllm`` also, on the batches the student's
+    engine sampled: ``train/sampling/sampling_logp_difference/mean`` and ``/max`` and ``train/sampling/kl`` (how
+    far the engine's log-probs of its tokens are from the student's, as online RL logs them).
+
+    With ``use_vllm`` (``SamplingModule``'s knobs, docs/vllm.md) the student's completions come from a vLLM engine
+    holding its weights (pushed at fit start and after every optimizer step) and, with ``seq_kd``, the teacher's
+    from a second engine given the teacher's weights once (``vllm_mode: colocate`` only). The engine is not the
+    student to the last bit, so its samples are slightly off-policy; as TRL 1.16 does (``DistillationTrainer``,
+    ``IWOPDTrainer``), no importance-sampling ratio corrects that: ``gkd`` compares the two distributions at every
+    position whoever sampled, and ``on_policy``'s advantage takes the engine's log-prob of each token as the
+    sampler's (TRL's ``rollout_logprobs``; a token the engine gave none for takes the student's).
 
     Args:
         teacher_model_name_or_path: the teacher: a hub name or a local folder with ``config.json`` and weights.
@@ -101,9 +113,13 @@ class DistillModule(SamplingModule):
         loss_chunk_size: tokens per chunk of the vocabulary-wide divergence (memory only, not the result).
         disable_dropout: set every dropout probability of the student to 0 (TRL GKD's default; the teacher is
             always in eval mode).
+        iw_opd_gamma: ``on_policy`` only: IW-OPD's weighting (TRL's ``IWOPDConfig.iw_opd_gamma``): each token's
+            advantage times ``1 + gamma (1 - share of the sequence's accumulated |advantage| before it)``, so the
+            tokens before the student strays get more weight. 0 is plain on-policy distillation (TRL's
+            ``IWOPDTrainer`` defaults to 0.5: set that for its IW-OPD).
         **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
-            ``generation_kwargs``, ``generation_backend``: ``SamplingModule``) and ``PolicyModule`` arguments (model,
-            LoRA, optimizer, schedule).
+            ``generation_kwargs``, ``generation_backend``, ``use_vllm`` and the ``vllm_*`` engine knobs:
+            ``SamplingModule``) and ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
     # TRL names of knobs this module spells otherwise
@@ -129,6 +145,7 @@ class DistillModule(SamplingModule):
         max_completion_length: int = 128,
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         disable_dropout: bool = True,
+        iw_opd_gamma: float = 0.0,
         **kwargs: Any,
     ) -> None:
         self.refuse_unknown_knobs(kwargs)
@@ -145,6 +162,21 @@ class DistillModule(SamplingModule):
                              "dataset completions.")
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must lie in [0, 1] (0 = forward KL, 1 = reverse KL, 0.5 = JSD), got {beta}.")
+        if not 0.0 <= iw_opd_gamma < float("inf"):
+            raise ValueError(f"iw_opd_gamma must be a finite number >= 0 (0: plain on-policy distillation), got "
+                             f"{iw_opd_gamma}.")
+        if iw_opd_gamma and loss_type != "on_policy":
+            raise ValueError(f"iw_opd_gamma={iw_opd_gamma} weights the per-token advantages of loss_type 'on_policy'; "
+                             f"loss_type {loss_type!r} has none. Set loss_type: on_policy, or drop iw_opd_gamma.")
+        if kwargs.get("use_vllm") and seq_kd:
+            if kwargs.get("vllm_mode", "colocate") == "server":
+                raise ValueError("seq_kd with use_vllm samples the teacher's completions on a vLLM engine of its own, "
+                                 "which lightalign builds colocated only (the server holds the student): use "
+                                 "vllm_mode: colocate, or seq_kd: false.")
+            if teacher_model is not None or (teacher_model_init_kwargs or {}).get("quantization_config") is not None:
+                raise ValueError("seq_kd with use_vllm loads the teacher into a vLLM engine from "
+                                 "teacher_model_name_or_path in full precision: give the teacher by its folder or hub "
+                                 "name, without a quantization_config, or set seq_kd: false.")
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1 token, got {loss_chunk_size}.")
         if teacher_model is None and not teacher_model_name_or_path:
@@ -164,7 +196,7 @@ class DistillModule(SamplingModule):
             self.teacher = freeze(teacher_model)
         self.check_vocabularies()  # from the configs: before any weights load
         self.train_stats = StatMetrics(("loss", "divergence", "student_sampled", "teacher_sampled",
-                                        "completions/mean_length"))
+                                        "completions/mean_length", *(MISMATCH_STATS if self.hparams.use_vllm else ())))
         self.eval_stats = StatMetrics(("divergence", "completions/mean_length"))
         self.last_source: str | None = None  # who wrote the last training batch's completions (tests, logs)
 
@@ -223,6 +255,12 @@ class DistillModule(SamplingModule):
     def sampler_model(self, who: str) -> torch.nn.Module:
         return self.model if who == "student" else self.teacher_eval()
 
+    def vllm_models(self) -> list[tuple[str, torch.nn.Module, str | None, bool]]:
+        """The student's engine (its weights pushed after every optimizer step) and, with ``seq_kd``, the frozen
+        teacher's (its weights pushed once)."""
+        teacher = [("teacher", self.teacher_eval(), self.hparams.teacher_model_name_or_path, False)]
+        return [("student", self.model, self.model_name_or_path, True), *(teacher if self.hparams.seq_kd else [])]
+
     # ------------------------------------------------------------------------------------- completions
     def draw_source(self) -> str:
         """Who writes this batch's completions: the student with probability ``lmbda`` (torch's RNG), else the
@@ -236,8 +274,14 @@ class DistillModule(SamplingModule):
         return "teacher" if hp.seq_kd else "data"
 
     def sample(self, who: str, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        rollout = self.sampling.sample(self.sampler_model(who), self.tokenizer, batch, 1, who=who)
-        return {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        """One completion per prompt from ``who``; the student's engine (``use_vllm``) also gives its log-probs of
+        the sampled tokens (``sampling_logps``)."""
+        engine = who == "student" and who in self.sampling.engines
+        rollout = self.sampling.sample(self.sampler_model(who), self.tokenizer, batch, 1, who=who,
+                                       **({"return_logprobs": True} if engine else {}))
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *(("sampling_logps",) if engine
+                                                                                    else ()))
+        return {k: rollout[k] for k in keys}
 
     def data_completions(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         completions = batch["columns"].get("completion")
@@ -257,24 +301,37 @@ class DistillModule(SamplingModule):
         return self.sample(source, batch)
 
     # ------------------------------------------------------------------------------------- loss
-    def distill_loss(self, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def distill_loss(self, rows: dict[str, torch.Tensor], stats: torch.nn.ModuleDict | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss of the rows, its per-token divergence, detached): the student's forward with gradients (when
-        enabled), the teacher's without, on the same rows; only the completion tokens count."""
+        enabled), the teacher's without, on the same rows; only the completion tokens count. Rows an engine sampled
+        (``sampling_logps``) log the engine-student mismatch in ``stats``; ``on_policy`` takes the engine's
+        log-probs as the sampler's."""
         hp = self.hparams
         mask = rows["completion_mask"].bool()
         with self.training_forward_context():
             student_logits = completion_logits(self.model, rows)
         with torch.no_grad():
             teacher_logits = completion_logits(self.teacher_eval(), rows)
+        ids = rows["completion_ids"]
+        sampler_logps = None
+        if "sampling_logps" in rows:
+            with torch.no_grad():
+                own = selective_log_softmax(student_logits.detach() / hp.temperature, ids)
+            engine = rows["sampling_logps"].to(own.dtype)
+            sampler_logps = torch.where(torch.isnan(engine), own, engine)  # a token the engine gave none for: own
+            if stats is not None:
+                update_mismatch_stats(stats, own, engine, mask)
         if hp.loss_type == "gkd":
             loss = generalized_jsd_loss(student_logits, teacher_logits, mask, beta=hp.beta,
                                         temperature=hp.temperature, chunk_size=hp.loss_chunk_size)
             return loss, loss.detach()
-        ids = rows["completion_ids"]
         student_logps = selective_log_softmax(student_logits / hp.temperature, ids)
         with torch.no_grad():
             teacher_logps = selective_log_softmax(teacher_logits / hp.temperature, ids)
-        advantages = on_policy_distillation_advantages(student_logps.detach(), teacher_logps, mask)
+        advantages = on_policy_distillation_advantages(
+            student_logps.detach() if sampler_logps is None else sampler_logps, teacher_logps, mask,
+            iw_opd_gamma=hp.iw_opd_gamma)
         loss = on_policy_distillation_loss(student_logps, advantages, mask)
         reverse_kl = -(advantages * mask).sum() / mask.sum().clamp(min=1)  # per-token estimate of KL(student||teacher)
         return loss, reverse_kl
@@ -285,8 +342,8 @@ class DistillModule(SamplingModule):
         self.last_source = source
         self.last_batch_tokens = int(rows["prompt_mask"].sum() + rows["completion_mask"].sum())  # throughput
         self.last_batch_samples = int(rows["completion_ids"].shape[0])
-        loss, divergence = self.distill_loss(rows)
         stats = self.train_stats
+        loss, divergence = self.distill_loss(rows, stats)
         stats["loss"].update(loss.detach())
         stats["divergence"].update(divergence)
         stats["student_sampled"].update(float(source == "student"))

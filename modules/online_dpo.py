@@ -135,14 +135,21 @@ class OnlineDPOModule(SamplingModule):
             ``quantization_config``).
         disable_dropout: set every dropout probability of the policy to 0 (TRL's default).
         **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
-            ``generation_kwargs``, ``generation_backend``: ``SamplingModule``) and ``PolicyModule`` arguments (model,
-            LoRA, optimizer, schedule).
+            ``generation_kwargs``, ``generation_backend``, ``use_vllm`` and the ``vllm_*`` engine knobs:
+            ``SamplingModule``; ``vllm_gpu_memory_utilization`` defaults to TRL ``OnlineDPOConfig``'s 0.55) and
+            ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
+
+    With ``use_vllm`` the policy's two completions per prompt come from a vLLM engine holding its weights (pushed at
+    fit start and after every optimizer step; docs/vllm.md); the loss reads the policy's own log-probs of them, as
+    TRL's does, with no importance-sampling correction for the engine not being the policy to the last bit. The
+    reference's completions of the win rate (validation, with a judge) are sampled with transformers.
     """
 
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
     progress_stats = ("loss", "reward/mean")
     summary_stats = {"win_rate": "max"}  # the run summary's lines beyond the shared ones (callbacks/summary.py)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"reward_funcs", "judge"}
+    vllm_gpu_memory_utilization_default = 0.55  # TRL's OnlineDPOConfig
 
     def __init__(
         self,

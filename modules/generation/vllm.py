@@ -1,13 +1,16 @@
-"""Rollouts sampled by vLLM (``use_vllm``), for GPU users: a colocated ``vllm.LLM`` in the training process, or a
-``vllm serve`` server reached over HTTP, with the policy's weights pushed to the engine after each optimizer step.
+"""Completions sampled by vLLM (``use_vllm``), for GPU users: a colocated ``vllm.LLM`` in the training process, or a
+``vllm serve`` server reached over HTTP, with the trained model's weights pushed to the engine after each optimizer
+step. Every sampling method takes it (``SamplingModule``: GRPO, RLOO, PPO, distillation, online DPO).
 
-Knob names and defaults are TRL 1.16's (``GRPOConfig``): ``use_vllm``, ``vllm_mode`` (``colocate`` | ``server``),
-``vllm_server_base_url`` / ``vllm_server_host`` / ``vllm_server_port`` / ``vllm_server_timeout`` /
-``vllm_group_port`` (server), ``vllm_gpu_memory_utilization`` / ``vllm_tensor_parallel_size`` /
-``vllm_max_model_length`` / ``vllm_enable_sleep_mode`` / ``vllm_model_impl`` (colocate). The code is ours.
+Knob names and defaults are TRL 1.16's (``GRPOConfig``, ``DistillationConfig``, ``OnlineDPOConfig``): ``use_vllm``,
+``vllm_mode`` (``colocate`` | ``server``), ``vllm_server_base_url`` / ``vllm_server_host`` / ``vllm_server_port`` /
+``vllm_server_timeout`` / ``vllm_group_port`` (server), ``vllm_gpu_memory_utilization`` /
+``vllm_tensor_parallel_size`` / ``vllm_max_model_length`` / ``vllm_enable_sleep_mode`` / ``vllm_model_impl``
+(colocate); ``vllm_weight_sync_timeout`` is TRL async GRPO's ``weight_sync_timeout``. The code is ours.
 
 The pieces, each usable alone:
 
+* ``VLLMConfig``: the engine knobs of a run, as one object (``SamplingModule`` declares and describes them once);
 * ``check_vllm_knobs``: construction-time validation (a CPU machine is refused with the CPU alternative);
 * ``vllm_sampling_params``: our sampling knobs as vLLM ``SamplingParams`` fields (a pure function);
 * ``vllm_weight_name`` / ``vllm_weights``: the policy's parameters under the names vLLM's ``load_weights``
@@ -25,6 +28,7 @@ has run against a real engine on this project's CPU machines: see docs/vllm.md f
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, fields
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -33,13 +37,42 @@ from lightalign.modules.generation.samplers import Samples
 
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
-# TRL 1.16's defaults (GRPOConfig)
-VLLM_DEFAULTS: dict[str, Any] = {
-    "use_vllm": False, "vllm_mode": "colocate", "vllm_model_impl": "vllm", "vllm_enable_sleep_mode": False,
-    "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000,
-    "vllm_server_timeout": 240.0, "vllm_group_port": 51216, "vllm_gpu_memory_utilization": 0.3,
-    "vllm_max_model_length": None, "vllm_tensor_parallel_size": 1,
-}
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """A run's vLLM engine knobs (``SamplingModule``'s ``use_vllm`` and ``vllm_*``; the module's hyper-parameters,
+    read at fit start by ``VLLMConfig.of``). ``vllm_gpu_memory_utilization`` is resolved: the method's TRL default
+    (``SamplingModule.vllm_gpu_memory_utilization_default``) when the knob is null."""
+
+    use_vllm: bool  # no defaults here: the knobs' one definition is SamplingModule's signature
+    vllm_mode: str
+    vllm_server_base_url: str | None
+    vllm_server_host: str
+    vllm_server_port: int
+    vllm_server_timeout: float
+    vllm_weight_sync_timeout: float
+    vllm_group_port: int
+    vllm_gpu_memory_utilization: float
+    vllm_tensor_parallel_size: int
+    vllm_max_model_length: int | None
+    vllm_enable_sleep_mode: bool
+    vllm_model_impl: str
+
+    @classmethod
+    def of(cls, module: Any) -> "VLLMConfig":
+        """The knobs of ``module`` (its hyper-parameters), the memory share resolved to the method's default."""
+        hp = module.hparams
+        knobs = {f.name: hp[f.name] for f in fields(cls)}
+        if knobs.get("vllm_gpu_memory_utilization") is None:
+            knobs["vllm_gpu_memory_utilization"] = type(module).vllm_gpu_memory_utilization_default
+        return cls(**knobs)
+
+    @property
+    def server_url(self) -> str:
+        return self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
+
+
 # transformers GenerationConfig fields (our generation_kwargs) with a vLLM SamplingParams equivalent
 GENERATION_KWARGS_TO_VLLM = {"min_new_tokens": "min_tokens", "presence_penalty": "presence_penalty",
                              "frequency_penalty": "frequency_penalty"}
@@ -47,18 +80,19 @@ INSTALL_HINT = "pip install 'lightalign[vllm]' (on a machine with a CUDA GPU)"
 
 
 def check_vllm_knobs(use_vllm: bool = False, vllm_mode: str = "colocate", vllm_model_impl: str = "vllm",
-                     vllm_gpu_memory_utilization: float = 0.3, vllm_tensor_parallel_size: int = 1,
+                     vllm_gpu_memory_utilization: float | None = 0.3, vllm_tensor_parallel_size: int = 1,
                      vllm_max_model_length: int | None = None, vllm_server_port: int = 8000,
                      vllm_group_port: int = 51216, vllm_server_timeout: float = 240.0,
                      vllm_weight_sync_timeout: float = 1800.0,
                      generation_kwargs: dict[str, Any] | None = None, cache_implementation: str | None = None,
                      cuda_available: bool | None = None, **_: Any) -> None:
-    """The vLLM knobs of GRPOModule / RLOOModule, checked at construction (before any model is loaded)."""
+    """The vLLM knobs of a sampling method (``SamplingModule``), checked at construction (before any model is
+    loaded). ``vllm_gpu_memory_utilization`` None: the method's default."""
     if vllm_mode not in VLLM_MODES:
         raise ValueError(f"vllm_mode={vllm_mode!r} is unknown; use one of {list(VLLM_MODES)}.")
     if vllm_model_impl not in VLLM_MODEL_IMPLS:
         raise ValueError(f"vllm_model_impl={vllm_model_impl!r} is unknown; use one of {list(VLLM_MODEL_IMPLS)}.")
-    if not 0.0 < vllm_gpu_memory_utilization <= 1.0:
+    if vllm_gpu_memory_utilization is not None and not 0.0 < vllm_gpu_memory_utilization <= 1.0:
         raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {vllm_gpu_memory_utilization}.")
     if vllm_tensor_parallel_size < 1:
         raise ValueError(f"vllm_tensor_parallel_size must be >= 1, got {vllm_tensor_parallel_size}.")
@@ -76,7 +110,7 @@ def check_vllm_knobs(use_vllm: bool = False, vllm_mode: str = "colocate", vllm_m
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     if not cuda:
         raise ValueError("use_vllm: true needs a CUDA GPU (vLLM generates on GPUs) and this machine has none. On CPU "
-                         "leave use_vllm: false: rollouts are sampled with transformers (share_prefill on by default).")
+                         "leave use_vllm: false: completions are sampled with transformers (generation_backend).")
     if vllm_mode == "colocate" and vllm_tensor_parallel_size > 1:
         raise ValueError(f"vllm_tensor_parallel_size={vllm_tensor_parallel_size} with vllm_mode: colocate is not built "
                          "in lightalign; use vllm_mode: server and start the server with "

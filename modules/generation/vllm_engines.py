@@ -7,9 +7,10 @@
   from its ``/v1/completions`` route (prompts as token ids, token ids back), weights go over vLLM's NCCL
   weight-transfer group (the trainer is rank 0, the server's workers follow).
   Every rank asks for its own prompts' completions; rank 0 alone pushes weights.
-* ``VLLMRollouts``: a Lightning callback (``GRPOModule.configure_callbacks`` adds it when ``use_vllm`` is on):
-  builds the engine at fit start, pushes the policy's weights then and after every optimizer step, and sets
-  the module's sampler (``module.external_sampler``), which the rollout samples through.
+* ``VLLMRollouts``: a Lightning callback (``SamplingModule.configure_callbacks`` adds it when ``use_vllm`` is on):
+  builds an engine per model that samples at fit start (the policy or student; a ``seq_kd`` teacher), pushes its
+  weights then (and, for the model being trained, after every optimizer step), and hands the module's ``Sampling``
+  component their samplers, which its completions are sampled through.
 
 Both engines' ``generate(prompts, params) -> (completions, logps)``: the token ids of ``params["n"]`` completions
 per prompt (prompt-major) and, when ``params`` asks for ``logprobs``, each sampled token's log-prob in the
@@ -36,7 +37,8 @@ import torch
 
 from lightalign.modules.generation.generate import SAMPLING_KNOBS
 from lightalign.modules.generation.samplers import Sampler
-from lightalign.modules.generation.vllm import INSTALL_HINT, padded_completions, vllm_sampling_params, vllm_weights
+from lightalign.modules.generation.vllm import (INSTALL_HINT, VLLMConfig, padded_completions, vllm_sampling_params,
+                                                vllm_weights)
 
 
 def _import_vllm():
@@ -294,53 +296,71 @@ class VLLMSampler(Sampler):
         self.pushed_step = step
 
 
-def build_engine(module: Any, trainer: L.Trainer) -> Any:
-    hp = module.hparams
-    if hp.vllm_mode == "server":
-        base_url = hp.vllm_server_base_url or f"http://{hp.vllm_server_host}:{hp.vllm_server_port}"
-        return ServerEngine(base_url, group_port=hp.vllm_group_port, timeout=hp.vllm_server_timeout,
-                            sender=trainer.global_rank == 0, weight_sync_timeout=hp.vllm_weight_sync_timeout)
+def build_engine(module: Any, trainer: L.Trainer, who: str = "policy", model_path: str | None = None) -> Any:
+    """The engine ``who`` samples through (``SamplingModule.vllm_models``): the server (server mode), or a colocated
+    ``vllm.LLM`` loaded from ``model_path`` (default: the module's model) in the model's dtype."""
+    config = VLLMConfig.of(module)
+    if config.vllm_mode == "server":
+        return ServerEngine(config.server_url, group_port=config.vllm_group_port, timeout=config.vllm_server_timeout,
+                            sender=trainer.global_rank == 0, weight_sync_timeout=config.vllm_weight_sync_timeout)
     if trainer.world_size > 1:  # vLLM's external launcher reads the rendezvous Lightning set up
         os.environ.setdefault("RANK", str(trainer.global_rank))
         os.environ.setdefault("LOCAL_RANK", str(trainer.local_rank))
         os.environ.setdefault("WORLD_SIZE", str(trainer.world_size))
-    dtype = str(next(module.model.parameters()).dtype).removeprefix("torch.")
-    return ColocatedEngine(module.model_name_or_path, gpu_memory_utilization=hp.vllm_gpu_memory_utilization,
-                           max_model_length=hp.vllm_max_model_length, enable_sleep_mode=hp.vllm_enable_sleep_mode,
-                           model_impl=hp.vllm_model_impl, seed=trainer.global_rank, dtype=dtype,
-                           trust_remote_code=bool(hp.get("trust_remote_code", False)),
+    model = {name: m for name, m, _, _ in module.vllm_models()}[who]
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return ColocatedEngine(model_path or module.model_name_or_path,
+                           gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                           max_model_length=config.vllm_max_model_length,
+                           enable_sleep_mode=config.vllm_enable_sleep_mode, model_impl=config.vllm_model_impl,
+                           seed=trainer.global_rank, dtype=dtype,
+                           trust_remote_code=bool(module.hparams.get("trust_remote_code", False)),
                            distributed=trainer.world_size > 1)
 
 
-def push_weights(sampler: VLLMSampler, trainer: L.Trainer, module: Any) -> None:
-    """The policy's weights into the engine (rank 0 sends; every rank waits until they are in)."""
-    sampler.push(module.model, trainer.global_step, sender=trainer.global_rank == 0)
+def push_weights(sampler: VLLMSampler, trainer: L.Trainer, module: Any, model: torch.nn.Module | None = None) -> None:
+    """``model``'s weights (default: the module's policy) into the engine (rank 0 sends; every rank waits until they
+    are in)."""
+    sampler.push(module.model if model is None else model, trainer.global_step, sender=trainer.global_rank == 0)
     if trainer.world_size > 1:
         trainer.strategy.barrier("vllm_weights")  # no rank samples before the new weights are in
 
 
 class VLLMRollouts(L.Callback):
-    """Builds the vLLM engine at fit start, pushes the policy's weights to it then and after every optimizer step
-    (so each rollout is sampled by the policy being trained), and routes the module's sampling through it. With
-    rollouts sampled ahead (``max_staleness``) the off-policy component pushes instead, between rollouts
+    """Builds a vLLM engine per model that samples (``module.vllm_models()``: the policy or student; a ``seq_kd``
+    teacher) at fit start and pushes its weights then; the model being trained gets its weights pushed again after
+    every optimizer step (so each sampling is by the model being trained), a frozen one never again. The module's
+    ``Sampling`` component samples through them for the fit (``Sampling.use_engine``). With rollouts sampled ahead
+    (``max_staleness``) the off-policy component pushes instead, between rollouts
     (``modules/offpolicy/engine_ahead.py``).
 
-    ``engine_factory(module, trainer)``: how the engine is made (default: this module's ``build_engine``, looked up
-    at fit start; tests pass or patch in a fake)."""
+    ``engine_factory(module, trainer, who, model_path)``: how an engine is made (default: this module's
+    ``build_engine``, looked up at fit start; tests pass or patch in a fake)."""
 
     def __init__(self, engine_factory=None) -> None:
         self.engine_factory = engine_factory
-        self.sampler: VLLMSampler | None = None
+        self.sampler: VLLMSampler | None = None  # the trained model's
+        self.followers: list[tuple[VLLMSampler, torch.nn.Module]] = []  # (sampler, model) of the models in training
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
-        self.sampler = VLLMSampler((self.engine_factory or build_engine)(module, trainer))
-        module.external_sampler = self.sampler
-        push_weights(self.sampler, trainer, module)
+        factory = self.engine_factory or build_engine
+        mode = module.hparams.get("vllm_mode", "colocate")
+        self.followers = []
+        for who, model, path, follows in module.vllm_models():
+            sampler = VLLMSampler(factory(module, trainer, who, path))
+            push_weights(sampler, trainer, module, model)
+            module.sampling.use_engine(who, sampler, f"sampler vllm (use_vllm, vllm_mode {mode})")
+            if follows:
+                self.followers.append((sampler, model))
+        self.sampler = self.followers[0][0] if self.followers else None
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        ahead = module.off_policy is not None and module.off_policy.max_staleness > 0
-        if self.sampler is not None and not ahead and self.sampler.pushed_step != trainer.global_step:
-            push_weights(self.sampler, trainer, module)  # an optimizer step ran
+        off_policy = getattr(module, "off_policy", None)
+        if off_policy is not None and off_policy.max_staleness > 0:
+            return
+        for sampler, model in self.followers:
+            if sampler.pushed_step != trainer.global_step:
+                push_weights(sampler, trainer, module, model)  # an optimizer step ran
 
     def on_fit_end(self, trainer: L.Trainer, module: Any) -> None:
-        module.external_sampler = None
+        module.sampling.release()

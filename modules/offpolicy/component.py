@@ -34,6 +34,15 @@ RATIO_STATS = ("sampling/importance_sampling_ratio/min", "sampling/importance_sa
 AHEAD_STATS = ("sampling/staleness", "sampling/wait_seconds")
 
 
+def update_mismatch_stats(stats: Any, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
+                          mask: torch.Tensor) -> None:
+    """Update ``MISMATCH_STATS`` in ``stats`` (a ``StatMetrics``) with how far the sampler's log-probs of its tokens
+    are from the trainer's (``correction.sampling_mismatch``)."""
+    mismatch = sampling_mismatch(trainer_logps, sampler_logps, mask)
+    for name, key in zip(MISMATCH_STATS, ("logp_difference_mean", "logp_difference_max", "kl")):
+        stats[metric_key(name)].update(mismatch[key])
+
+
 def optimizer_steps_per_rollout(micro_batches: int, passes: int, accumulate: int) -> int | None:
     """Optimizer steps one rollout trains (None when a step straddles two rollouts)."""
     calls = micro_batches * passes
@@ -228,10 +237,7 @@ class OffPolicyRollouts:
         mask, sampler = mb["completion_mask"], mb["sampling_logps"]
         policy = mb["old_logps"] if "old_logps" in mb else logps.detach()
         stats = module.train_stats
-        mismatch = sampling_mismatch(policy, sampler, mask)
-        stats[metric_key("sampling/sampling_logp_difference/mean")].update(mismatch["logp_difference_mean"])
-        stats[metric_key("sampling/sampling_logp_difference/max")].update(mismatch["logp_difference_max"])
-        stats[metric_key("sampling/kl")].update(mismatch["kl"])
+        update_mismatch_stats(stats, policy, sampler, mask)
         if not self.correction:
             return None
         ratio, ratio_stats = importance_sampling_ratio(policy, sampler, mask, self.mode, self.clip_min, self.clip_max)

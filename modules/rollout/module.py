@@ -22,7 +22,6 @@ import torch
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
 from lightalign.modules.generation.sampling import sample_completions
-from lightalign.modules.generation.vllm import check_vllm_knobs
 from lightalign.modules.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout
@@ -90,25 +89,6 @@ class OnlineRLModule(SamplingModule):
         ref_model_init_kwargs: ``from_pretrained`` arguments of the reference (e.g. an 8/4-bit
             ``quantization_config``); with them alone the policy's checkpoint is loaded again that way.
         log_entropy: log the mean token entropy of the policy on its completions.
-        use_vllm: sample rollouts with vLLM on a GPU (TRL's names and defaults for every ``vllm_*`` knob;
-            ``generation/vllm.py``, docs/vllm.md). Refused without CUDA.
-        vllm_mode: ``colocate`` (a ``vllm.LLM`` inside each training process, on its GPU) or ``server`` (a
-            separate ``vllm serve``).
-        vllm_server_base_url: server mode: the server's URL (e.g. ``http://10.0.0.2:8000``); default
-            ``http://{vllm_server_host}:{vllm_server_port}``.
-        vllm_server_host: server mode: the server's host.
-        vllm_server_port: server mode: the server's port.
-        vllm_server_timeout: server mode: seconds to wait for each HTTP request.
-        vllm_weight_sync_timeout: server mode: seconds a weight push (and the weight-transfer set-up) may take
-            before the run stops with an error naming the server, instead of hanging (TRL's async GRPO:
-            ``weight_sync_timeout``).
-        vllm_group_port: server mode: the port of the NCCL weight-transfer group.
-        vllm_gpu_memory_utilization: colocate mode: the share of the GPU vLLM takes (weights and KV cache).
-        vllm_tensor_parallel_size: colocate mode: only 1 is built; larger: server mode with
-            ``vllm serve --tensor-parallel-size N``.
-        vllm_max_model_length: colocate mode: vLLM's ``max_model_len`` (default: the model's).
-        vllm_enable_sleep_mode: colocate mode: vLLM releases its memory between rollouts.
-        vllm_model_impl: colocate mode: ``vllm`` or ``transformers`` model code inside vLLM.
         vllm_importance_sampling_correction: when the rollouts are not sampled by the policy being trained
             (``use_vllm``, or GRPO's and RLOO's ``max_staleness > 0``), weight the policy term of the loss by the
             importance-sampling ratio ``pi_policy / pi_sampler`` of the sampled tokens at rollout time (TRL's name
@@ -124,8 +104,8 @@ class OnlineRLModule(SamplingModule):
         vllm_importance_sampling_clip_max: the ratio's upper bound (None: none; TRL's former name:
             ``vllm_importance_sampling_cap``).
         **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
-            ``generation_kwargs``, ``generation_backend``: ``SamplingModule``) and ``PolicyModule`` arguments (model,
-            LoRA, optimizer, schedule).
+            ``generation_kwargs``, ``generation_backend``, ``use_vllm`` and the ``vllm_*`` engine knobs:
+            ``SamplingModule``) and ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
     min_generations = 2  # completions per prompt a method's advantage needs
@@ -161,19 +141,6 @@ class OnlineRLModule(SamplingModule):
         ref_model_name_or_path: str | None = None,
         ref_model_init_kwargs: dict[str, Any] | None = None,
         log_entropy: bool = True,
-        use_vllm: bool = False,
-        vllm_mode: Literal["colocate", "server"] = "colocate",
-        vllm_server_base_url: str | None = None,
-        vllm_server_host: str = "0.0.0.0",
-        vllm_server_port: int = 8000,
-        vllm_server_timeout: float = 240.0,
-        vllm_weight_sync_timeout: float = 1800.0,
-        vllm_group_port: int = 51216,
-        vllm_gpu_memory_utilization: float = 0.3,
-        vllm_tensor_parallel_size: int = 1,
-        vllm_max_model_length: int | None = None,
-        vllm_enable_sleep_mode: bool = False,
-        vllm_model_impl: Literal["vllm", "transformers"] = "vllm",
         vllm_importance_sampling_correction: bool = True,
         vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
                                                "sequence_mask"] = "sequence_mask",
@@ -191,16 +158,10 @@ class OnlineRLModule(SamplingModule):
                              "embeddings in train-mode forwards only, so the rollout's log-probs (sampling policy, "
                              "reference) and the training forward would differ by that noise (a KL and a ratio that "
                              "are not 0 at step 0). It is a regulariser for SFT, DPO and KTO; drop it here.")
-        check_vllm_knobs(use_vllm=use_vllm, generation_kwargs=kwargs.get("generation_kwargs"),
-                         cache_implementation=cache_implementation,
-                         **{k: v for k, v in locals().items() if k.startswith("vllm_")})
         # read by the stages below (sample, the method's loss) and by the statistics; checks its knobs
         object.__setattr__(self, "off_policy", OffPolicyRollouts(
             *self.sampling_ahead, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
             vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max))
-        if use_vllm and (kwargs.get("generation_backend") is not None or use_transformers_continuous_batching):
-            raise ValueError("use_vllm samples with vLLM; generation_backend / use_transformers_continuous_batching "
-                             "pick a transformers backend instead: set only one of them.")
         # the sampling knobs of online RL beyond the shared ones, checked with them by SamplingModule.__init__
         object.__setattr__(self, "sampling_extras", dict(
             cache_implementation=cache_implementation, share_prefill=share_prefill,
@@ -234,12 +195,11 @@ class OnlineRLModule(SamplingModule):
                                    num_shared_layers=self.hparams.get("num_shared_layers"))
         self.generation_count = 0
         self.rollout_buffer = RolloutBuffer()
-        self.external_sampler = None  # set by a callback that owns an engine (vLLM: generation/vllm_engines.py)
         self.last_samples: list[dict[str, Any]] = []
         self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names),
                            *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None),
                            *(TOOL_STATS if self.tool_rollouts is not None else ()),
-                           *self.off_policy.stat_names(use_vllm)]
+                           *self.off_policy.stat_names(self.hparams.use_vllm)]
         self.reward_fallbacks_warned: set[str] = set()  # functions whose first fallback substitution was warned
         self.train_stats = StatMetrics(self.stat_names, nan_strategy="ignore")
         self.eval_stats = StatMetrics(self.stat_names, nan_strategy="ignore")
@@ -324,14 +284,6 @@ class OnlineRLModule(SamplingModule):
             with torch.inference_mode(False):
                 self.ref_model = self.reference.build(self.model, self.model_name_or_path, self.hparams.trust_remote_code)
 
-    def configure_callbacks(self) -> list:
-        callbacks = super().configure_callbacks()
-        if self.hparams.use_vllm:  # the engine, its weight pushes and the sampler (generation/vllm_engines.py)
-            from lightalign.modules.generation.vllm_engines import VLLMRollouts
-
-            callbacks.append(VLLMRollouts())
-        return callbacks
-
     def on_fit_start(self) -> None:
         super().on_fit_start()  # the sampler decided again (fit_start_notes), the layout check, NEFTune when asked
         self.reference.move(self.ref_model, self.device, self.model)
@@ -350,6 +302,11 @@ class OnlineRLModule(SamplingModule):
         hp = self.hparams
         return self.sampling.backend(self.model, largest_group=max(hp.num_generations,
                                                                    hp.num_generations_eval or hp.num_generations))
+
+    @property
+    def external_sampler(self) -> Any:
+        """The policy's engine sampler (``use_vllm``: set by ``VLLMRollouts`` for the fit), else None."""
+        return self.sampling.engines.get("policy")
 
     @property
     def sampling_note(self) -> str:

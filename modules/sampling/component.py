@@ -2,7 +2,9 @@
 
 It chooses the sampler of each model that samples (the policy; a teacher that writes sequences) once per fit
 (``rollout/sampler_choice.py``: measured on the model, refused or stepped back to ``generate`` at fit start, with the
-fit-start note saying which and why), samples with it, and gives validation its own seeded random stream.
+fit-start note saying which and why), samples with it, and gives validation its own seeded random stream. With
+``use_vllm`` the vLLM callback (``generation/vllm_engines.py``) hands it an engine's sampler per model instead
+(``use_engine``), for the fit.
 """
 
 from __future__ import annotations
@@ -24,13 +26,27 @@ class Sampling:
     def __init__(self, config: SamplingConfig) -> None:
         self.config = config
         self.chosen: dict[str, tuple[str, str]] = {}  # who -> (sampler, fit-start note)
+        self.engines: dict[str, Any] = {}  # who -> an engine's Sampler (vLLM), for this fit
 
     def sampling_kwargs(self) -> dict[str, Any]:
         return self.config.sampling_kwargs()
 
     def reset(self) -> None:
-        """Forget the choices: decided again at the next fit start (the models may have changed)."""
-        self.chosen = {}
+        """Forget the choices: decided again at the next fit start (the models may have changed); the engines
+        handed in for this fit stay."""
+        self.chosen = {who: choice for who, choice in self.chosen.items() if who in self.engines}
+
+    def use_engine(self, who: str, sampler: Any, note: str) -> None:
+        """``who`` samples through ``sampler`` (an engine's ``Sampler``) until ``release``; ``note``: its fit-start
+        note."""
+        self.engines[who] = sampler
+        self.chosen[who] = (sampler.name, note)
+
+    def release(self) -> None:
+        """Drop the engines' samplers (fit end): the transformers samplers are chosen again at the next fit."""
+        for who in self.engines:
+            self.chosen.pop(who, None)
+        self.engines = {}
 
     def backend(self, model: torch.nn.Module, who: str = "policy", largest_group: int = 1) -> str:
         """The sampler of ``who``'s completions, decided on ``model`` the first time this fit (``choose_sampler``);
@@ -40,6 +56,11 @@ class Sampling:
         if who not in self.chosen:
             self.chosen[who] = choose_sampler(model, self.config, largest_group)
         return self.chosen[who][0]
+
+    def sampler(self, model: torch.nn.Module, who: str = "policy", largest_group: int = 1) -> Any:
+        """What ``sample_completions`` samples ``who``'s completions with: its engine's sampler, or the name of the
+        transformers sampler chosen on ``model`` (``backend``)."""
+        return self.engines[who] if who in self.engines else self.backend(model, who, largest_group)
 
     def note(self, who: str = "policy") -> str:
         """The fit-start note of ``who``'s sampler ("" before it is chosen)."""
@@ -51,7 +72,7 @@ class Sampling:
         """``num_generations`` completions per prompt of ``batch`` from ``model`` on ``who``'s sampler."""
         from lightalign.modules.generation.sampling import sample_completions
 
-        backend = self.backend(model, who, largest_group or num_generations)
+        backend = self.sampler(model, who, largest_group or num_generations)
         return sample_completions(model, tokenizer, batch, num_generations, backend=backend, **extra,
                                   **self.sampling_kwargs())
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 from lightalign.modules.generation.config import SamplingConfig
+from lightalign.modules.generation.vllm import check_vllm_knobs
 from lightalign.modules.sampling.component import Sampling
 from lightalign.modules.training.policy import PolicyModule
 
@@ -44,6 +45,30 @@ class SamplingModule(PolicyModule):
             the model's probe (``adaptations.check_layout``). Decided at fit start for each model that samples (the
             policy; a ``seq_kd`` teacher separately), and the fit-start line says which and why. An asked backend
             that the probe measures not exact is refused.
+        use_vllm: sample with vLLM on a GPU instead (TRL's names and defaults for every ``vllm_*`` knob;
+            ``generation/vllm.py``, docs/vllm.md): the completions of the model being trained (the policy, the
+            student), its weights pushed to the engine at fit start and after every optimizer step; a ``seq_kd``
+            teacher's through an engine of its own, given its weights once. Refused without CUDA, and with
+            ``generation_backend``.
+        vllm_mode: ``colocate`` (a ``vllm.LLM`` inside each training process, on its GPU) or ``server`` (a
+            separate ``vllm serve``).
+        vllm_server_base_url: server mode: the server's URL (e.g. ``http://10.0.0.2:8000``); default
+            ``http://{vllm_server_host}:{vllm_server_port}``.
+        vllm_server_host: server mode: the server's host.
+        vllm_server_port: server mode: the server's port.
+        vllm_server_timeout: server mode: seconds to wait for each HTTP request.
+        vllm_weight_sync_timeout: server mode: seconds a weight push (and the weight-transfer set-up) may take
+            before the run stops with an error naming the server, instead of hanging (TRL's async GRPO:
+            ``weight_sync_timeout``).
+        vllm_group_port: server mode: the port of the NCCL weight-transfer group.
+        vllm_gpu_memory_utilization: colocate mode: the share of the GPU each vLLM engine takes (weights and KV
+            cache). Default (null): the method's TRL default, 0.3 (GRPO, RLOO, PPO, distillation) or 0.55 (online
+            DPO).
+        vllm_tensor_parallel_size: colocate mode: only 1 is built; larger: server mode with
+            ``vllm serve --tensor-parallel-size N``.
+        vllm_max_model_length: colocate mode: vLLM's ``max_model_len`` (default: the model's).
+        vllm_enable_sleep_mode: colocate mode: vLLM releases its memory between samplings.
+        vllm_model_impl: colocate mode: ``vllm`` or ``transformers`` model code inside vLLM.
         **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
@@ -52,6 +77,7 @@ class SamplingModule(PolicyModule):
     # SamplingConfig knobs a method declares beyond the shared ones (online RL's prefill and cache knobs), set by its
     # __init__ before this one runs
     sampling_extras: dict[str, Any] = {"share_prefill": False}
+    vllm_gpu_memory_utilization_default = 0.3  # TRL's for the method (GRPOConfig, DistillationConfig)
     train_stats: torch.nn.ModuleDict
     eval_stats: torch.nn.ModuleDict
 
@@ -67,12 +93,30 @@ class SamplingModule(PolicyModule):
         repetition_penalty: float = 1.0,
         generation_kwargs: dict[str, Any] | None = None,
         generation_backend: Literal["generate", "continuous", "static", "compact"] | None = None,
+        use_vllm: bool = False,
+        vllm_mode: Literal["colocate", "server"] = "colocate",
+        vllm_server_base_url: str | None = None,
+        vllm_server_host: str = "0.0.0.0",
+        vllm_server_port: int = 8000,
+        vllm_server_timeout: float = 240.0,
+        vllm_weight_sync_timeout: float = 1800.0,
+        vllm_group_port: int = 51216,
+        vllm_gpu_memory_utilization: float | None = None,
+        vllm_tensor_parallel_size: int = 1,
+        vllm_max_model_length: int | None = None,
+        vllm_enable_sleep_mode: bool = False,
+        vllm_model_impl: Literal["vllm", "transformers"] = "vllm",
         **kwargs: Any,
     ) -> None:
         config = SamplingConfig.from_knobs(
             max_completion_length=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs,
             generation_backend=generation_backend, **self.sampling_extras)
+        check_vllm_knobs(generation_kwargs=generation_kwargs, cache_implementation=config.cache_implementation,
+                         **{k: v for k, v in locals().items() if k.startswith(("vllm_", "use_vllm"))})
+        if use_vllm and config.backend is not None:
+            raise ValueError("use_vllm samples with vLLM; generation_backend / use_transformers_continuous_batching "
+                             "pick a transformers backend instead: set only one of them.")
         super().__init__(model_name_or_path, **kwargs)
         self.sampling = Sampling(config)
         self.tokenizer: Any = None  # the datamodule's, at setup
@@ -93,6 +137,12 @@ class SamplingModule(PolicyModule):
                         + (f"; {' and '.join(elsewhere)} take it" if elsewhere else "")
                         + f" (`lightalign fit --model.help {name}` lists its knobs).")
 
+    def vllm_models(self) -> list[tuple[str, torch.nn.Module, str | None, bool]]:
+        """With ``use_vllm``: who samples through an engine of its own, as ``(who, model, model folder, follows
+        training)``; a model that follows training has its weights pushed after every optimizer step, the others
+        once at fit start. Default: the policy."""
+        return [("policy", self.model, self.model_name_or_path, True)]
+
     @classmethod
     def methods_with_knob(cls, knob: str) -> list[str]:
         """Sibling methods that declare ``knob`` (named in the refusal; default: none named)."""
@@ -111,6 +161,14 @@ class SamplingModule(PolicyModule):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         prompt = getattr(datamodule, "max_prompt_length", None)
         return "grpo_padded", None if prompt is None else prompt + self.hparams.max_completion_length
+
+    def configure_callbacks(self) -> list:
+        callbacks = super().configure_callbacks()
+        if self.hparams.get("use_vllm"):  # the engines, their weight pushes, their samplers (generation/vllm_engines.py)
+            from lightalign.modules.generation.vllm_engines import VLLMRollouts
+
+            callbacks.append(VLLMRollouts())
+        return callbacks
 
     def on_fit_start(self) -> None:
         self.sampling.reset()  # the samplers are decided again (fit_start_notes): the models may have changed

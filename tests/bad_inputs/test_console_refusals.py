@@ -15,6 +15,10 @@ from helpers import console_script
 
 QUICKSTART = ("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "2")
 GRPO = ("fit", "--config", "configs/grpo_quickstart.yaml", "--trainer.max_steps", "2")
+DISTILL = ("fit", "--config", "configs/distill_quickstart.yaml", "--trainer.max_steps", "2")
+ONLINE_DPO = ("fit", "--config", "configs/online_dpo_quickstart.yaml", "--trainer.max_steps", "2")
+NO_CUDA = ("use_vllm: true needs a CUDA GPU (vLLM generates on GPUs) and this machine has none. On CPU leave "
+           "use_vllm: false: completions are sampled with transformers (generation_backend).")
 
 # (name, arguments, the start of the line after "lightalign: error: "); {tmp} is the test's folder
 CASES = [
@@ -37,13 +41,15 @@ CASES = [
      "temperature must be > 0 (the rollout always samples; the loss divides the logits by it), got -1.0."),
     ("zero completion length", GRPO + ("--model.max_completion_length", "0"),
      "max_completion_length must be >= 1, got 0."),
+    ("distill use_vllm without a GPU", DISTILL + ("--model.use_vllm", "true"), NO_CUDA),
+    ("online dpo use_vllm without a GPU", ONLINE_DPO + ("--model.use_vllm", "true"), NO_CUDA),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, args, expected", CASES, ids=[c[0] for c in CASES])
 def test_console_refusals_are_one_line(repo, tmp_path, name, args, expected):
-    if name == "gpu without a GPU" and torch.cuda.is_available():
+    if "without a GPU" in name and torch.cuda.is_available():
         pytest.skip("a GPU is visible here")
     (tmp_path / "file").write_text("a file where a folder is expected\n")
     args = [a.format(tmp=tmp_path) for a in args]

@@ -194,11 +194,15 @@ def _independent_loss(module, rows, student_state):
         return generalized_jsd_loss(s_logits, t_logits, mask, beta=hp.beta, temperature=hp.temperature)
     s_logps = torch.log_softmax(s_logits / hp.temperature, -1).gather(-1, rows["completion_ids"][..., None])[..., 0]
     t_logps = torch.log_softmax(t_logits / hp.temperature, -1).gather(-1, rows["completion_ids"][..., None])[..., 0]
-    return on_policy_distillation_loss(s_logps, (t_logps - s_logps) * mask, mask)
+    advantages = (t_logps - s_logps) * mask
+    size = advantages.abs()  # IW-OPD: 1 + gamma (1 - |A| accumulated before the token / the sequence's |A|)
+    weights = 1 + hp.iw_opd_gamma * (1 - (size.cumsum(1) - size) / size.sum(1, keepdim=True).clamp(min=1e-8))
+    return on_policy_distillation_loss(s_logps, advantages * weights, mask)
 
 
 @pytest.mark.parametrize("kw", [dict(lmbda=0.0), dict(lmbda=1.0, beta=0.2, temperature=0.7),
-                                dict(loss_type="on_policy")], ids=["data", "student", "on_policy"])
+                                dict(loss_type="on_policy"), dict(loss_type="on_policy", iw_opd_gamma=0.5)],
+                         ids=["data", "student", "on_policy", "iw_opd"])
 def test_training_loss_equals_the_loss_function_on_independent_forwards(tiny_dir, data_dir, teacher_dir, kw):
     module = _module(tiny_dir, teacher_dir, **kw)
     record = Record()

@@ -136,7 +136,7 @@ def test_fit_pushes_weights_after_each_optimizer_step_and_samples_through_the_en
 
     module = grpo_module(max_completion_length=5, temperature=0.9)
     engines = []
-    callback = VLLMRollouts(engine_factory=lambda m, t: engines.append(RecordingEngine(m)) or engines[-1])
+    callback = VLLMRollouts(engine_factory=lambda m, t, *_: engines.append(RecordingEngine(m)) or engines[-1])
     trainer = quiet_trainer(max_steps=3, callbacks=[callback])
     trainer.fit(module, prompt_data())
     engine = engines[0]

@@ -1,10 +1,10 @@
 """``use_vllm: true`` on a CPU machine, with an engine that stands in for vLLM at its ``generate`` boundary (the real
 engine runs only in the ``gpu`` tests; tests/generation/test_vllm.py tests the engines themselves).
 
-``vllm_module(cls, monkeypatch, engines, ...)`` builds an online-RL module with ``use_vllm=True`` (the construction's
-CUDA and vllm-installed checks pass, for that call only) whose ``VLLMRollouts`` callback builds a
-``ShiftedPolicyEngine`` instead of a real engine (appended to ``engines``; ``external_sampler`` is set by the
-callback at fit start, as with a real engine)."""
+``vllm_module(cls, monkeypatch, engines, ...)`` builds a sampling method (online RL, distillation, online DPO) with
+``use_vllm=True`` (the construction's CUDA and vllm-installed checks pass, for that call only) whose ``VLLMRollouts``
+callback builds a ``ShiftedPolicyEngine`` per model that samples instead of a real engine (appended to ``engines``;
+the module's ``Sampling`` component is handed their samplers at fit start, as with real engines)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,20 @@ class ShiftedPolicyEngine:
     """Samples random token ids (from the request's seed, as vLLM does), of random lengths up to ``max_tokens``, and
     reports as the sampler's log-probs the policy's own log-probs of them at the request's temperature shifted by
     ``offset(position)``: a sampler close to the policy but not equal to it, whose log-probs are known. Every
-    answer with log-probs is kept in ``answers`` (prompt-major, as vLLM returns them)."""
+    answer with log-probs is kept in ``answers`` (prompt-major, as vLLM returns them); every answer's token ids in
+    ``completions``, and every weight push as (the module's optimizer step, the weights) in ``loads``. ``who``: the
+    model it samples for (``SamplingModule.vllm_models``)."""
 
-    def __init__(self, module) -> None:
-        self.module = module
+    def __init__(self, module, who: str = "policy") -> None:
+        self.module, self.who = module, who
         self.pushes = 0
         self.answers: list[list[list[float]]] = []
+        self.completions: list[list[list[int]]] = []
+        self.loads: list[tuple[int, dict[str, torch.Tensor]]] = []
 
     def load_weights(self, weights, send=True) -> None:
         self.pushes += 1
+        self.loads.append((self.module.global_step, {name: tensor.clone() for name, tensor in weights()}))
 
     @torch.no_grad()
     def generate(self, prompts, params):
@@ -43,6 +48,7 @@ class ShiftedPolicyEngine:
             for _ in range(params["n"]):
                 length = int(torch.randint(1, params["max_tokens"] + 1, (), generator=g))
                 completions.append(torch.randint(3, 200, (length,), generator=g).tolist())
+        self.completions.append(completions)
         if "logprobs" not in params:
             return completions, None
         model = self.module.model
@@ -62,10 +68,10 @@ def vllm_module(cls, monkeypatch, engines: list, *args, **knobs):
     """``cls(*args, use_vllm=True, **knobs)`` on this machine, sampling through a ``ShiftedPolicyEngine``."""
     from lightalign.modules.generation import vllm_engines
     from lightalign.modules.generation.vllm import check_vllm_knobs
-    from lightalign.modules.rollout import module as loop
+    from lightalign.modules.sampling import module as sampling_module
 
-    def factory(module, trainer):
-        engines.append(ShiftedPolicyEngine(module))
+    def factory(module, trainer, who="policy", model_path=None):
+        engines.append(ShiftedPolicyEngine(module, who))
         return engines[-1]
 
     class FakeVLLMRollouts(vllm_engines.VLLMRollouts):
@@ -74,7 +80,7 @@ def vllm_module(cls, monkeypatch, engines: list, *args, **knobs):
 
     real_find_spec = importlib.util.find_spec
     with monkeypatch.context() as m:  # the checks of use_vllm at construction: a GPU, vllm installed
-        m.setattr(loop, "check_vllm_knobs", functools.partial(check_vllm_knobs, cuda_available=True))
+        m.setattr(sampling_module, "check_vllm_knobs", functools.partial(check_vllm_knobs, cuda_available=True))
         m.setattr(importlib.util, "find_spec",
                   lambda name, *a, **k: object() if name == "vllm" else real_find_spec(name, *a, **k))
         built = cls(*args, use_vllm=True, **knobs)

@@ -99,7 +99,7 @@ def engines(monkeypatch):
 
     made = Engines()
     monkeypatch.setattr(vllm_engines, "build_engine",
-                        lambda module, trainer: made.append(AheadEngine(module, made.gated)) or made[-1])
+                        lambda module, trainer, *_: made.append(AheadEngine(module, made.gated)) or made[-1])
     return made
 
 

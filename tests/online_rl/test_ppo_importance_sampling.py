@@ -59,7 +59,7 @@ def fit(tiny_dir, prompt_data, monkeypatch, grad_capture, use_vllm=True, steps=1
         from helpers.fake_vllm import ShiftedPolicyEngine
 
         module = PPOModule(*args, **knobs)
-        callbacks = [VLLMRollouts(engine_factory=lambda m, t: engines.append(ShiftedPolicyEngine(m)) or engines[-1])]
+        callbacks = [VLLMRollouts(engine_factory=lambda m, t, *_: engines.append(ShiftedPolicyEngine(m)) or engines[-1])]
     seen, losses, spying = record(module)
     monkeypatch.setattr(ppo_module, "clipped_policy_loss", spying)
     capture = grad_capture()
