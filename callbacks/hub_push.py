@@ -35,7 +35,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -193,7 +193,6 @@ class HubPush(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.push_to_hub or stage != "fit":
             return
-        from lightalign.callbacks.hf_export import HFExport
         from lightalign.callbacks.run_folder import run_dir_of
 
         run_dir = run_dir_of(trainer)  # every rank (a collective without RunFolder)

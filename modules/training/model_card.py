@@ -107,7 +107,7 @@ def model_card_text(
     lines += [f"Trained with lightalign's `{method}` ({tag.upper()}) from {origin}"
               + (f", {step} optimizer steps." if step is not None else "."), ""]
 
-    lines += ["## How to load", "", "```python", f"from transformers import AutoTokenizer"]
+    lines += ["## How to load", "", "```python", "from transformers import AutoTokenizer"]
     if auto_class.startswith("AutoPeft"):
         lines += [f"from peft import {auto_class}", ""]
     else:
