@@ -43,6 +43,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter: one import of torch and Lightning
 def test_help_and_a_config_error_import_no_data_library(repo, tmp_path):
     """Mutations: `from datasets import Dataset` back at the top of datamodules/sft.py, or quiet.py importing
     datasets.utils.tqdm at once -> "datasets" imported; AfterImport not calling back -> bars on inside the block."""
