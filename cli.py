@@ -36,8 +36,9 @@ from lightalign.callbacks import (CompletionSamples, HFExport, HubPush, PlotCurv
                                   RunSummary, SaveRunConfig, StepProgressBar, TokenThroughput)
 from lightalign.cli_errors import OneLineErrorParser, OptionError, check_trainer_can_run, trainer_refusal
 from lightalign.modules.training.policy import PolicyModule
-from lightalign.runs import ResumeError, RunError, check_resume, continue_logs, latest_run, pin_version, read_checkpoint, \
-    run_of_checkpoint, runs_root, version_of
+from lightalign.quiet import ReleaseHeldLines, exact_resume_quiet
+from lightalign.runs import ResumeError, RunError, check_resume, continue_logs, discard_empty_run_folder, latest_run, \
+    pin_version, read_checkpoint, run_of_checkpoint, runs_root, version_of
 from lightalign.strategies.launch import RankLogging, check_multinode_env, cpu_processes_note
 
 TRAINER_DEFAULTS = {
@@ -159,7 +160,8 @@ class LightalignCLI(LightningCLI):
             skip.add("lr_monitor")
         keys = [k for k in self._parser(self.subcommand).callback_keys if k not in skip]
         try:
-            return self._instantiate_trainer(config, [self.run_folder] + [self._get(self.config_init, k) for k in keys])
+            return self._instantiate_trainer(config, [ReleaseHeldLines(), self.run_folder]
+                                             + [self._get(self.config_init, k) for k in keys])
         except Exception as err:  # an unknown strategy, a GPU that is not there: one line naming the settings
             refusal = trainer_refusal(err, config)
             if refusal is None:
@@ -185,7 +187,13 @@ class LightalignCLI(LightningCLI):
             ckpt_path: str | None = None, **kwargs) -> None:
         if ckpt_path is not None and str(ckpt_path) not in ("best", "hpc", "registry"):
             ckpt_path = self.prepare_resume(str(ckpt_path), model, datamodule)
-        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+        try:
+            with exact_resume_quiet(datamodule):  # Lightning's "dataloader not resumable": false for lightalign's data
+                self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+        except Exception:
+            if self.run_folder.resume is None:  # a refusal while the data was read leaves no empty version_N
+                discard_empty_run_folder(self.trainer)
+            raise
 
     def prepare_resume(self, ckpt_path: str, model: L.LightningModule, datamodule) -> str | None:
         """The checkpoint to load (None: start fresh), checked against the config; pins the run folder it continues."""

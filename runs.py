@@ -17,6 +17,7 @@ is refused with a message naming both sides; another data file is a warning.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import re
@@ -112,6 +113,23 @@ def new_run_folder(root: Path) -> Path:
             return folder
         except FileExistsError:  # another run took it meanwhile
             version += 1
+
+
+def discard_empty_run_folder(trainer: L.Trainer) -> Path | None:
+    """Remove the run folder of a run that stopped before writing anything into it (a refusal while the data was
+    read: Lightning's CSV logger creates ``version_N`` first), so no empty ``version_N`` is left beside the real runs.
+    A folder holding anything is kept. Rank 0, for a new run only (not a resume). Returns the folder removed."""
+    logger = folder_logger(trainer)
+    if not isinstance(logger, (CSVLogger, TensorBoardLogger)) or not trainer.is_global_zero:
+        return None  # other loggers' run folders are made by RunFolder at setup, after the data was read
+    folder = Path(logger.log_dir)
+    try:
+        folder.rmdir()  # only an empty folder
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):  # and <save_dir>/<name>, if that was its only run
+        folder.parent.rmdir()
+    return folder
 
 
 def pin_version(trainer: L.Trainer, version: int) -> None:

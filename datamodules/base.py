@@ -9,11 +9,10 @@ RNG, see ``step_loader``).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import lightning as L
 import torch
-from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.formats import DataFormatError, resolve_chat_template
@@ -21,6 +20,9 @@ from lightalign.datamodules.samplers import EpochSampler
 from lightalign.datamodules.sources import describe, load_rows
 from lightalign.datamodules.step_loader import SeededLoader, StepTokenCountingLoader
 from lightalign.hub import load_tokenizer
+
+if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
+    from datasets import Dataset
 
 
 class TokenizedDataModule(L.LightningDataModule):
@@ -135,6 +137,8 @@ class TokenizedDataModule(L.LightningDataModule):
             parts = raw_train.train_test_split(test_size=size, seed=self.seed, shuffle=True)
             raw_train, raw_val, val_source = parts["train"], parts["test"], self.path
             # the same split of the row numbers, so errors name rows as they are in the user's file
+            from datasets import Dataset
+
             numbers = Dataset.from_dict({"row": range(len(parts["train"]) + len(parts["test"]))})
             numbers = numbers.train_test_split(test_size=size, seed=self.seed, shuffle=True)
             train_numbers, val_numbers = numbers["train"]["row"], numbers["test"]["row"]

@@ -12,9 +12,10 @@ Formats, by the columns a row has:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from datasets import Dataset
+if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
+    from datasets import Dataset
 
 LANGUAGE_MODELING = "language_modeling"
 PROMPT_COMPLETION = "prompt_completion"

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
-from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
@@ -20,6 +19,9 @@ from lightalign.datamodules.formats import (
     render_prompt_completion,
     validate_field,
 )
+
+if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
+    from datasets import Dataset
 
 TruncationMode = Literal["keep_start", "keep_end"]
 COMPLETIONS = ("chosen", "rejected")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
-from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.base import TokenizedDataModule
@@ -13,6 +12,9 @@ from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.samplers import RepeatBatchSampler
 from lightalign.datamodules.step_loader import SeededLoader
 from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
+
+if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
+    from datasets import Dataset
 
 
 OWNED_CHAT_TEMPLATE_KEYS = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
@@ -27,6 +26,9 @@ from lightalign.datamodules.formats import (
     validate_messages,
     validate_text,
 )
+
+if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
+    from datasets import Dataset
 
 TruncationMode = Literal["keep_start", "keep_end"]
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -229,6 +231,8 @@ class SFTDataModule(TokenizedDataModule):
             rows["input_ids"].append([t for i in members for t in ids[i]])
             rows["completion_mask"].append([t for i in members for t in masks[i]])
             rows["seq_lengths"].append([len(ids[i]) for i in members])
+        from datasets import Dataset
+
         return Dataset.from_dict(rows)
 
     def make_epoch_sampler(self) -> EpochSampler:

@@ -24,12 +24,13 @@ import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-from datasets import Dataset, DatasetDict, Features, Value
+from typing import TYPE_CHECKING, Any
 
 from lightalign.datamodules.column_types import ColumnTypes
 from lightalign.datamodules.formats import DataFormatError
+
+if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
+    from datasets import Dataset
 
 # What ``path``/``val_path``/``test_path`` take: a local path, a hub name or a ``Dataset``. Typed ``Any`` for the CLI:
 # jsonargparse reads a file named for an argument whose type includes a class (``Dataset``) as the argument's value,
@@ -46,14 +47,19 @@ _OTHER_FILE_EXTENSIONS = {
 
 def load_rows(source: str | Dataset, split: str = "train", name: str | None = None) -> Dataset:
     """Load one split from a ``Dataset``, a local json/jsonl/parquet/csv/arrow file or folder, or a hub name."""
-    if isinstance(source, Dataset):
-        dataset = source
-    elif isinstance(source, DatasetDict):
-        if split not in source:
-            raise DataFormatError(f"The DatasetDict has no split '{split}'; it has {sorted(source)}.")
-        dataset = source[split]
-    else:
+    if isinstance(source, (str, Path)):  # checked before datasets is imported (a bad file is refused without it)
         dataset = _load_path_or_hub(str(source), split, name)
+    else:
+        from datasets import Dataset, DatasetDict
+
+        if isinstance(source, Dataset):
+            dataset = source
+        elif isinstance(source, DatasetDict):
+            if split not in source:
+                raise DataFormatError(f"The DatasetDict has no split '{split}'; it has {sorted(source)}.")
+            dataset = source[split]
+        else:
+            dataset = _load_path_or_hub(str(source), split, name)
     if len(dataset) == 0:
         raise DataFormatError(f"Dataset '{describe(source)}' (split '{split}') is empty: it has no rows.")
     return dataset
@@ -101,6 +107,8 @@ def _load_path_or_hub(source: str, split: str, name: str | None) -> Dataset:
             cause = err.__cause__ or err.__context__
             raise DataFormatError(f"Data file '{source}' could not be read: {type(cause).__name__}: {cause}") from err
     if suffix == ".csv":  # CSV cells are text; pandas would turn "19" into 19
+        from datasets import Features, Value
+
         dataset = dataset.cast(Features({c: Value("string") for c in dataset.column_names}))
     return dataset
 

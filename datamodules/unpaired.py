@@ -9,10 +9,9 @@ row order of TRL's ``unpair_preference_dataset``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
-from datasets import Dataset
 
 from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
@@ -26,6 +25,9 @@ from lightalign.datamodules.formats import (
     validate_field,
 )
 from lightalign.datamodules.preference import TruncationMode, common_prefix_length, extract_prompt, truncate_pair
+
+if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
+    from datasets import Dataset
 
 # Part of the datasets cache fingerprint of tokenized rows: bump it whenever tokenization changes its output.
 TOKENIZATION_VERSION = 1
@@ -54,6 +56,8 @@ def unpair_rows(raw: Dataset, implicit: bool, numbers: list[int] | None = None) 
                 completions.append(item[position])
                 labels.append(label)
                 pairs.append(item[0])
+    from datasets import Dataset
+
     return Dataset.from_dict({"prompt": prompts, "completion": completions, "label": labels, "pair": pairs})
 
 

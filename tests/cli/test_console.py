@@ -73,6 +73,11 @@ def test_errors_are_one_message_and_the_traceback_is_opt_in(repo, tmp_path):
     error = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
     assert len(error) == 1 and "format" in error[0] and "Traceback" not in out, out[-3000:]
     assert "LIGHTALIGN_DEBUG=1" in out  # how to see more
+    # the error is the first line: Lightning's "Seed set to 42" and "GPU available: ..." are held back until the data
+    # was read (mutation: the lines not held -> they come first), and the refused run leaves no empty version_0
+    # behind (mutation: discard_empty_run_folder not called -> quickstart/version_0 stays)
+    assert out.splitlines()[0] == error[0], out[:2000]
+    assert not (tmp_path / "quickstart").exists()
     assert "Traceback" in lightalign(repo, *args, "--debug", status=1)
     assert "Traceback" in lightalign(repo, *args, status=1, LIGHTALIGN_DEBUG="1")
 
