@@ -57,7 +57,7 @@ def _hub_kwargs(name: str) -> dict[str, Any]:
 
 
 def _hub_unreachable_hint(name: str, example: str = "`--model.model_name_or_path /path/to/model`") -> str:
-    if name.count("/") > 1 or name.startswith((".", "/", "~")):  # a hub id is "org/name": this is a path
+    if _looks_like_a_path(name):
         return (f"There is no folder '{name}' (looked in {Path.cwd()}), and a path like it is not a Hugging Face hub "
                 "name. Check the path; if it is another run's export (e.g. runs/<name>/hf_model), run that config "
                 "first.")
@@ -75,13 +75,22 @@ def _hub_unreachable_hint(name: str, example: str = "`--model.model_name_or_path
     )
 
 
+def _looks_like_a_path(name: str) -> bool:
+    """A name that can only be a local path: it starts with ``.``, ``/`` or ``~``, or has more than one ``/`` (a hub
+    name is ``org/name``)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def _check_local_folder(name: str, what: str, knob: str | None = None) -> None:
-    """A name that is a path (``.``, ``/``, ``~``) must be an existing folder; ``knob`` (the argument that names it) is
-    said first."""
+    """A name that can only be a path (``_looks_like_a_path``) must be an existing folder; ``knob`` (the argument that
+    names it) is said first."""
     path = Path(name).expanduser()
     said = f"{knob}: " if knob else ""
-    if name.startswith((".", "/", "~")) and not path.exists():
-        raise ModelNotFoundError(f"{said}{what} folder '{name}' does not exist (resolved to '{path.resolve()}').")
+    if _looks_like_a_path(name) and not path.exists():
+        export = " If it is another run's export (runs/<name>/version_N/hf_model), run that config first." \
+            if path.name == "hf_model" else ""
+        raise ModelNotFoundError(f"{said}{what} folder '{name}' does not exist (resolved to '{path.resolve()}')."
+                                 + export)
     if path.is_file():
         raise ModelNotFoundError(f"{said}{what} path '{name}' is a file; pass the folder that holds config.json.")
 

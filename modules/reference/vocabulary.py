@@ -9,9 +9,9 @@ import torch
 
 
 def model_vocab_size(model_or_path: Any, init_kwargs: dict[str, Any] | None = None,
-                     trust_remote_code: bool = False) -> int | None:
+                     trust_remote_code: bool = False, what: str = "Model", knob: str | None = None) -> int | None:
     """The vocabulary size a model's logits have, from its config (a folder/hub name: ``config.json`` only, no
-    weights read). None when it cannot be told (no config)."""
+    weights read). None when it cannot be told (no config). ``what`` / ``knob``: how a missing folder is named."""
     if isinstance(model_or_path, torch.nn.Module):
         if hasattr(model_or_path, "get_output_embeddings") and model_or_path.get_output_embeddings() is not None:
             weight = model_or_path.get_output_embeddings().weight
@@ -23,7 +23,7 @@ def model_vocab_size(model_or_path: Any, init_kwargs: dict[str, Any] | None = No
 
         from lightalign.hub import _check_local_folder, _hub_kwargs
 
-        _check_local_folder(model_or_path, "Model")
+        _check_local_folder(model_or_path, what, knob)
         revision = {k: v for k, v in (init_kwargs or {}).items() if k == "revision"}
         config = AutoConfig.from_pretrained(model_or_path, trust_remote_code=trust_remote_code,
                                             **_hub_kwargs(model_or_path), **revision)
@@ -36,8 +36,9 @@ def model_vocab_size(model_or_path: Any, init_kwargs: dict[str, Any] | None = No
 def check_same_vocabulary(student: Any, teacher: Any, student_kwargs: dict[str, Any] | None,
                           teacher_kwargs: dict[str, Any] | None, trust_remote_code: bool) -> None:
     """Refuse a teacher (a built model or a name/folder) whose vocabulary differs from the student's."""
-    student_size = model_vocab_size(student, student_kwargs, trust_remote_code)
-    teacher_size = model_vocab_size(teacher, teacher_kwargs, trust_remote_code)
+    student_size = model_vocab_size(student, student_kwargs, trust_remote_code, "Student", "model_name_or_path")
+    teacher_size = model_vocab_size(teacher, teacher_kwargs, trust_remote_code, "Teacher",
+                                    "teacher_model_name_or_path")
     if student_size is not None and teacher_size is not None and student_size != teacher_size:
         raise ValueError(
             f"The teacher's vocabulary ({teacher_size} tokens, {describe_model(teacher)}) differs from the student's "
