@@ -240,6 +240,25 @@ def test_padding_free_trains_as_the_padded_rows_do(tiny_dir, data_dir, teacher_d
             torch.testing.assert_close(packed[step][name], grad, atol=1e-6, rtol=1e-4, msg=f"step {step} {name}")
 
 
+def test_padding_free_is_refused_at_fit_start_on_a_teacher_that_cannot_run_it(tiny_dir, data_dir, teacher_dir,
+                                                                            monkeypatch):
+    """The teacher's layout is checked at fit start like the student's: a teacher the probe measures inexact in the
+    packed layout (what it says of an ALiBi model; here the verdict is replaced for the teacher only) refuses the
+    run before any batch, naming the knob and the alternative."""
+    from lightalign.modules.adaptations import support
+    from lightalign.modules.adaptations.probe import Verdict
+
+    teacher = load_causal_lm(str(teacher_dir)).eval()
+    module = _module(tiny_dir, teacher, lmbda=0.0, padding_free=True)
+    module.distill_loss = lambda *a, **kw: pytest.fail("trained before refusing")
+    real = support.measured
+    monkeypatch.setattr(support, "measured", lambda model, layout, *a, **kw: Verdict(layout, False, 0.7)
+                        if layout == "grpo_packed" and model is teacher else real(model, layout, *a, **kw))
+    with pytest.raises(ValueError, match=r"^model\.padding_free \(GRPOModule / RLOOModule / DistillModule\) cannot "
+                                         r"run exactly on .*7\.0e-01 nats.*model\.padding_free: false"):
+        _fit(module, _data(tiny_dir, data_dir), max_steps=1)
+
+
 def test_lmbda_decides_who_writes_the_completions(tiny_dir, data_dir, teacher_dir, tokenizer):
     # lmbda 1: the student samples every batch; 0: none, the data's completions (tokenised + EOS) are used
     record = Record()
