@@ -387,20 +387,23 @@ def add_run_arguments(parser: Any) -> None:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
 
 
-def check_variants(args: Any, settings: Sequence[str], backends: Sequence[str]) -> None:
-    """``args.variants`` (``framework:setting``, lightalign's with an optional ``+<sampler>``) checked; None becomes
-    every setting for both frameworks. Also refuses ``--warmup`` < 1 (the clock starts at the end of that step)."""
+def check_variants(args: Any, settings: Sequence[str], backends: Sequence[str], options: Sequence[str] = ()) -> None:
+    """``args.variants`` (``framework:setting``, lightalign's with optional ``+<sampler>`` and ``+<option>``
+    suffixes) checked; None becomes every setting for both frameworks. Also refuses ``--warmup`` < 1 (the clock
+    starts at the end of that step)."""
     if args.variants is None:
         args.variants = [f"{fw}:{s}" for s in settings for fw in FRAMEWORKS]
     for variant in args.variants:
         framework, _, setting = variant.partition(":")
-        setting, _, backend = setting.partition("+")
+        setting, *suffixes = setting.split("+")
         if framework not in FRAMEWORKS or setting not in settings:
             raise SystemExit(f"--variants {variant!r}: use framework:setting with a framework of {list(FRAMEWORKS)} "
                              f"and a setting of {list(settings)}.")
-        if backend and (framework != "lightalign" or backend not in backends):
+        if any(framework != "lightalign" or s not in (*backends, *options) for s in suffixes):
             raise SystemExit(f"--variants {variant!r}: a +<backend> suffix is lightalign's sampler, one of "
-                             f"{list(backends)} (TRL samples with generate).")
+                             f"{list(backends)} (TRL samples with generate)"
+                             + (f"; other +<option> suffixes are lightalign's too: {list(options)}." if options
+                                else "."))
     if args.warmup < 1:
         raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
 

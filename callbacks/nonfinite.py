@@ -32,13 +32,18 @@ def first_nonfinite(named_tensors: Iterable[tuple[str, torch.Tensor | None]]) ->
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Every element of every tensor is finite: one fused max-abs per tensor (it cannot overflow, and a NaN or
-    inf anywhere makes it non-finite), one reduction over them."""
+    """Every element of every tensor is finite: one fused 2-norm per tensor (a NaN or inf anywhere makes it
+    non-finite), one reduction over them; only when a 2-norm is not finite, which finite values far beyond 1e19
+    can also cause (their squares overflow), the fused max-abs (which cannot overflow) decides. The 2-norm is the
+    cheap one: on CPU ``_foreach_norm`` with ``inf`` cost ~13x the 2-norm (3.4 vs 0.27 ms over a 1M-parameter
+    model's 50 tensors, 1 thread), which the weight check after every optimizer step paid."""
     # this rank's part: an FSDP2 DTensor's local shard (which may be empty: a [1, H] weight over 2 ranks), and ZeRO-3's
     # empty placeholders outside its gather are left out
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
+        return True
+    if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
         return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf")))).all())
 

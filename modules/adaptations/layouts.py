@@ -148,10 +148,9 @@ def packed_completion_batch(mb: dict[str, torch.Tensor], lengths: torch.Tensor |
     return {k: v.to(device) for k, v in out.items()}
 
 
-def packed_token_logps(model: torch.nn.Module, packed: dict[str, torch.Tensor], num_sequences: int, width: int,
-                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs ``[num_sequences, width]`` of a padding-free GRPO batch's completion tokens (0 where a
-    row has none) and the ``[targets, V]`` logits they came from (divided by ``temperature``)."""
+def packed_logits(model: torch.nn.Module, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The ``[targets, V]`` logits (untempered) of a padding-free batch (``packed_completion_batch``), row ``j``
+    predicting ``packed["targets"][j]``: one forward of the packed row, logits only at ``logits_index``."""
     inputs = {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"], "use_cache": False}
     if split_packed_attention(model, packed["input_ids"].device):
         inputs["sequence_sizes"] = packed["sequence_sizes"].tolist()  # host integers, read once per forward
@@ -160,8 +159,14 @@ def packed_token_logps(model: torch.nn.Module, packed: dict[str, torch.Tensor], 
         logits = model(**inputs, logits_to_keep=index).logits[0]
         if logits.shape[0] != index.shape[0]:  # a model that ignores an index tensor returns every position
             logits = logits[index]
-    else:
-        logits = model(**inputs).logits[0, index]
-    logits = logits / temperature  # the sampling distribution
+        return logits
+    return model(**inputs).logits[0, index]
+
+
+def packed_token_logps(model: torch.nn.Module, packed: dict[str, torch.Tensor], num_sequences: int, width: int,
+                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs ``[num_sequences, width]`` of a padding-free GRPO batch's completion tokens (0 where a
+    row has none) and the ``[targets, V]`` logits they came from (divided by ``temperature``)."""
+    logits = packed_logits(model, packed) / temperature  # the sampling distribution
     logps = selective_log_softmax(logits, packed["targets"])
     return scatter_to_sequences(logps, packed, num_sequences, width)[0], logits

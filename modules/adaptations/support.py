@@ -40,7 +40,7 @@ _KNOBS = {  # the knob as YAML / the command line names it, and the setting that
     "packed": ("data.packing (SFTDataModule)", "data.packing: false"),
     "dpo_shared": ("data.prompt_sharing (PreferenceDataModule, on by default)", "data.prompt_sharing: false"),
     "grpo_shared": ("model.prompt_sharing (GRPOModule)", "model.prompt_sharing: false"),
-    "grpo_packed": ("model.padding_free (GRPOModule / RLOOModule)", "model.padding_free: false"),
+    "grpo_packed": ("model.padding_free (GRPOModule / RLOOModule / DistillModule)", "model.padding_free: false"),
     "shared_prefill": ("model.share_prefill (GRPOModule / RLOOModule / PPOModule, on by default)",
                        "model.share_prefill: false"),
     "compact": ("model.generation_backend: compact", "model.generation_backend: generate"),

@@ -195,6 +195,28 @@ def test_nonfinite_weights_stop_the_run_before_any_checkpoint(tiny_dir, data_dir
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1  # the last good state
 
 
+@pytest.mark.parametrize("values, finite", [
+    ([1.0, -2.0], True),
+    ([1e30, -1e30], True),  # finite, but the 2-norm's squares overflow: the max-abs decides
+    ([float("nan"), 1.0], False),
+    ([float("inf"), 1.0], False),
+    ([-float("inf"), 1e30], False),
+    ([float("nan"), 1e30], False),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_all_finite_is_exact_whatever_the_magnitudes(values, finite, dtype):
+    """The guard's weight check (``all_finite``: a 2-norm first, the max-abs only when that is not finite) says
+    finite exactly when every value is, also when the squares overflow (float16: already at 1e30 -> inf on cast,
+    so only the NaN/inf rows and the small ones apply there)."""
+    from lightalign.callbacks.nonfinite import all_finite
+
+    big = torch.tensor(values, dtype=torch.float32)
+    if dtype == torch.float16 and big.abs().max() > 6e4 and finite:
+        big = torch.tensor([6e4, -6e4], dtype=torch.float16)  # finite float16 whose squares overflow
+    tensors = [torch.ones(3, dtype=dtype), big.to(dtype), torch.zeros(0, dtype=dtype)]
+    assert all_finite(tensors) is finite
+
+
 def test_nonfinite_weights_are_never_checkpointed_or_exported(tiny_dir, data_dir, tmp_path):
     module, data = _sft(tiny_dir, data_dir, nonfinite="off")  # no per-step checks: the save itself refuses
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)

@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import json
 import random
+import re
 import statistics
 from pathlib import Path
 
@@ -183,15 +184,19 @@ def test_distill_bench_settings_ratios_and_rows(tmp_path):
     with pytest.raises(SystemExit, match=r"^--variants 'trl:lmbda2': use framework:setting .* "
                                          r"\['lmbda0', 'lmbda0.5', 'lmbda1', 'seq_kd'\]"):
         distill.check(distill.build_parser().parse_args(["--variants", "trl:lmbda2"]))
-    with pytest.raises(SystemExit, match=r"^--variants 'trl:lmbda1\+compact': a \+<backend> suffix is lightalign's"):
-        distill.check(distill.build_parser().parse_args(["--variants", "trl:lmbda1+compact"]))
-    distill.check(distill.build_parser().parse_args(["--variants", "lightalign:lmbda1+generate"]))
+    for wrong in ("trl:lmbda1+compact", "trl:lmbda0+padding_free", "lightalign:lmbda0+padded"):
+        with pytest.raises(SystemExit, match=rf"^--variants '{re.escape(wrong)}': a \+<backend> suffix is "
+                                             r"lightalign's sampler, .*other \+<option> suffixes .*'padding_free'"):
+            distill.check(distill.build_parser().parse_args(["--variants", wrong]))
+    distill.check(distill.build_parser().parse_args(["--variants", "lightalign:lmbda1+generate",
+                                                     "lightalign:lmbda0+padding_free+compact"]))
 
     def run(variant, steps):
         return {"variant": variant, "steps_per_sec": steps, "others_cpu_share": 0.0}
 
     runs = [run("lightalign:lmbda0", 4.0), run("lightalign:lmbda0", 6.0), run("trl:lmbda0", 2.0),
-            run("lightalign:lmbda1", 1.0), run("trl:lmbda1", 0.5), run("lightalign:lmbda1+generate", 0.25)]
+            run("lightalign:lmbda1", 1.0), run("trl:lmbda1", 0.5), run("lightalign:lmbda1+generate", 0.25),
+            run("lightalign:lmbda0+padding_free+compact", 3.0)]
     result = distill.summarise({}, runs)
     assert result["trl_fastest"] == "trl:lmbda0"
     row = result["summary"]["lightalign:lmbda0"]
@@ -199,6 +204,7 @@ def test_distill_bench_settings_ratios_and_rows(tmp_path):
     row = result["summary"]["lightalign:lmbda1"]
     assert row["vs_trl_same_setting"] == 2.0 and row["vs_trl_fastest"] == 0.5
     assert result["summary"]["lightalign:lmbda1+generate"]["vs_trl_same_setting"] == 0.5  # the suffix is the sampler
+    assert result["summary"]["lightalign:lmbda0+padding_free+compact"]["vs_trl_same_setting"] == 1.5  # options
 
     args = distill.build_parser().parse_args(["--data", "english", "--steps", "2", "--warmup", "1"])
     args.workdir = str(tmp_path)

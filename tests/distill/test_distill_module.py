@@ -201,8 +201,9 @@ def _independent_loss(module, rows, student_state):
 
 
 @pytest.mark.parametrize("kw", [dict(lmbda=0.0), dict(lmbda=1.0, beta=0.2, temperature=0.7),
-                                dict(loss_type="on_policy"), dict(loss_type="on_policy", iw_opd_gamma=0.5)],
-                         ids=["data", "student", "on_policy", "iw_opd"])
+                                dict(loss_type="on_policy"), dict(loss_type="on_policy", iw_opd_gamma=0.5),
+                                dict(loss_type="on_policy", temperature=0.7, padding_free=True)],
+                         ids=["data", "student", "on_policy", "iw_opd", "on_policy-padding_free"])
 def test_training_loss_equals_the_loss_function_on_independent_forwards(tiny_dir, data_dir, teacher_dir, kw):
     module = _module(tiny_dir, teacher_dir, **kw)
     record = Record()
@@ -212,6 +213,50 @@ def test_training_loss_equals_the_loss_function_on_independent_forwards(tiny_dir
         # the completions hold some padding (mask 0) and the prompts are left-padded: the mask matters
         expected = _independent_loss(module, rows, state)
         torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_free_trains_as_the_padded_rows_do(tiny_dir, data_dir, teacher_dir):
+    """padding_free (one packed row, logits only at the completion targets) gives the padded layout's losses and
+    student gradients up to float32 rounding, on rows that hold padding (prompts of different lengths, left-padded;
+    completions of different lengths). Gradients, not weights: AdamW's first steps move a weight by about the
+    learning rate whatever its gradient's size, so rounding-level gradient differences do not stay small there."""
+
+    class Gradients(Record):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.grads = getattr(self, "grads", []) + [{n: p.grad.clone() for n, p in module.model.named_parameters()}]
+
+    runs = []
+    for padding_free in (False, True):
+        module, record = _module(tiny_dir, teacher_dir, lmbda=0.0, padding_free=padding_free), Gradients()
+        _fit(module, _data(tiny_dir, data_dir), max_steps=2, callbacks=[record])
+        runs.append((torch.stack(record.losses), record.grads))
+    rows = record.rows[0]
+    assert not rows["prompt_mask"].all() and not rows["completion_mask"].all()  # the padding is there to skip
+    (padded_losses, padded), (packed_losses, packed) = runs
+    torch.testing.assert_close(packed_losses, padded_losses, atol=1e-6, rtol=1e-5)
+    for step in (0, 1):
+        assert any(g.abs().max() > 0 for g in padded[step].values())
+        for name, grad in padded[step].items():
+            torch.testing.assert_close(packed[step][name], grad, atol=1e-6, rtol=1e-4, msg=f"step {step} {name}")
+
+
+def test_padding_free_is_refused_at_fit_start_on_a_teacher_that_cannot_run_it(tiny_dir, data_dir, teacher_dir,
+                                                                            monkeypatch):
+    """The teacher's layout is checked at fit start like the student's: a teacher the probe measures inexact in the
+    packed layout (what it says of an ALiBi model; here the verdict is replaced for the teacher only) refuses the
+    run before any batch, naming the knob and the alternative."""
+    from lightalign.modules.adaptations import support
+    from lightalign.modules.adaptations.probe import Verdict
+
+    teacher = load_causal_lm(str(teacher_dir)).eval()
+    module = _module(tiny_dir, teacher, lmbda=0.0, padding_free=True)
+    module.distill_loss = lambda *a, **kw: pytest.fail("trained before refusing")
+    real = support.measured
+    monkeypatch.setattr(support, "measured", lambda model, layout, *a, **kw: Verdict(layout, False, 0.7)
+                        if layout == "grpo_packed" and model is teacher else real(model, layout, *a, **kw))
+    with pytest.raises(ValueError, match=r"^model\.padding_free \(GRPOModule / RLOOModule / DistillModule\) cannot "
+                                         r"run exactly on .*7\.0e-01 nats.*model\.padding_free: false"):
+        _fit(module, _data(tiny_dir, data_dir), max_steps=1)
 
 
 def test_lmbda_decides_who_writes_the_completions(tiny_dir, data_dir, teacher_dir, tokenizer):
