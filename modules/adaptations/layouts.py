@@ -139,7 +139,7 @@ def packed_completion_batch(mb: dict[str, torch.Tensor], lengths: torch.Tensor |
         targets.append(completion)
         start += size
     if not sizes:
-        raise ValueError("the GRPO micro-batch has no completion token to score.")
+        raise ValueError("the packed micro-batch has no completion token to score (every row's completion is empty).")
     out = {
         "input_ids": torch.cat(tokens)[None], "position_ids": torch.cat(positions)[None],
         "sequence_sizes": torch.tensor(sizes), "logits_index": torch.cat(index), "targets": torch.cat(targets),
