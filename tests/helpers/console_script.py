@@ -68,6 +68,17 @@ def run(repo: Path | str, *args: str, env: dict[str, str] | None = None, timeout
     return server.run(argv, str(repo), env, timeout)
 
 
+def start(repo: Path | str, *args: str) -> Started:
+    """``lightalign *args`` in ``repo`` with ``standard_env()``, forked from the console server into a session of its
+    own (``os.killpg(started.pid, ...)`` kills all of it) without waiting: ``started.poll()``, ``started.wait()``.
+    The server runs nothing else until it was waited for."""
+    env = standard_env()
+    server = _server_for(env)
+    if server is None or os.name != "posix":
+        raise RuntimeError("the console server forks: POSIX systems only")
+    return server.start([str(LIGHTALIGN), *map(str, args)], str(repo), env, session=True)
+
+
 def run_python(script: Path | str, *args: str, cwd: Path | str | None = None, env: dict[str, str] | None = None,
                timeout: float = 900) -> subprocess.CompletedProcess:
     """``python script *args`` (a test's worker script), forked from the console server like ``run``: the child runs
@@ -132,6 +143,8 @@ while True:
     proto_out.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
 # The child: the console script's process from here on.
 proto_out.close()
+if request["session"]:
+    os.setsid()  # a process group of its own, as subprocess's start_new_session: a kill takes all of it
 null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(null, 0); os.close(null)
 for fd, path, text in zip((1, 2), (request["stdout"], request["stderr"]), preamble):
@@ -185,25 +198,56 @@ class ConsoleServer:
 
     def run(self, argv: list[str], cwd: str, env: dict[str, str], timeout: float,
             script: str | None = None) -> subprocess.CompletedProcess:
-        with self.lock:
+        return self.start(argv, cwd, env, script).wait(timeout)
+
+    def start(self, argv: list[str], cwd: str, env: dict[str, str], script: str | None = None,
+              session: bool = False) -> "Started":
+        """Fork the child and return at once; the server serves no other call until it was waited for."""
+        self.lock.acquire()
+        try:
             self.calls += 1
             out, err = f"{self.dir}/{self.calls}.out", f"{self.dir}/{self.calls}.err"
-            request = {"argv": argv, "script": script, "cwd": cwd, "env": env, "stdout": out, "stderr": err}
+            request = {"argv": argv, "script": script, "cwd": cwd, "env": env, "stdout": out, "stderr": err,
+                       "session": session}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            pid = json.loads(self._line(60))["pid"]
-            answer = self._line(timeout)
-            if answer is None:
-                os.kill(pid, signal.SIGKILL)
-                self._line(60)
-                raise subprocess.TimeoutExpired(argv, timeout)
-            status = json.loads(answer)["status"]
+            return Started(self, argv, json.loads(self._line(60))["pid"], out, err)
+        except BaseException:
+            self.lock.release()
+            raise
+
+
+class Started:
+    """A console-script process forked from the console server and not yet waited for: ``pid``, ``poll()`` (None
+    while it runs, else its exit status) and ``wait(timeout)`` (its ``CompletedProcess``; kills it at the timeout)."""
+
+    def __init__(self, server: ConsoleServer, argv: list[str], pid: int, out: str, err: str) -> None:
+        self.server, self.argv, self.pid, self.paths, self.returncode = server, argv, pid, (out, err), None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            answer = self.server._line(0)
+            if answer is not None:
+                self.returncode = json.loads(answer)["status"]
+        return self.returncode
+
+    def wait(self, timeout: float = 900) -> subprocess.CompletedProcess:
+        try:
+            if self.returncode is None:
+                answer = self.server._line(timeout)
+                if answer is None:
+                    os.kill(self.pid, signal.SIGKILL)
+                    self.server._line(60)
+                    raise subprocess.TimeoutExpired(self.argv, timeout)
+                self.returncode = json.loads(answer)["status"]
             texts = []
-            for path in (out, err):
+            for path in self.paths:
                 with open(path, encoding="utf-8", errors="replace", newline=None) as f:
                     texts.append(f.read())
                 os.unlink(path)
-            return subprocess.CompletedProcess(argv, status, *texts)
+            return subprocess.CompletedProcess(self.argv, self.returncode, *texts)
+        finally:
+            self.server.lock.release()
 
     def close(self) -> None:
         self.proc.stdin.close()
