@@ -14,7 +14,9 @@ child's output, so a warning a user would see is still in the output the tests c
 
 Calls with another environment (a variable removed or added: ``HF_HUB_OFFLINE`` and the like are read at import
 time; W&B's ``WANDB_*`` are the exception, read only when a run starts) run the real script as an ordinary subprocess, as does ``run(..., real=True)``; tests/cli/test_console.py checks
-that both ways give the same status and output.
+that both ways give the same status and output. ``start(repo, *args)`` forks a call without waiting for it, in a
+session of its own (a test that kills a run mid-way: ``os.killpg(started.pid, signal.SIGKILL)``, then
+``started.wait()``).
 """
 
 from __future__ import annotations
