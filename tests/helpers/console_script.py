@@ -98,7 +98,7 @@ def run_python(script: Path | str, *args: str, cwd: Path | str | None = None, en
 # (a JSON line on stdin); answer {"pid"} at once and {"status"} when the child has exited (JSON lines on the
 # original stdout, kept on a private descriptor).
 SERVER = r"""
-import json, os, sys
+import json, os, sys, time
 proto_in, proto_out = sys.stdin.buffer, os.fdopen(os.dup(1), "w", buffering=1)
 captured = [os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) for p in sys.argv[1:3]]
 os.dup2(captured[0], 1); os.dup2(captured[1], 2)
@@ -140,6 +140,13 @@ while True:
     pid = os.fork()
     if pid == 0:
         break
+    while request["session"]:  # the pid is answered once the child leads its session: a kill of its group reaches it
+        try:
+            if os.getsid(pid) == pid:
+                break
+        except OSError:  # it died already
+            break
+        time.sleep(0.001)
     proto_out.write(json.dumps({"pid": pid}) + "\n")
     _, status = os.waitpid(pid, 0)
     proto_out.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
@@ -157,7 +164,7 @@ os.environ.clear(); os.environ.update(request["env"])
 script = request["script"]
 sys.argv = request["argv"][1:] if script else request["argv"]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-del json, os, importlib, gc, request, preamble, captured, proto_in, proto_out, dropped
+del json, os, importlib, gc, time, request, preamble, captured, proto_in, proto_out, dropped
 if script:
     import runpy
     runpy.run_path(script, run_name="__main__")
@@ -221,10 +228,22 @@ class ConsoleServer:
 
 class Started:
     """A console-script process forked from the console server and not yet waited for: ``pid``, ``poll()`` (None
-    while it runs, else its exit status) and ``wait(timeout)`` (its ``CompletedProcess``; kills it at the timeout)."""
+    while it runs, else its exit status) and ``wait(timeout)`` (its ``CompletedProcess``; kills it at the timeout).
+    As a context manager, a process not waited for by the end of the block (a failed assertion) is killed and
+    waited for, so the server serves the next call."""
 
     def __init__(self, server: ConsoleServer, argv: list[str], pid: int, out: str, err: str) -> None:
         self.server, self.argv, self.pid, self.paths, self.returncode = server, argv, pid, (out, err), None
+        self.waited = False
+
+    def __enter__(self) -> "Started":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.waited:
+            if self.poll() is None:
+                os.killpg(self.pid, signal.SIGKILL)
+            self.wait(60)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -234,6 +253,8 @@ class Started:
         return self.returncode
 
     def wait(self, timeout: float = 900) -> subprocess.CompletedProcess:
+        assert not self.waited, "waited for already"
+        self.waited = True
         try:
             if self.returncode is None:
                 answer = self.server._line(timeout)
@@ -244,6 +265,9 @@ class Started:
                 self.returncode = json.loads(answer)["status"]
             texts = []
             for path in self.paths:
+                if not os.path.exists(path):  # killed before it opened its output
+                    texts.append("")
+                    continue
                 with open(path, encoding="utf-8", errors="replace", newline=None) as f:
                     texts.append(f.read())
                 os.unlink(path)

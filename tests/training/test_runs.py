@@ -82,13 +82,13 @@ def test_killed_run_continues_in_its_folder_without_lost_or_repeated_rows(repo, 
             "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.flush_logs_every_n_steps",
             "1", "--plot.enabled", "false", "--ckpt_path", "last"]
     run = tmp_path / "quickstart" / "version_0"
-    first = console_script.start(repo, *args)  # forked from the console server, in a session of its own
-    deadline = time.monotonic() + 600
-    while not ((run / "metrics.csv").is_file() and any(s >= 13 for s in metric_steps(run))):
-        assert first.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
-        time.sleep(0.05)
-    os.killpg(first.pid, signal.SIGKILL)
-    proc = first.wait()
+    with console_script.start(repo, *args) as first:  # forked from the console server, in a session of its own
+        deadline = time.monotonic() + 600
+        while not ((run / "metrics.csv").is_file() and any(s >= 13 for s in metric_steps(run))):
+            assert first.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGKILL)
+        proc = first.wait()
     out = proc.stdout + proc.stderr
     assert proc.returncode == -signal.SIGKILL, f"exit {proc.returncode}\n{out[-6000:]}"
     assert "no earlier run of this config has a checkpoint" in out and "starting a new run" in out
