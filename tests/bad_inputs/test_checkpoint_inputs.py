@@ -4,7 +4,6 @@ with another method or model is refused by name, and non-finite gradients are sk
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,9 +39,9 @@ def sft_checkpoint(tiny_dir, data_dir, tmp_path):
 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(WORKER), "--method", "sft", "--out", str(tmp_path), "--max-steps", "6",
-                           "--every", "2", "--die-during-save", "4"], env=env, capture_output=True, text=True, timeout=600)
+    # the worker forked from the console server (tests/helpers/console_script.py), as `python WORKER ...` would run
+    proc = console_script.run_python(WORKER, "--method", "sft", "--out", str(tmp_path), "--max-steps", "6", "--every",
+                                     "2", "--die-during-save", "4", timeout=600)
     assert proc.returncode == -9, proc.stderr[-2000:]
     left = list((tmp_path / "ckpt").glob(".*.tmp-*"))
     assert left  # the interrupted write went to a temporary name

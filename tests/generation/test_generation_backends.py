@@ -193,19 +193,12 @@ def test_grpo_module_samples_on_its_backend(grpo_module, prompt_data, kwargs_spy
 
 # ------------------------------------------------------------------------------------------------ console script
 def console(repo, tmp_path, *extra, status=0):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    """The console script (tests/helpers/console_script.py: forked from the console server)."""
+    from helpers import console_script
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    args = [str(Path(sys.executable).with_name("lightalign")), "fit", "--config", "configs/grpo_quickstart.yaml",
-            "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--plot.enabled", "false",
-            "--trainer.logger.init_args.save_dir", str(tmp_path), *extra]
-    proc = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-4000:]}"
-    return out
+    return console_script.expect(repo, "fit", "--config", "configs/grpo_quickstart.yaml", "--trainer.max_steps", "2",
+                                 "--trainer.limit_val_batches", "0", "--plot.enabled", "false",
+                                 "--trainer.logger.init_args.save_dir", str(tmp_path), *extra, status=status)
 
 
 @pytest.mark.slow

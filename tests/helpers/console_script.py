@@ -14,7 +14,9 @@ child's output, so a warning a user would see is still in the output the tests c
 
 Calls with another environment (a variable removed or added: ``HF_HUB_OFFLINE`` and the like are read at import
 time; W&B's ``WANDB_*`` are the exception, read only when a run starts) run the real script as an ordinary subprocess, as does ``run(..., real=True)``; tests/cli/test_console.py checks
-that both ways give the same status and output.
+that both ways give the same status and output. ``start(repo, *args)`` forks a call without waiting for it, in a
+session of its own (a test that kills a run mid-way: ``os.killpg(started.pid, signal.SIGKILL)``, then
+``started.wait()``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,17 @@ def run(repo: Path | str, *args: str, env: dict[str, str] | None = None, timeout
     return server.run(argv, str(repo), env, timeout)
 
 
+def start(repo: Path | str, *args: str) -> Started:
+    """``lightalign *args`` in ``repo`` with ``standard_env()``, forked from the console server into a session of its
+    own (``os.killpg(started.pid, ...)`` kills all of it) without waiting: ``started.poll()``, ``started.wait()``.
+    The server runs nothing else until it was waited for."""
+    env = standard_env()
+    server = _server_for(env)
+    if server is None or os.name != "posix":
+        raise RuntimeError("the console server forks: POSIX systems only")
+    return server.start([str(LIGHTALIGN), *map(str, args)], str(repo), env, session=True)
+
+
 def run_python(script: Path | str, *args: str, cwd: Path | str | None = None, env: dict[str, str] | None = None,
                timeout: float = 900) -> subprocess.CompletedProcess:
     """``python script *args`` (a test's worker script), forked from the console server like ``run``: the child runs
@@ -85,7 +98,7 @@ def run_python(script: Path | str, *args: str, cwd: Path | str | None = None, en
 # (a JSON line on stdin); answer {"pid"} at once and {"status"} when the child has exited (JSON lines on the
 # original stdout, kept on a private descriptor).
 SERVER = r"""
-import json, os, sys
+import json, os, sys, time
 proto_in, proto_out = sys.stdin.buffer, os.fdopen(os.dup(1), "w", buffering=1)
 captured = [os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) for p in sys.argv[1:3]]
 os.dup2(captured[0], 1); os.dup2(captured[1], 2)
@@ -110,6 +123,13 @@ for fd in captured:
         if line.strip() and not any(text in line for text in dropped):
             proto_out.write("printed: " + line + "\n"); os._exit(1)
     os.close(fd)
+# Everything imported so far is shared with the children copy-on-write; the cyclic garbage collector of a child
+# would still visit (and so copy) every one of those objects at each full collection and at the child's exit (about
+# 2 s of CPU per call, two thirds of a refused run's cost). Frozen, they are outside the collector's reach: a child
+# still exits through the interpreter's own shutdown, and only creates and collects its own objects.
+import gc
+gc.collect()
+gc.freeze()
 proto_out.write("ready\n")
 request = None
 while True:
@@ -120,11 +140,20 @@ while True:
     pid = os.fork()
     if pid == 0:
         break
+    while request["session"]:  # the pid is answered once the child leads its session: a kill of its group reaches it
+        try:
+            if os.getsid(pid) == pid:
+                break
+        except OSError:  # it died already
+            break
+        time.sleep(0.001)
     proto_out.write(json.dumps({"pid": pid}) + "\n")
     _, status = os.waitpid(pid, 0)
     proto_out.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
 # The child: the console script's process from here on.
 proto_out.close()
+if request["session"]:
+    os.setsid()  # a process group of its own, as subprocess's start_new_session: a kill takes all of it
 null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(null, 0); os.close(null)
 for fd, path, text in zip((1, 2), (request["stdout"], request["stderr"]), preamble):
@@ -135,7 +164,7 @@ os.environ.clear(); os.environ.update(request["env"])
 script = request["script"]
 sys.argv = request["argv"][1:] if script else request["argv"]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-del json, os, importlib, request, preamble, captured, proto_in, proto_out, dropped
+del json, os, importlib, gc, time, request, preamble, captured, proto_in, proto_out, dropped
 if script:
     import runpy
     runpy.run_path(script, run_name="__main__")
@@ -178,25 +207,73 @@ class ConsoleServer:
 
     def run(self, argv: list[str], cwd: str, env: dict[str, str], timeout: float,
             script: str | None = None) -> subprocess.CompletedProcess:
-        with self.lock:
+        return self.start(argv, cwd, env, script).wait(timeout)
+
+    def start(self, argv: list[str], cwd: str, env: dict[str, str], script: str | None = None,
+              session: bool = False) -> "Started":
+        """Fork the child and return at once; the server serves no other call until it was waited for."""
+        self.lock.acquire()
+        try:
             self.calls += 1
             out, err = f"{self.dir}/{self.calls}.out", f"{self.dir}/{self.calls}.err"
-            request = {"argv": argv, "script": script, "cwd": cwd, "env": env, "stdout": out, "stderr": err}
+            request = {"argv": argv, "script": script, "cwd": cwd, "env": env, "stdout": out, "stderr": err,
+                       "session": session}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            pid = json.loads(self._line(60))["pid"]
-            answer = self._line(timeout)
-            if answer is None:
-                os.kill(pid, signal.SIGKILL)
-                self._line(60)
-                raise subprocess.TimeoutExpired(argv, timeout)
-            status = json.loads(answer)["status"]
+            return Started(self, argv, json.loads(self._line(60))["pid"], out, err)
+        except BaseException:
+            self.lock.release()
+            raise
+
+
+class Started:
+    """A console-script process forked from the console server and not yet waited for: ``pid``, ``poll()`` (None
+    while it runs, else its exit status) and ``wait(timeout)`` (its ``CompletedProcess``; kills it at the timeout).
+    As a context manager, a process not waited for by the end of the block (a failed assertion) is killed and
+    waited for, so the server serves the next call."""
+
+    def __init__(self, server: ConsoleServer, argv: list[str], pid: int, out: str, err: str) -> None:
+        self.server, self.argv, self.pid, self.paths, self.returncode = server, argv, pid, (out, err), None
+        self.waited = False
+
+    def __enter__(self) -> "Started":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.waited:
+            if self.poll() is None:
+                os.killpg(self.pid, signal.SIGKILL)
+            self.wait(60)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            answer = self.server._line(0)
+            if answer is not None:
+                self.returncode = json.loads(answer)["status"]
+        return self.returncode
+
+    def wait(self, timeout: float = 900) -> subprocess.CompletedProcess:
+        assert not self.waited, "waited for already"
+        self.waited = True
+        try:
+            if self.returncode is None:
+                answer = self.server._line(timeout)
+                if answer is None:
+                    os.kill(self.pid, signal.SIGKILL)
+                    self.server._line(60)
+                    raise subprocess.TimeoutExpired(self.argv, timeout)
+                self.returncode = json.loads(answer)["status"]
             texts = []
-            for path in (out, err):
+            for path in self.paths:
+                if not os.path.exists(path):  # killed before it opened its output
+                    texts.append("")
+                    continue
                 with open(path, encoding="utf-8", errors="replace", newline=None) as f:
                     texts.append(f.read())
                 os.unlink(path)
-            return subprocess.CompletedProcess(argv, status, *texts)
+            return subprocess.CompletedProcess(self.argv, self.returncode, *texts)
+        finally:
+            self.server.lock.release()
 
     def close(self) -> None:
         self.proc.stdin.close()

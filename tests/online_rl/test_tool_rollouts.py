@@ -108,14 +108,19 @@ def test_policy_calls_the_tool_and_the_loss_sees_the_sampled_ids(policy_dir, pol
 
 @pytest.mark.parametrize("backend, temperature", [("generate", 1.0), ("generate", 0.3), ("compact", 1.0),
                                                   ("compact", 0.3), ("continuous", 1.0), ("static", 1.0)])
-def test_rollout_logps_equal_the_trainers_over_tool_turns(policy_dir, policy_tokenizer, temperature, backend):
+def test_rollout_logps_equal_the_trainers_over_tool_turns(policy_dir, policy_tokenizer, temperature, backend,
+                                                         monkeypatch):
     """The sampler's log-probs of every sampled token equal the training forward's on the stored rollout (padded and
-    padding-free layouts): turns after the first were sampled on exactly the ids the trainer reads."""
+    padding-free layouts): turns after the first were sampled on exactly the ids the trainer reads. The static
+    backend's decode step is compiled with torch.compile's eager backend, as in tests/generation: the same graph
+    capture and static cache, without inductor's code generation (about 40 s on a cold cache)."""
     from transformers import AutoModelForCausalLM
 
+    import lightalign.modules.generation.static as static
     from lightalign.modules.adaptations.layouts import grpo_forward, packed_completion_batch
     from lightalign.modules.agent.episodes import ToolRollouts
 
+    monkeypatch.setattr(static, "COMPILE_BACKEND", "eager")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     rollouts = ToolRollouts([calculate], None, None, None, None)

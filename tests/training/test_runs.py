@@ -82,13 +82,15 @@ def test_killed_run_continues_in_its_folder_without_lost_or_repeated_rows(repo, 
             "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.flush_logs_every_n_steps",
             "1", "--plot.enabled", "false", "--ckpt_path", "last"]
     run = tmp_path / "quickstart" / "version_0"
-    first = lightalign(repo, *args)
-    deadline = time.monotonic() + 600
-    while not ((run / "metrics.csv").is_file() and any(s >= 13 for s in metric_steps(run))):
-        assert first.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
-        time.sleep(0.05)
-    os.killpg(first.pid, signal.SIGKILL)
-    out = finish(first, -signal.SIGKILL)
+    with console_script.start(repo, *args) as first:  # forked from the console server, in a session of its own
+        deadline = time.monotonic() + 600
+        while not ((run / "metrics.csv").is_file() and any(s >= 13 for s in metric_steps(run))):
+            assert first.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGKILL)
+        proc = first.wait()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGKILL, f"exit {proc.returncode}\n{out[-6000:]}"
     assert "no earlier run of this config has a checkpoint" in out and "starting a new run" in out
     step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"]
     logged = metric_steps(run)
@@ -125,10 +127,9 @@ def test_resume_refuses_another_method_model_layout_or_a_reached_max_steps(repo,
                      ["is at step 4 = --trainer.max_steps: that run is finished"]),
     }
     before = (finished_run / "metrics.csv").read_text()
-    procs = {name: lightalign(repo, *args) for name, (args, _) in cases.items()}  # side by side: each stops early
-    for name, proc in procs.items():
-        out = finish(proc, 1)
-        for text in cases[name][1]:
+    for name, (args, texts) in cases.items():  # each forked from the console server: a refusal costs no import
+        out = run_to_end(repo, *args, status=1)
+        for text in texts:
             assert text in out, f"{name}: {text!r} not in\n{out[-3000:]}"
         assert "Traceback" not in out, name
     assert (finished_run / "metrics.csv").read_text() == before  # nothing trained, nothing logged
