@@ -36,7 +36,7 @@ class KillAt(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            os.killpg(os.getpgid(0), signal.SIGKILL)  # every rank: the test starts us in our own session
+            os.killpg(os.getpgid(0), signal.SIGKILL)  # every rank: the launching process leads its own session
 
 
 class DyingCheckpointIO:
@@ -158,6 +158,11 @@ def main() -> None:
     parser.add_argument("--model", default=TINY, help="the model folder to start from (copied, with dropout)")
     parser.add_argument("--prompts-per-rank", type=int, default=4, help="GRPO: prompts per rank and epoch")
     args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ and os.getpgid(0) != os.getpid():
+        # the launching process (not a rank Lightning started), forked from the tests' console server or started
+        # in the caller's group: a session of its own, so that KillAt's killpg takes every rank and sampling
+        # process it starts, and nothing else
+        os.setsid()
     torch.set_num_threads(1)
     out = Path(args.out)
     L.seed_everything(1234)
