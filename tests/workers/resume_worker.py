@@ -163,6 +163,9 @@ def main() -> None:
         # in the caller's group: a session of its own, so that KillAt's killpg takes every rank and sampling
         # process it starts, and nothing else
         os.setsid()
+    from helpers.fork_ranks import fork_ranks
+
+    fork_ranks(args.devices)  # the other ranks forked from this process (tests/helpers/fork_ranks.py)
     torch.set_num_threads(1)
     out = Path(args.out)
     L.seed_everything(1234)
