@@ -33,10 +33,11 @@ MOVED = {"distill": 1e-3}
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE",
-                                                                  "LOCAL_RANK", "RANK")}
-    return dict(env, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-                **extra)
+    """The tests' environment as they started (offline; not what in-process tests added since, such as Lightning's
+    PL_GLOBAL_SEED: then ``_run`` can fork the worker from the console server), one thread, no rank variables."""
+    env = {k: v for k, v in console_script.standard_env().items() if k not in (
+        "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK")}
+    return dict(env, OMP_NUM_THREADS="1", **extra)
 
 
 def _worker(out: Path, strategy: str, *extra: str) -> list[str]:
