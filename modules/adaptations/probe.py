@@ -122,7 +122,10 @@ def measure(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
     from lightalign.modules.adaptations.shrink import shrink_config
 
     base = _base(model)
-    shrunk, facts = shrink_config(base.config, max_tokens, model_class=type(base))
+    # the structure shrink_config builds to count parameters is plain too: under ZeRO-3 it would be partitioned
+    # (collectives for each build, on every fit start) and count 0 parameters
+    with _plain_construction():
+        shrunk, facts = shrink_config(base.config, max_tokens, model_class=type(base))
     if attn_implementation is not None:
         shrunk._attn_implementation = attn_implementation
     key = _key(type(base), shrunk, layout, facts)

@@ -6,29 +6,24 @@ optimizer state, and the logged losses of the steps they share. The workers trai
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import console_script
+
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "resume_worker.py"
 
 
-def _start(out: Path, method: str, *extra: str) -> subprocess.Popen:
-    """The worker in its own session (a kill takes its whole process group), one thread each, so two runs
-    share the machine's cores side by side."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(WORKER), "--method", method, "--out", str(out), *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _wait(proc: subprocess.Popen, expect_kill: bool = False) -> None:
-    _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == (-9 if expect_kill else 0), stderr[-3000:]
+def _run(out: Path, method: str, *extra: str, killed: bool = False) -> None:
+    """The worker to its end, forked from the console server (tests/helpers/console_script.py: torch, Lightning and
+    transformers imported once, not once per launch), one thread each. The worker makes itself a session leader, so
+    a kill (``--kill-at``) takes its whole process group (every rank, every sampling process) and nothing else."""
+    proc = console_script.run_python(WORKER, "--method", method, "--out", str(out), *extra,
+                                     env=console_script.standard_env(OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == (-9 if killed else 0), proc.stderr[-3000:]
 
 
 def _losses(out: Path, key: str = "train/loss") -> dict[int, float]:
@@ -92,19 +87,19 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
         common += ["--prompts-per-rank", str(epoch_steps // 2)]
     if method == "grpo_tools":
         common += ["--model", str(request.getfixturevalue("tool_policy_dir"))]
-    # the uninterrupted run and the run that gets killed are independent: run them side by side
-    uninterrupted = _start(a, method, *common)
-    _wait(_start(b, method, *common, "--kill-at", str(kill1)), expect_kill=True)
+    # the uninterrupted run, then the run that gets killed (one after the other: each launch is forked from the one
+    # console server, which serves one call at a time; side by side they would only share the same cores)
+    _run(a, method, *common)
+    _run(b, method, *common, "--kill-at", str(kill1), killed=True)
     assert not (b / "final.pt").exists()
     if method == "grpo_async":  # the checkpoint the first resume starts from holds every rank's next rollout
         kept = torch.load(next((b / "ckpt").glob(f"*step={resume1}.ckpt")), weights_only=False)
         ranks = kept["lightalign_rollout"]["ranks"]
         assert len(ranks) == devices and all(list(r["ahead_rollouts"]) == [1] for r in ranks), ranks
     if kill2 is not None:
-        _wait(_start(b, method, *common, "--resume", "--kill-at", str(kill2), "--log-version", "1"), expect_kill=True)
+        _run(b, method, *common, "--resume", "--kill-at", str(kill2), "--log-version", "1", killed=True)
         assert torch.load(b / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == resume2
-    _wait(_start(b, method, *common, "--resume", "--log-version", "2"))
-    _wait(uninterrupted)
+    _run(b, method, *common, "--resume", "--log-version", "2")
 
     final_a = torch.load(a / "final.pt", weights_only=True)
     final_b = torch.load(b / "final.pt", weights_only=True)

@@ -33,10 +33,11 @@ MOVED = {"distill": 1e-3}
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE",
-                                                                  "LOCAL_RANK", "RANK")}
-    return dict(env, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-                **extra)
+    """The tests' environment as they started (offline; not what in-process tests added since, such as Lightning's
+    PL_GLOBAL_SEED: then ``_run`` can fork the worker from the console server), one thread, no rank variables."""
+    env = {k: v for k, v in console_script.standard_env().items() if k not in (
+        "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK")}
+    return dict(env, OMP_NUM_THREADS="1", **extra)
 
 
 def _worker(out: Path, strategy: str, *extra: str) -> list[str]:
@@ -71,11 +72,21 @@ def _check_resumed(out: Path, strategy: str) -> None:
     assert _max_diff(_load(out / f"sft_resumed_{strategy}.pt"), _load(out / "sft.pt")) == 0.0, strategy
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(tmp_path_factory) -> Path:
-    """One process, twice the per-device batch: the reference every 2-process run is compared with."""
-    out = tmp_path_factory.mktemp("single")
-    _run(_worker(out, "single", "--batch-mult", "2", "--methods", ",".join(METHODS + ("ppo", "ppo_vm") + SAMPLERS)))
+    """One process, twice the per-device batch: the reference every 2-process run is compared with. Run once per
+    test run: the pytest-xdist workers (which each take some of the tests that compare with it) share the folder
+    and take turns under a file lock; ``DONE`` marks a finished run (a failed one is run again by the next user)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one run's folder either way
+    out = shared / "scale_single"
+    with FileLock(str(shared / "scale_single.lock")):
+        if not (out / "DONE").is_file():
+            _run(_worker(out, "single", "--batch-mult", "2", "--methods",
+                         ",".join(METHODS + ("ppo", "ppo_vm") + SAMPLERS)))
+            (out / "DONE").touch()
     return out
 
 

@@ -53,3 +53,32 @@ def test_reward_model_loads_whole_under_zero3(tiny_dir, tmp_path):
         assert zero3_enabled()
     for name, value in saved.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_the_probe_shrinks_the_model_plainly_under_zero3(tiny_model, monkeypatch):
+    """At each fit start the adaptation probe builds the shrunk model's structure to count its parameters: a plain
+    model under ZeRO-3 too (partitioned, every build is collectives on every rank, and it counts 0 parameters)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from lightalign.modules.adaptations import probe, shrink
+
+    seen, real = [], shrink._structure
+
+    def structure(model_class, config):
+        model = real(model_class, config)
+        seen.append((is_deepspeed_zero3_enabled(), model is not None))
+        return model
+
+    class Shrunk(Exception):
+        pass
+
+    def key(*args):  # the shrink is what is checked: stop before the cache lookup (and any measurement)
+        raise Shrunk
+
+    monkeypatch.setattr(shrink, "_structure", structure)
+    monkeypatch.setattr(probe, "_key", key)
+    with zero3_registered() as zero3_enabled:
+        with pytest.raises(Shrunk):
+            probe.measure(tiny_model, "padded")
+        assert zero3_enabled()  # the run's registration is back
+    assert seen and all(s == (False, True) for s in seen), seen  # plain, and built (no process group needed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -17,6 +18,7 @@ from datasets import Dataset
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "assets" / "models" / "tiny")
 DATA = REPO / "examples" / "data"
+sys.path.insert(0, str(REPO / "tests"))  # helpers
 
 
 class Dump(L.Callback):
@@ -38,6 +40,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from helpers.fork_ranks import fork_ranks
+
+    fork_ranks(args.devices)  # the other ranks forked from this process (tests/helpers/fork_ranks.py)
     from lightalign import DPOModule, PreferenceDataModule
 
     lines = (DATA / "arithmetic_preference.jsonl").read_text().splitlines()[: args.rows]

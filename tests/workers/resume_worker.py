@@ -36,7 +36,7 @@ class KillAt(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            os.killpg(os.getpgid(0), signal.SIGKILL)  # every rank: the test starts us in our own session
+            os.killpg(os.getpgid(0), signal.SIGKILL)  # every rank: the launching process leads its own session
 
 
 class DyingCheckpointIO:
@@ -158,11 +158,19 @@ def main() -> None:
     parser.add_argument("--model", default=TINY, help="the model folder to start from (copied, with dropout)")
     parser.add_argument("--prompts-per-rank", type=int, default=4, help="GRPO: prompts per rank and epoch")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if "LOCAL_RANK" not in os.environ and os.getpgid(0) != os.getpid():
+        # the launching process (not a rank started by others), forked from the tests' console server or started
+        # in the caller's group: a session of its own, so that KillAt's killpg takes every rank and sampling
+        # process it starts, and nothing else
+        os.setsid()
+    from helpers.fork_ranks import fork_ranks
+
     out = Path(args.out)
+    model = tiny_with_dropout(out, args.model)  # written once, before the other ranks start
+    fork_ranks(args.devices)  # the other ranks forked from this process (tests/helpers/fork_ranks.py)
+    torch.set_num_threads(1)
     L.seed_everything(1234)
-    module, data, accumulate = build(args.method, tiny_with_dropout(out, args.model), args.devices,
-                                     args.prompts_per_rank)
+    module, data, accumulate = build(args.method, model, args.devices, args.prompts_per_rank)
     callbacks = [SaveInit(out / "init.pt"),
                  ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
     if args.kill_at:

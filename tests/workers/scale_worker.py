@@ -158,7 +158,7 @@ def seeded_online_dpo_class():
 
 def write_teacher(out: Path) -> None:
     """The distillation teacher, ``DIR/teacher``: the tiny model with seeded random weights. Written by the launching
-    process before any fit, so before Lightning starts the other ranks (which run this script again)."""
+    process before it forks the other ranks (``fork_ranks``)."""
     import shutil
 
     from lightalign.hub import load_causal_lm
@@ -306,8 +306,11 @@ def main() -> None:
 
     check_multinode_env(args.num_nodes)  # as the CLI does
 
-    if "distill" in args.methods.split(",") and "LOCAL_RANK" not in os.environ:  # not a rank Lightning started
+    if "distill" in args.methods.split(",") and "LOCAL_RANK" not in os.environ:  # not a rank started by others
         write_teacher(out)
+    from helpers.fork_ranks import fork_ranks
+
+    fork_ranks(args.devices, args.num_nodes)  # the other ranks forked from this process (tests/helpers/fork_ranks.py)
     for method in args.methods.split(","):
         trainer, module = fit(args, method, args.steps)
         full = full_state_dict(module.model, root=trainer.strategy.model)
