@@ -116,9 +116,9 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
                         self.last_batch_samples)
             return loss
 
-        def distill_loss(self, rows):
+        def distill_loss(self, rows, *args, **kwargs):
             self.last_completion_tokens = int(rows["completion_mask"].sum())
-            return super().distill_loss(rows)
+            return super().distill_loss(rows, *args, **kwargs)
 
         def parity_loss(self) -> float:
             """The loss of the data's first rows with their own completions, at the current (initial) student."""
