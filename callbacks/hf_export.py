@@ -91,10 +91,11 @@ class HFExport(L.Callback):
         state = full_state_dict(pl_module.model, root=trainer.strategy.model)
         # a module's other exported weights (PPO's value head and value model), gathered on every rank too
         extra = pl_module.gather_export_extras() if hasattr(pl_module, "gather_export_extras") else None
+        run_dir = run_dir_of(trainer)  # every rank (log_dir broadcasts): the card's title names the run
         if trainer.is_global_zero:
             pl_module.export_hf(output_dir, tokenizer=self._tokenizer(trainer, pl_module), merge_lora=self.merge_lora,
                                 state_dict=state, **({} if extra is None else {"extras": extra}))
-            write_model_card(output_dir, trainer, pl_module, repo_id=self.hub_repo_id)
+            write_model_card(output_dir, trainer, pl_module, repo_id=self.hub_repo_id, run_dir=run_dir)
             self.last_export, self.last_export_step = output_dir, trainer.global_step
             rank_zero_info(f"Hugging Face model written to {output_dir}")
         trainer.strategy.barrier("hf_export")
@@ -122,11 +123,14 @@ class HFExport(L.Callback):
             self._exported_final = True
 
 
-def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, repo_id: str | None = None) -> dict:
+def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, repo_id: str | None = None,
+                run_dir: Path | None = None) -> dict:
     """What ``model_card_text`` needs, read from the run: the module's hparams and class defaults, the last logged
-    train/val metrics, the data module's path and format, the package versions, and how the folder loads."""
+    train/val metrics, the data module's path and format, the package versions, how the folder loads (its absolute
+    path) and the run's ``<name>/version_N`` (``run_dir``, a run folder; None or another folder: no run name)."""
     from lightalign.callbacks.run_config import package_versions
     from lightalign.modules.training.model_card import class_defaults
+    from lightalign.runs import version_of
 
     hparams = dict(getattr(pl_module, "hparams", {}) or {})
     metrics = {}
@@ -142,6 +146,10 @@ def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, 
     classifier = type(pl_module).__name__ == "RewardModule"
     return dict(
         method=type(pl_module).__name__,
+        method_name=getattr(pl_module, "method_name", None),
+        switched_knobs=getattr(pl_module, "switched_knobs", None),
+        run_name=f"{run_dir.parent.name}/{run_dir.name}" if run_dir is not None and version_of(run_dir) is not None
+        else None,
         base_model=hparams.get("model_name_or_path"),
         random_init=bool(hparams.get("from_config")),
         hparams=hparams,
@@ -153,7 +161,7 @@ def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, 
         data_format=getattr(datamodule, "data_format", None),
         data_module=type(datamodule).__name__ if datamodule is not None else None,
         repo_id=repo_id,
-        folder=str(folder),
+        folder=str(Path(folder).resolve()),
         library_name="peft" if adapter else "transformers",
         auto_class=("AutoPeftModelForSequenceClassification" if classifier else "AutoPeftModelForCausalLM") if adapter
         else ("AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"),
@@ -161,11 +169,12 @@ def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, 
     )
 
 
-def write_model_card(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, repo_id: str | None = None) -> Path:
+def write_model_card(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, repo_id: str | None = None,
+                     run_dir: Path | None = None) -> Path:
     """Write ``folder/README.md`` (written to a temporary name, then renamed into place)."""
     from lightalign.modules.training.model_card import model_card_text
 
-    text = model_card_text(**card_inputs(folder, trainer, pl_module, repo_id))
+    text = model_card_text(**card_inputs(folder, trainer, pl_module, repo_id, run_dir))
     path = Path(folder) / "README.md"
     tmp = path.with_name(f".README.md.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")

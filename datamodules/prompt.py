@@ -106,6 +106,7 @@ class PromptDataModule(TokenizedDataModule):
         self.max_prompt_length = max_prompt_length
         self.prompts_per_generation = self.batch_size
         self.repeat = 1
+        self.conversation_rows: dict[str, int] = {}  # split label -> rows split from a 'messages' column
 
     def configure_rollout(self, prompts_per_generation: int, repeat: int) -> None:
         """Called by the GRPO module: prompts per generation batch, and training steps each rollout serves."""
@@ -142,6 +143,7 @@ class PromptDataModule(TokenizedDataModule):
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
         if "prompt" not in raw.column_names and "messages" in raw.column_names:
             raw = split_conversations(raw, label, self.row_numbers)
+            self.conversation_rows[label] = len(raw)
         if "prompt" not in raw.column_names:
             raise DataFormatError(
                 f"Prompt data needs a 'prompt' column; the {label} data has {sorted(raw.column_names)}. "
@@ -195,3 +197,10 @@ def split_conversations(raw: Dataset, label: str, numbers: Any = None) -> Datase
     return raw.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
                    remove_columns=["messages"], desc=f"Splitting {label} conversations")
 
+
+def conversation_split_note(method: str, rows: dict[str, int], completion_use: str) -> str:
+    """The fit-start line saying that conversation rows were split (``rows``: split label -> rows) and what the
+    method does with each one's last assistant message (``completion_use``)."""
+    counts = [f"{rows[label]} {label}" for label in ("train", "validation", "test") if rows.get(label)]
+    return (f"{method}: {' and '.join(counts)} rows are conversations ('messages'): the messages before each one's "
+            f"last assistant message are its prompt; that last message {completion_use}.")

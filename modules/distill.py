@@ -130,6 +130,7 @@ class DistillModule(SamplingModule):
             ``SamplingModule``) and ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
+    method_name = "Distillation (GKD / on-policy)"
     # TRL names of knobs this module spells otherwise
     knob_equivalents = {"max_new_tokens": "max_completion_length", "teacher_model_revision":
                         "teacher_model_init_kwargs.revision"}
@@ -243,6 +244,17 @@ class DistillModule(SamplingModule):
                 f"completions, but the training data has no 'completion' column (it has {sorted(columns)}). Give "
                 "prompt-completion data (a 'completion' column), set seq_kd: true (the teacher writes them) or "
                 "lmbda: 1 (the student samples every batch).")
+
+    def data_completion_use(self) -> str:
+        """The data's completions train the batches neither the student nor (``seq_kd``) the teacher samples."""
+        hp = self.hparams
+        if hp.lmbda >= 1.0:
+            return "is dropped: the student samples every batch's completions (lmbda 1)"
+        if hp.seq_kd:
+            return (f"is dropped: the student (lmbda {hp.lmbda:g}) or the teacher (seq_kd) samples every batch's "
+                    "completions")
+        return (f"is the completion of the {1 - hp.lmbda:.0%} of batches the student does not sample (lmbda "
+                f"{hp.lmbda:g}); the others drop it")
 
     def on_fit_start(self) -> None:
         self.teacher_component.move(self.teacher, self.device, self.model)

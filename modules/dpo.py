@@ -93,6 +93,7 @@ class DPOModule(StatHooks, PolicyModule):
     adapters disabled: no second copy in memory.
     """
 
+    method_name = "DPO"
     uses_reference_model = True
 
     def __init__(

@@ -82,6 +82,7 @@ class GRPOModule(CriticFreeModule):
             ones (model, LoRA, optimizer, schedule).
     """
 
+    method_name = "GRPO"
     uses_reference_model = True
     method_stats = ("clip_ratio", "clip_ratio/low", "clip_ratio/high", "kl", "policy_loss", "entropy_coef",
                     "vespo/phi_seq_mean")

@@ -90,6 +90,8 @@ class KTOModule(StatHooks, PolicyModule):
     adapters disabled: no second copy in memory.
     """
 
+    method_name = "KTO"
+
     def __init__(
         self,
         model_name_or_path: str | None = None,

@@ -145,6 +145,7 @@ class OnlineDPOModule(SamplingModule):
     reference's completions of the win rate (validation, with a judge) are sampled with transformers.
     """
 
+    method_name = "Online DPO"
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
     progress_stats = ("loss", "reward/mean")
     summary_stats = {"win_rate": "max"}  # the run summary's lines beyond the shared ones (callbacks/summary.py)

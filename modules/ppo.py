@@ -96,6 +96,7 @@ class PPOModule(OnlineRLModule):
             the function).
     """
 
+    method_name = "PPO"
     uses_reference_model = True
     min_generations = 1  # the baseline is the value function
     knob_equivalents = {"num_iterations": "num_ppo_epochs", "epsilon": "cliprange", "beta": "kl_coef",

@@ -131,6 +131,8 @@ class RewardModule(StatHooks, PolicyModule):
     the folder never depends on a base model elsewhere.
     """
 
+    method_name = "Reward modelling"
+
     def __init__(self, model_name_or_path: str | None = None, *, center_rewards_coefficient: float | None = None,
                  disable_dropout: bool = True, **kwargs: Any) -> None:
         if center_rewards_coefficient is not None and not center_rewards_coefficient >= 0:

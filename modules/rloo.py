@@ -44,6 +44,7 @@ class RLOOModule(CriticFreeModule):
             optimizer, schedule).
     """
 
+    method_name = "RLOO"
     uses_reference_model = True
     group_needs = "a completion's baseline is the mean reward of the other completions of its prompt"
     method_stats = ("clip_ratio", "clip_ratio/low", "clip_ratio/high", "kl")

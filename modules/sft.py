@@ -56,6 +56,8 @@ class SFTModule(PolicyModule):
     receive the argmax token and the target token of every target position).
     """
 
+    method_name = "SFT"
+
     def __init__(self, model_name_or_path: str | None = None, **kwargs: Any) -> None:
         super().__init__(model_name_or_path, **kwargs)
         self.train_loss = MeanMetric()

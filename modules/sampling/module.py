@@ -121,6 +121,10 @@ class SamplingModule(PolicyModule):
         self.sampling = Sampling(config)
         self.tokenizer: Any = None  # the datamodule's, at setup
 
+    # the vllm_* knobs declared above act only with use_vllm (the model card leaves them out when it is off)
+    switched_knobs = {**PolicyModule.switched_knobs,
+                      "use_vllm": tuple(n for n in inspect.signature(__init__).parameters if n.startswith("vllm_"))}
+
     @classmethod
     def refuse_unknown_knobs(cls, kwargs: dict[str, Any]) -> None:
         """A ``TypeError`` naming the first knob in ``kwargs`` neither this class nor ``PolicyModule`` takes, with
@@ -155,6 +159,21 @@ class SamplingModule(PolicyModule):
         self.tokenizer = getattr(datamodule, "tokenizer", None)
         if stage == "fit" and not hasattr(datamodule, "configure_rollout"):
             raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+        split = getattr(datamodule, "conversation_rows", None)
+        if stage == "fit" and split:
+            from lightning.pytorch.utilities import rank_zero_info
+
+            from lightalign.datamodules.prompt import conversation_split_note
+
+            rank_zero_info(conversation_split_note(self.method_name or type(self).__name__, split,
+                                                   self.data_completion_use()))
+
+    def data_completion_use(self) -> str:
+        """What this method does with the last assistant message of a conversation row (``PromptDataModule`` splits
+        ``messages`` rows into a prompt and that message, the ``completion`` column): the end of the fit-start note."""
+        rewarded = " (the reward functions still receive it, as their `completion` argument)" \
+            if getattr(self, "reward_funcs", None) else ""
+        return f"is dropped for online sampling: the policy samples its own completions{rewarded}"
 
     def batch_layout(self) -> tuple[str, int | None]:
         """Padded ``[prompt, completion]`` rows, the longest ``max_prompt_length + max_completion_length``."""

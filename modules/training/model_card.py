@@ -11,10 +11,11 @@ folder it exports.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 #: A Hugging Face hub repository id ("org/name"): what may go into the ``base_model`` / ``datasets`` metadata (the
 #: Hub rejects a card whose ``base_model`` is not a model id, e.g. a local path).
@@ -31,6 +32,17 @@ def is_hub_id(name: Any) -> bool:
 def method_tag(method: str) -> str:
     """``SFTModule`` -> ``sft``, ``DPOModule`` -> ``dpo``: the tag naming the method."""
     return method.removesuffix("Module").lower() or method.lower()
+
+
+def card_title(repo_id: str | None, run_name: str | None, folder: str | None) -> str:
+    """The card's title: the hub repository when pushed, else the run (``quickstart/version_0``; a folder other than
+    its ``hf_model`` export added, e.g. ``(checkpoint-100)``), else the folder's name."""
+    if repo_id:
+        return repo_id
+    name = Path(folder).name if folder else None
+    if run_name:
+        return run_name if name in (None, "hf_model") else f"{run_name} ({name})"
+    return name or "model"
 
 
 def _value(value: Any) -> str:
@@ -64,6 +76,9 @@ def model_card_text(
     data_module: str | None = None,
     repo_id: str | None = None,
     folder: str | None = None,
+    run_name: str | None = None,
+    method_name: str | None = None,
+    switched_knobs: Mapping[str, Sequence[str]] | None = None,
     library_name: str = "transformers",
     auto_class: str = "AutoModelForCausalLM",
     pipeline_tag: str | None = "text-generation",
@@ -73,16 +88,21 @@ def model_card_text(
     """The text of ``README.md`` (YAML metadata + markdown body); pure: the same inputs give the same text.
 
     Args:
-        method: the module class (``SFTModule``); its tag (``sft``) goes into ``tags``.
+        method: the module class (``SFTModule``); its tag (``sft``) goes into ``tags``. ``method_name``: the
+            method's proper name (``Online DPO``), said beside the class (None: the class alone).
         base_model: the model the run started from (hub id or local folder); only a hub id goes into the metadata.
         hparams: the run's hyperparameters (the module's ``hparams``); ``defaults``: the class defaults, so the knobs
-            that differ come first in the table.
+            that differ come first in the table. ``switched_knobs``: switch knob -> the knobs that act only when it
+            is on (``use_vllm`` -> the ``vllm_*`` knobs); with the switch off, those still at their defaults are left
+            out (and counted).
         metrics: the last logged value of each metric (``train/loss``, ``val/loss`` …); ``step``: the step they
             were read at.
         versions: package -> version (``None``: not installed; left out).
         data, data_format, data_module: the training data's path or hub name, its format and the data module class;
             a hub dataset name also goes into the ``datasets`` metadata.
-        repo_id / folder: what the loading snippet names (the hub repository when pushed, else the local folder).
+        repo_id / folder: what the loading snippet names (the hub repository when pushed, else the local folder:
+            give it absolute, the snippet must work from anywhere). The title: ``card_title(repo_id, run_name,
+            folder)``, ``run_name`` being the run's ``<name>/version_N``.
         library_name, auto_class, pipeline_tag: how the folder loads (``peft`` + ``AutoPeftModelForCausalLM`` for an
             adapter, ``AutoModelForSequenceClassification`` for a reward model).
         license: the license, when known (otherwise left out).
@@ -98,13 +118,12 @@ def model_card_text(
         datasets=[hub_data] if hub_data else None, tags=["lightalign", tag],
         model_name=repo_id.split("/")[-1] if repo_id else None,
     )
-    target = repo_id or folder or "path/to/this/folder"
-    title = repo_id.split("/")[-1] if repo_id else (Path(folder).name if folder else "model")
+    named = f"{method_name} (`{method}`)" if method_name else f"`{method}`"
 
-    lines: list[str] = [f"# {title}", ""]
+    lines: list[str] = [f"# {card_title(repo_id, run_name, folder)}", ""]
     origin = (f"random weights built from the config of `{base_model}`" if random_init
               else f"[`{base_model}`](https://huggingface.co/{base_model})" if hub_base else f"`{base_model}`")
-    lines += [f"Trained with lightalign's `{method}` ({tag.upper()}) from {origin}"
+    lines += [f"Trained with lightalign's {named} from {origin}"
               + (f", {step} optimizer steps." if step is not None else "."), ""]
 
     lines += ["## How to load", "", "```python", "from transformers import AutoTokenizer"]
@@ -113,8 +132,14 @@ def model_card_text(
     else:
         lines[-1] = f"from transformers import {auto_class}, AutoTokenizer"
         lines += [""]
-    lines += [f'model = {auto_class}.from_pretrained("{target}")',
-              f'tokenizer = AutoTokenizer.from_pretrained("{target}")', "```", ""]
+    if repo_id:
+        lines += [f'model = {auto_class}.from_pretrained("{repo_id}")',
+                  f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", ""]
+    else:
+        lines += ["# the folder this card is in (moved or copied: its new path)",
+                  f"folder = {json.dumps(folder or 'path/to/this/folder', ensure_ascii=False)}",
+                  f"model = {auto_class}.from_pretrained(folder)",
+                  "tokenizer = AutoTokenizer.from_pretrained(folder)", "```", ""]
 
     lines += ["## Data", ""]
     if data is not None:
@@ -140,7 +165,10 @@ def model_card_text(
     hparams = {k: v for k, v in hparams.items() if not k.startswith("_")}  # jsonargparse's _class_path, _instantiator
     changed = {k: v for k, v in hparams.items() if k not in defaults or not _same(defaults[k], v)}
     unchanged = {k: v for k, v in hparams.items() if k not in changed}
-    lines += [f"## Method: `{method}`", "", "Knobs set for this run (differing from the defaults):", ""]
+    left_out = {switch: [k for k in knobs if k in unchanged]
+                for switch, knobs in (switched_knobs or {}).items() if switch in hparams and not hparams[switch]}
+    unchanged = {k: v for k, v in unchanged.items() if not any(k in knobs for knobs in left_out.values())}
+    lines += [f"## Method: {named}", "", "Knobs set for this run (differing from the defaults):", ""]
     if changed:
         lines += ["| knob | value |", "|---|---|"] + [f"| `{k}` | `{_value(v)}` |" for k, v in changed.items()]
     else:
@@ -148,6 +176,8 @@ def model_card_text(
     if unchanged:
         lines += ["", "<details><summary>The other knobs (defaults)</summary>", "", "| knob | value |", "|---|---|"]
         lines += [f"| `{k}` | `{_value(v)}` |" for k, v in unchanged.items()] + ["", "</details>"]
+    gone = [f"{len(knobs)} knobs that act only when `{switch}` is on" for switch, knobs in left_out.items() if knobs]
+    lines += ["", "Left out (off here): " + "; ".join(gone) + "."] if gone else []
     lines += [""]
 
     shown = [(name, versions.get(name)) for name in CARD_VERSIONS if versions.get(name)]

@@ -121,6 +121,10 @@ class PolicyModule(L.LightningModule):
     """
 
     uses_reference_model = False  # methods that keep a reference model (DPO, KTO, GRPO, RLOO, PPO) set this
+    # the method's proper name ("Online DPO"): the model card and the fit-time notes say it (None: the class name)
+    method_name: str | None = None
+    # switch knob -> the knobs that act only when it is on: the model card leaves them out when it is off
+    switched_knobs: dict[str, tuple[str, ...]] = {"sync_ref_model": ("ref_model_mixup_alpha", "ref_model_sync_steps")}
     # attributes kept out of the module tree (never optimised, checkpointed or wrapped by a strategy)
     _unregistered_attributes: frozenset[str] = frozenset({"ref_model", "side_effects"})
     ref_model: torch.nn.Module | None = None  # the reference model (reference/component.py), when the method has one

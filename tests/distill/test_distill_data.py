@@ -1,13 +1,19 @@
 """TRL GKD's data format for DistillModule: conversational language-modeling rows (a ``messages`` column) become
 prompt-completion rows, the last (assistant) message the completion; a conversation that cannot be split is refused
-naming its row."""
+naming its row; the fit-start note counts the split rows and says what each method does with that last message (the
+console shows it: tests/online_dpo/test_online_dpo.py's console run)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from lightalign import DistillModule
 from lightalign.datamodules import PromptDataModule
 from lightalign.datamodules.formats import DataFormatError
+from lightalign.datamodules.prompt import conversation_split_note
+from lightalign.modules.sampling.module import SamplingModule
 
 
 def conversation(i: int) -> list[dict]:
@@ -23,6 +29,25 @@ def test_messages_rows_are_split_at_the_last_assistant_message(tiny_dir, write_j
     batch = dm.collate_fn()([dm.train_dataset[i] for i in range(2)])
     assert batch["prompts"] == [conversation(0)[:-1], conversation(1)[:-1]]
     assert batch["columns"]["completion"] == [conversation(0)[-1:], conversation(1)[-1:]]
+    assert dm.conversation_rows == {"train": 8}  # the fit-start note's count (mutation: not recorded -> fails)
+
+
+@pytest.mark.parametrize("method, hparams, use", [
+    (DistillModule, {"lmbda": 0.5, "seq_kd": False},
+     "is the completion of the 50% of batches the student does not sample (lmbda 0.5); the others drop it"),
+    (DistillModule, {"lmbda": 1.0, "seq_kd": False},
+     "is dropped: the student samples every batch's completions (lmbda 1)"),
+    (DistillModule, {"lmbda": 0.25, "seq_kd": True},
+     "is dropped: the student (lmbda 0.25) or the teacher (seq_kd) samples every batch's completions"),
+    (SamplingModule, {}, "is dropped for online sampling: the policy samples its own completions"),
+])
+def test_the_fit_start_note_says_what_each_method_does_with_the_last_assistant_message(method, hparams, use):
+    """Mutation: DistillModule without its own data_completion_use (the sampling methods' text) -> its rows fail."""
+    module = SimpleNamespace(hparams=SimpleNamespace(**hparams))
+    assert method.data_completion_use(module) == use
+    assert conversation_split_note("Distillation", {"validation": 16, "train": 984}, use) == (
+        "Distillation: 984 train and 16 validation rows are conversations ('messages'): the messages before each "
+        f"one's last assistant message are its prompt; that last message {use}.")
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -3,17 +3,24 @@ HFExport writes into every exported folder of a short fit (no push involved).
 
 Exercised: the YAML metadata parses with huggingface_hub's ``ModelCard.load`` (base_model, tags, datasets,
 library_name); the body names the method, the knobs that differ from the defaults before the others, the data, the
-final metrics (equal to the last logged values) and the versions. Not exercised: the Hub's own validation of the
+final metrics (equal to the last logged values) and the versions; the title names the hub repository, the run or
+the folder; an exported card loads from its folder's absolute path and names the method by its proper name; the knobs
+of a feature that is off (``switched_knobs``: the vllm_* knobs without use_vllm) are left out and counted. Not exercised: the Hub's own validation of the
 metadata (no network).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
 import lightning as L
+import pytest
 from huggingface_hub import ModelCard
 
 from lightalign import HFExport, SFTDataModule, SFTModule
-from lightalign.modules.training.model_card import class_defaults, model_card_text
+from lightalign.modules.training.model_card import card_title, class_defaults, model_card_text
 
 
 def test_model_card_text_is_parseable_metadata_and_names_method_knobs_data_metrics(tmp_path):
@@ -72,3 +79,37 @@ def test_every_export_folder_of_a_fit_has_a_model_card(tmp_path, tiny_dir, data_
         assert "format: prompt-completion" in card.text and "- lightalign: " in card.text
     card = ModelCard.load(tmp_path / "hf_model" / "README.md")
     assert f"| `train/loss` | {final_loss:.4g} |" in card.text and "4 optimizer steps" in card.text
+
+
+@pytest.mark.parametrize("repo_id, run_name, folder, title", [
+    ("me/my-model", "quickstart/version_0", "/r/hf_model", "me/my-model"),  # pushed: the hub repository
+    (None, "quickstart/version_0", "/r/quickstart/version_0/hf_model", "quickstart/version_0"),
+    (None, "quickstart/version_0", "/r/quickstart/version_0/checkpoint-4", "quickstart/version_0 (checkpoint-4)"),
+    (None, None, "/somewhere/my_model", "my_model"),  # no run folder (Python API, logger=False)
+])
+def test_the_title_names_the_repository_else_the_run_else_the_folder(repo_id, run_name, folder, title):
+    assert card_title(repo_id, run_name, folder) == title
+
+
+def test_an_exported_card_names_the_method_run_and_folder_and_leaves_out_knobs_of_a_feature_that_is_off(
+        tiny_dir, tmp_path):
+    """Read from a real module as HFExport reads it (no fit). Mutations: switched_knobs emptied -> the vllm_* knobs
+    are listed; the class name upper-cased as the method's name -> fails; the folder as given (relative) -> fails."""
+    from lightalign import OnlineDPOModule
+    from lightalign.callbacks.hf_export import card_inputs
+
+    module = OnlineDPOModule(str(tiny_dir), from_config=True, reward_funcs=["lightalign.rewards.digit_fraction_reward"],
+                             max_completion_length=4, learning_rate=1e-3)
+    run = tmp_path / "runs" / "online_dpo_quickstart" / "version_0"
+    trainer = SimpleNamespace(callback_metrics={}, datamodule=None, global_step=3)
+    inputs = card_inputs(Path(os.path.relpath(run / "hf_model")), trainer, module, run_dir=run)
+    text = model_card_text(**inputs)
+    body = text.split("\n---\n", 1)[1]
+    assert body.lstrip().splitlines()[0] == "# online_dpo_quickstart/version_0"
+    assert "Trained with lightalign's Online DPO (`OnlineDPOModule`) from" in body and "ONLINEDPO" not in body
+    assert f'folder = "{(run / "hf_model").resolve()}"' in body and "model = AutoModelForCausalLM.from_pretrained(folder)" in body
+    assert "vllm_" not in body and "ref_model_sync_steps" not in body and "`top_p`" in body
+    assert ("Left out (off here): 2 knobs that act only when `sync_ref_model` is on; 12 knobs that act only when "
+            "`use_vllm` is on.") in body
+    on = dict(inputs, hparams={**inputs["hparams"], "use_vllm": True})  # the feature on: its knobs are listed
+    assert "| `vllm_mode` | `colocate` |" in model_card_text(**on)

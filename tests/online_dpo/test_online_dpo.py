@@ -215,12 +215,24 @@ def test_killed_and_resumed_equals_uninterrupted(tiny_dir, data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_console_script_fits_the_shipped_config(repo, tmp_path):
+    """On TRL GKD's conversation rows (``messages``, with the assistant's answer), so the one run also shows the
+    fit-start note on the split rows and the exported model card (title, method's name, path, no vLLM knobs).
+    Mutations: the note not printed -> fails; the card's title the folder's name -> fails."""
+    chat = tmp_path / "chat.jsonl"  # 64 of the shipped conversations: 48 train + the config's 16 held out
+    chat.write_text("".join((repo / "examples/data/chat_sft.jsonl").read_text().splitlines(keepends=True)[:64]))
     out = console_script.run(repo, "fit", "--config", "configs/online_dpo_quickstart.yaml", "--trainer.max_steps", "2",
                              "--plot.enabled", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
-                             timeout=600)
+                             "--data.path", str(chat), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert ("Online DPO: 48 train and 16 validation rows are conversations ('messages'): the messages before each "
+            "one's last assistant message are its prompt; that last message is dropped for online sampling: the "
+            "policy samples its own completions (the reward functions still receive it, as their `completion` "
+            "argument).") in (out.stdout + out.stderr).splitlines()
     export = next(tmp_path.rglob("hf_model"))
     assert (export / "model.safetensors").is_file() and (export / "config.json").is_file()
+    card = (export / "README.md").read_text()
+    assert "\n# online_dpo_quickstart/version_0\n" in card and "lightalign's Online DPO (`OnlineDPOModule`)" in card
+    assert f'folder = "{export.resolve()}"' in card and "vllm_" not in card
 
 
 def test_conversational_prompts_reach_the_reward_function_as_messages(tiny_dir, tmp_path):
