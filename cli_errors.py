@@ -64,13 +64,15 @@ class OptionError(Exception):
                     line += f"; {' and '.join(others)} take{'s' if len(others) == 1 else ''} it."
             hint = f"`lightalign fit --{section}.help {class_path}` lists its options." if class_path else ""
             return line + ("\n" + hint if hint else "")
-        # a knob typed as a Union (`lmbda: float | None`): jsonargparse lists each subtype's refusal
-        union = re.search(r'Parser key "([\w.]+)":\s*Does not validate against any of the Union subtypes\s*'
-                          r'Subtypes: \[(.*)\]', text)
-        if union is not None:
-            key, subtypes = union.groups()
-            value = _first(r"Given value: (.*)", text) or ""
-            return _expects(section, key, union_phrase(subtypes), value, argv, configs)
+        # a knob typed as a Union (`lmbda: float | None`): jsonargparse lists each subtype's refusal. `model` itself
+        # is one (PolicyModule | None), so the innermost Union is the knob's, if its refusals nest no other key.
+        unions = list(re.finditer(r'Parser key "([\w.]+)":\s*Does not validate against any of the Union subtypes\s*'
+                                  r'Subtypes: \[(.*)\]', text))
+        if unions:
+            key, subtypes = unions[-1].groups()
+            errors, _, value = text[unions[-1].end():].partition("Given value: ")
+            if "Parser key" not in errors and "class_path" not in errors:
+                return _expects(section, key, union_phrase(subtypes), value.splitlines()[0], argv, configs)
         typed = re.search(r'Parser key "([\w.]+)":\s*Expected (?:a )?(.+?)\. Got value: (.*)', text)
         if typed is not None:
             key, expected, value = typed.groups()
