@@ -53,7 +53,7 @@ CASES = [
      "has no 'completion' column"),
     ("a row without its column", DISTILL + ("--model.teacher_model_name_or_path", "assets/models/tiny", "--data.path",
                                             "{tmp}/chats.jsonl", "--data.val_split_size", "0"),
-     "train data '{tmp}/chats.jsonl', line 8: row 7 has no column 'messages' (its columns: text): every row of "
+     "train data '{tmp}/chats.jsonl', line 9: row 7 has no column 'messages' (its columns: text): every row of "
      "conversational data needs its conversation there"),
     ("online dpo with reward_funcs and a judge", ONLINE_DPO + ("--model.judge", "my_module.my_judge"),
      "OnlineDPOModule ranks each pair of completions by reward_funcs or by a pairwise judge: give exactly one of them "
@@ -69,8 +69,8 @@ def test_console_refusals_are_one_line(repo, tmp_path, name, args, expected):
         pytest.skip("a GPU is visible here")
     (tmp_path / "file").write_text("a file where a folder is expected\n")
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(40)))
-    chats = [CHAT] * 7 + [{"text": "1+1=2"}] + [CHAT] * 8  # row 7 (line 8) has no messages
-    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(row) + "\n" for row in chats))
+    chats = [CHAT] * 7 + [{"text": "1+1=2"}] + [CHAT] * 8  # row 7 (line 9: after a blank line) has no messages
+    (tmp_path / "chats.jsonl").write_text("\n" + "".join(json.dumps(row) + "\n" for row in chats))
     args = [a.format(tmp=tmp_path) for a in args]
     if not any(a == "--trainer.logger.init_args.save_dir" for a in args):
         args += ["--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
