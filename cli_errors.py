@@ -1,9 +1,10 @@
 """What the console script reports in one line instead of a usage dump or a traceback.
 
-* Config and option errors (an unknown key, a value of the wrong type, YAML that does not parse, in a ``--config``
-  file or on the command line): jsonargparse prints its ~100-line usage and a nested message that never names the
-  YAML file. ``OneLineErrorParser`` raises ``OptionError`` instead, and ``OptionError.describe`` says where (the
-  file and line of the key, or the option as typed), which key, what was wrong, and the close match of a misspelt
+* Config and option errors (an unknown key, a value of the wrong type, also for a knob typed as a Union such as
+  ``float | None``, YAML that does not parse, in a ``--config`` file or on the command line; a ``--config`` file
+  that is not there): jsonargparse prints its ~100-line usage and a nested message that never names the YAML file.
+  ``OneLineErrorParser`` raises ``OptionError`` instead, and ``OptionError.describe`` says where (the file and line
+  of the key, or the option as typed), which key, what was wrong, and the close match of a misspelt name or file
   name (difflib). ``--help`` and ``--model.help X`` are untouched (they exit through argparse, not ``error``).
 * Trainer settings Lightning refuses when it builds the Trainer (an unknown strategy, a GPU that is not there, FSDP
   on CPU): ``trainer_refusal`` turns Lightning's error into a ``RunError`` naming the settings.
@@ -35,6 +36,8 @@ class OptionError(Exception):
     def describe(self, argv: list[str]) -> str:
         text = "\n".join(self.messages)
         configs = config_files(argv)
+        if re.search(r'Parser key "config":\s*File does not exist', text):  # jsonargparse repeats it three times
+            return _missing_config(argv)
         if "Problems parsing config" in text:
             return _yaml_syntax(configs) or _one_line(self.messages[-1])
         section = _first(r'Parser key "(\w+)"', text)
@@ -61,6 +64,15 @@ class OptionError(Exception):
                     line += f"; {' and '.join(others)} take{'s' if len(others) == 1 else ''} it."
             hint = f"`lightalign fit --{section}.help {class_path}` lists its options." if class_path else ""
             return line + ("\n" + hint if hint else "")
+        # a knob typed as a Union (`lmbda: float | None`): jsonargparse lists each subtype's refusal. `model` itself
+        # is one (PolicyModule | None), so the innermost Union is the knob's, if its refusals nest no other key.
+        unions = list(re.finditer(r'Parser key "([\w.]+)":\s*Does not validate against any of the Union subtypes\s*'
+                                  r'Subtypes: \[(.*)\]', text))
+        if unions:
+            key, subtypes = unions[-1].groups()
+            errors, _, value = text[unions[-1].end():].partition("Given value: ")
+            if "Parser key" not in errors and "class_path" not in errors:
+                return _expects(section, key, union_phrase(subtypes), value.splitlines()[0], argv, configs)
         typed = re.search(r'Parser key "([\w.]+)":\s*Expected (?:a )?(.+?)\. Got value: (.*)', text)
         if typed is not None:
             key, expected, value = typed.groups()
@@ -68,11 +80,7 @@ class OptionError(Exception):
             choices = re.fullmatch(r"(?:typing\.)?Literal\[(.*)\]", expected)  # Literal['gkd', 'on_policy']
             if choices is not None:
                 expected = f"one of {choices.group(1)}"
-            full = key if section is None or key == section or key.startswith(section + ".") else f"{section}.{key}"
-            head, _, leaf = full.rpartition(".")
-            where = _where(head or None, leaf, argv, configs)
-            what = f"{where} expects" if where.startswith("--") else f"{where}: '{full}' expects"
-            return f"{what} {expected}, got {value.strip()!r}."
+            return _expects(section, key, expected, value, argv, configs)
         refused = _first(r"does not accept option '([\w.]+)'", text)  # a key of a config file the parser lacks
         if refused is not None:
             where = _where(refused.split(".")[0] if "." in refused else None, refused.rpartition(".")[2], argv, configs)
@@ -121,6 +129,72 @@ def init_parameters(cls: type) -> list[str]:
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
     return list(dict.fromkeys(names))
+
+
+def _expects(section: str | None, key: str, expected: str, value: str, argv: list[str], configs: list[Path]) -> str:
+    """``--model.lmbda expects <expected>, got 'half'.`` (typed), or ``file, line N: 'model.lmbda' expects ...``."""
+    full = key if section is None or key == section or key.startswith(section + ".") else f"{section}.{key}"
+    head, _, leaf = full.rpartition(".")
+    where = _where(head or None, leaf, argv, configs)
+    what = f"{where} expects" if where.startswith("--") else f"{where}: '{full}' expects"
+    return f"{what} {expected}, got {value.strip()!r}."
+
+
+# how a Union's subtype reads in a refusal ("a float or null"); other classes read "a <ClassName>"
+_TYPE_PHRASES = {"float": "a float", "int": "an int", "str": "a string", "bool": "true or false", "NoneType": "null",
+                 "dict": "a mapping", "list": "a list", "tuple": "a list"}
+
+
+def union_phrase(subtypes: str) -> str:
+    """jsonargparse's ``[<class 'float'>, list[float]]`` (a Union's subtypes) as ``a float or a list of floats``."""
+    phrases = list(dict.fromkeys(_type_phrase(t) for t in _split_top_level(subtypes)))
+    return phrases[0] if len(phrases) == 1 else f"{', '.join(phrases[:-1])} or {phrases[-1]}"
+
+
+def _type_phrase(subtype: str) -> str:
+    subtype = re.sub(r"<class '([\w.]+)'>", r"\1", subtype.strip()).removeprefix("typing.")
+    choices = re.fullmatch(r"Literal\[(.*)\]", subtype)
+    if choices is not None:
+        return f"one of {choices.group(1)}"
+    generic = re.fullmatch(r"(?:list|List|tuple|Tuple|Sequence|set|Set)\[(.*)\]", subtype)
+    if generic is not None:
+        items = _split_top_level(generic.group(1))
+        simple = (len(items) == 1 or items[1:] == ["..."]) and not re.search(r"[|\[]", items[0])
+        item = _type_phrase(items[0]) if simple else ""  # list[float] -> a list of floats; list[str | X] -> a list
+        plural = re.fullmatch(r"an? (\w+)", item)
+        return f"a list of {plural.group(1)}s" if plural else "a list"
+    if re.fullmatch(r"(?:dict|Dict|Mapping)\[.*\]", subtype):
+        return "a mapping"
+    name = subtype.rpartition(".")[2]
+    return _TYPE_PHRASES.get(name, f"a {name}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """``a, b[c, d], e`` -> ``['a', 'b[c, d]', 'e']`` (commas inside brackets kept)."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += 1 if char in "[(" else -1 if char in "])" else 0
+        if char == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]
+
+
+def _missing_config(argv: list[str]) -> str:
+    """``config file 'x.yaml' does not exist`` for the first ``--config`` file of ``argv`` that is not there, with
+    the close name of a file in its folder (difflib), as typed."""
+    given = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    given += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    missing = next((g for g in given if not Path(g).is_file()), None)
+    if missing is None:
+        return "a --config file does not exist."
+    path = Path(missing)
+    folder = path.parent
+    names = sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+    match = difflib.get_close_matches(path.name, names, n=1)
+    line = f"config file '{missing}' does not exist" + ("" if folder.is_dir() else f" (no folder '{folder}')")
+    return line + (f"; did you mean {folder / match[0] if str(folder) != '.' else match[0]}?" if match else ".")
 
 
 def _where(section: str | None, leaf: str, argv: list[str], configs: list[Path]) -> str:

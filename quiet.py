@@ -9,9 +9,10 @@ It drops, and only these:
   CPU-only run that does not use it);
 * torch's ``LeafSpec`` deprecation FutureWarning raised inside Lightning's own code;
 * Lightning's "Seed set to 42" and "GPU available: ... / TPU available: ..." lines until the run has passed the
-  refusals that come before its data is read (the config, the Trainer settings, the data's rows): they are
-  printed when the first callback's ``setup`` runs (``ReleaseHeldLines``, added by the CLI), so a refused run
-  prints its one-line error and nothing before it;
+  refusals that come before training starts (the config, the Trainer settings, the data's rows, the module's checks
+  of the data and knobs in its ``setup`` and of the models it loads): they are printed when the run starts (the
+  first callback's ``on_fit_start``: ``ReleaseHeldLines``, added by the CLI), so a refused run prints its one-line
+  error and nothing before it;
 * the file-path prefix and the source line Python prints with a warning (``/path/to/cli.py:177: UserWarning: ...``
   followed by ``  rank_zero_warn(note)``): a warning is one line, ``UserWarning: <message>``, the warnings of
   lightalign and Lightning (whose text says what to do) without a location, the other libraries' with their file
@@ -55,7 +56,7 @@ DROPPED_RECORDS = (
 DROPPED_WARNINGS = (  # (category, regex of the message's start)
     (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
 )
-# (logger name, regex of the message's start) of the records held back until the run's setup (see the docstring)
+# (logger name, regex of the message's start) of the records held back until the run starts (see the docstring)
 HELD_RECORDS = (
     ("lightning.fabric.utilities.seed", r"(\[rank: \d+\] )?Seed set to "),
     ("lightning.pytorch.utilities.rank_zero", r"(GPU|TPU) available: "),
@@ -113,9 +114,21 @@ def release_held_lines() -> None:
 
 
 class ReleaseHeldLines(L.Callback):
-    """The CLI's first callback: at ``setup`` (the data's rows were read and checked) the held lines are printed."""
+    """The CLI's first callback: the held lines are printed when the run starts (``on_fit_start``, or the start of
+    validate/test/predict), i.e. once the data's rows were read and checked (the datamodule's ``setup``) and the
+    module's own checks of the data and the knobs (its ``setup``, which Lightning calls after the callbacks') and of
+    the models (``configure_model``) have passed."""
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        release_held_lines()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        release_held_lines()
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        release_held_lines()
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         release_held_lines()
 
 
@@ -175,7 +188,7 @@ def console_quiet(progress_bars: bool | None = None) -> Iterator[None]:
         warnings.formatwarning = formatwarning
         for logger, drop in filters:
             logger.removeFilter(drop)
-        for hold in holding:  # a command that ended before its setup (a refusal, --help): the held lines are dropped
+        for hold in holding:  # a command that ended before its start (a refusal, --help): the held lines are dropped
             hold.logger.removeFilter(hold)
             if hold in _HOLDING:
                 _HOLDING.remove(hold)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightalign.datamodules.formats import DataFormatError, resolve_chat_template
 from lightalign.datamodules.samplers import EpochSampler
-from lightalign.datamodules.sources import describe, load_rows
+from lightalign.datamodules.sources import describe, load_rows, row_line
 from lightalign.datamodules.step_loader import SeededLoader, StepTokenCountingLoader
 from lightalign.hub import load_tokenizer
 
@@ -157,7 +157,10 @@ class TokenizedDataModule(L.LightningDataModule):
         try:
             return self.prepare_rows(raw, tokenizer, label)
         except DataFormatError as err:
-            raise DataFormatError(f"{label} data '{describe(source)}': {err}") from err
+            row = getattr(err, "row", None)  # an error about one row (MissingColumnError): the file's line too
+            line = row_line(source, row) if row is not None else None
+            at = f", line {line}" if line is not None else ""
+            raise DataFormatError(f"{label} data '{describe(source)}'{at}: {err}") from err
         finally:
             self.row_numbers = None
 

@@ -40,6 +40,15 @@ class DataFormatError(ValueError):
     """
 
 
+class MissingColumnError(DataFormatError):
+    """A row without a column its data needs (``datasets`` reads a missing key as null, as an explicit null).
+    ``row`` is its number in the user's data, so the datamodule can add the file's line (``sources.row_line``)."""
+
+    def __init__(self, row: int, column: str, columns: Iterable[str], why: str) -> None:
+        self.row = row
+        super().__init__(f"row {row} has no column '{column}' (its columns: {', '.join(columns) or 'none'}): {why}")
+
+
 # --------------------------------------------------------------------------------------------- detection
 def is_conversation(value: Any) -> bool:
     return isinstance(value, list) and len(value) > 0 and all(isinstance(m, dict) and "role" in m for m in value)

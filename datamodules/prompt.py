@@ -11,7 +11,8 @@ from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.samplers import RepeatBatchSampler
 from lightalign.datamodules.step_loader import SeededLoader
-from lightalign.datamodules.formats import DataFormatError, check_chat_template, iter_rows, validate_field
+from lightalign.datamodules.formats import (DataFormatError, MissingColumnError, check_chat_template, iter_rows,
+                                            validate_field)
 
 if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
     from datasets import Dataset
@@ -186,8 +187,12 @@ def split_conversations(raw: Dataset, label: str, numbers: Any = None) -> Datase
     if "completion" in raw.column_names:
         raise DataFormatError(f"The {label} data has both 'messages' and 'completion' columns: give either "
                               "conversations ('messages') or prompt-completion rows ('prompt', 'completion').")
-    for i, row in iter_rows(raw, ["messages"], numbers):
+    for position, (i, row) in enumerate(iter_rows(raw, ["messages"], numbers)):
         messages = row["messages"]
+        if messages is None:  # a row without the column (or null there), e.g. {"text": ...} among conversations
+            given = [c for c, v in raw[position].items() if v is not None]
+            raise MissingColumnError(i, "messages", given, "every row of conversational data needs its conversation "
+                                     "there (or give prompt-completion rows: 'prompt' and 'completion').")
         if not isinstance(messages, list) or len(messages) < 2 or not isinstance(messages[-1], dict) \
                 or messages[-1].get("role") != "assistant":
             raise DataFormatError(

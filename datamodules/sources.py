@@ -225,7 +225,7 @@ def _check_json(path: Path, source: str) -> list[str]:
     return types.columns()
 
 
-def _check_json_document(text: str, source: str, types: ColumnTypes) -> bool:
+def _check_json_document(text: str, source: str, types: ColumnTypes | _RowLines) -> bool:
     """Check a whole JSON document; True when it turns out to be JSON lines (more than one value)."""
     decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
 
@@ -270,7 +270,7 @@ def _check_json_document(text: str, source: str, types: ColumnTypes) -> bool:
     return False
 
 
-def _check_json_lines(path: Path, source: str, types: ColumnTypes) -> None:
+def _check_json_lines(path: Path, source: str, types: ColumnTypes | _RowLines) -> None:
     offset, rows = 0, 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -300,6 +300,42 @@ def _check_json_lines(path: Path, source: str, types: ColumnTypes) -> None:
     if not rows:
         raise DataFormatError(f"Data file '{source}' holds no rows: its {number} line(s) are all blank. Write one JSON "
                               "object per line.")
+
+
+class _RowLines:
+    """Collects the line (from 1) each row of a JSON file starts at, in place of ``ColumnTypes`` (``row_line``)."""
+
+    def __init__(self) -> None:
+        self.lines: list[int] = []
+
+    def add(self, row: dict[str, Any], line: int) -> None:
+        self.lines.append(line)
+
+
+def row_line(source: Any, row: int) -> int | None:
+    """The line (from 1) at which row ``row`` (from 0) of a local json/jsonl/csv file starts (None: another source,
+    or no such row). For error messages: it reads the file again."""
+    if not isinstance(source, (str, Path)):
+        return None
+    path = Path(source).expanduser()
+    kind = FILE_BUILDERS.get(path.suffix.lower())
+    if not path.is_file() or kind not in ("json", "csv"):
+        return None
+    if kind == "csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            next(reader, None)  # the header
+            start = reader.line_num + 1
+            for i, _ in enumerate(reader):
+                if i == row:
+                    return start
+                start = reader.line_num + 1
+        return None
+    lines = _RowLines()
+    if path.suffix.lower() != ".json" or _check_json_document(path.read_text(encoding="utf-8"), str(source), lines):
+        lines = _RowLines()
+        _check_json_lines(path, str(source), lines)
+    return lines.lines[row] if 0 <= row < len(lines.lines) else None
 
 
 def _check_csv(path: Path, source: str) -> list[str]:

@@ -147,7 +147,7 @@ class OnlineDPOModule(SamplingModule):
 
     method_name = "Online DPO"
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
-    progress_stats = ("loss", "reward/mean")
+    progress_stats = ("loss", "reward/mean")  # with a judge: ("loss", "win_rate")
     summary_stats = {"win_rate": "max"}  # the run summary's lines beyond the shared ones (callbacks/summary.py)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"reward_funcs", "judge"}
     vllm_gpu_memory_utilization_default = 0.55  # TRL's OnlineDPOConfig
@@ -185,7 +185,9 @@ class OnlineDPOModule(SamplingModule):
             raise ValueError(f"beta must be > 0, or a non-empty list of values > 0 (one per epoch), got {beta!r}.")
         if (reward_funcs is None) == (judge is None):
             raise ValueError(f"{name} ranks each pair of completions by reward_funcs or by a pairwise judge: give "
-                             "exactly one of them (got " + ("both" if judge is not None else "neither") + ").")
+                             "exactly one of them (" + ("got both: set --model.reward_funcs null to use the judge, or "
+                                                        "--model.judge null to use the reward functions"
+                                                        if judge is not None else "got neither") + ").")
         if missing_eos_penalty is not None and (judge is not None or missing_eos_penalty < 0):
             raise ValueError(f"missing_eos_penalty must be a positive number subtracted from a reward, got "
                              f"{missing_eos_penalty}" + (" with a judge, which gives no reward to subtract it from; "
@@ -213,6 +215,8 @@ class OnlineDPOModule(SamplingModule):
                  *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None)]
         self.train_stats = StatMetrics(names)
         self.eval_stats = StatMetrics(names)
+        if judge is not None:  # no reward to show: the judge's win rate (validation) instead
+            self.progress_stats = ("loss", "win_rate")
         self.last_pair: dict[str, torch.Tensor] | None = None  # the last training batch's pair (tests, logs)
 
     # ------------------------------------------------------------------------------------- model, setup

@@ -1,5 +1,6 @@
-"""Trainer settings, the logger's folder, the model folder and the sampling knobs: refused in one line through the
-console script (#37), exit 1, no traceback, before the data is read or the model loads.
+"""Trainer settings, the logger's folder, the model folder, the sampling knobs and the data a method cannot use:
+refused in one line through the console script (#37), exit 1, no traceback, before the model loads, and that line
+comes first (Lightning's "Seed set to 42" and "GPU available: ..." are held until the run starts: lightalign/quiet.py).
 
 Lightning refuses an unknown strategy, a GPU that is not there and FSDP on CPU when it builds the Trainer (its
 traceback, ~30 lines, was what a user saw); DeepSpeed on CPU and an unwritable logger folder failed only once
@@ -7,6 +8,8 @@ training started. Each case is a few seconds through the console server.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -43,7 +46,20 @@ CASES = [
      "max_completion_length must be >= 1, got 0."),
     ("distill use_vllm without a GPU", DISTILL + ("--model.use_vllm", "true"), NO_CUDA),
     ("online dpo use_vllm without a GPU", ONLINE_DPO + ("--model.use_vllm", "true"), NO_CUDA),
+    # the module's own check of the data (its setup, after the callbacks'): still the first line
+    ("distill prompt-only data with lmbda 0", DISTILL + ("--model.teacher_model_name_or_path", "assets/models/tiny",
+                                                         "--model.lmbda", "0", "--data.path", "{tmp}/prompts.jsonl"),
+     "lmbda is 0.0 and seq_kd is false, so 100% of the batches train on the data's completions, but the training data "
+     "has no 'completion' column"),
+    ("a row without its column", DISTILL + ("--model.teacher_model_name_or_path", "assets/models/tiny", "--data.path",
+                                            "{tmp}/chats.jsonl", "--data.val_split_size", "0"),
+     "train data '{tmp}/chats.jsonl', line 9: row 7 has no column 'messages' (its columns: text): every row of "
+     "conversational data needs its conversation there"),
+    ("online dpo with reward_funcs and a judge", ONLINE_DPO + ("--model.judge", "my_module.my_judge"),
+     "OnlineDPOModule ranks each pair of completions by reward_funcs or by a pairwise judge: give exactly one of them "
+     "(got both: set --model.reward_funcs null to use the judge, or --model.judge null to use the reward functions)."),
 ]
+CHAT = {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}
 
 
 @pytest.mark.slow
@@ -52,6 +68,9 @@ def test_console_refusals_are_one_line(repo, tmp_path, name, args, expected):
     if "without a GPU" in name and torch.cuda.is_available():
         pytest.skip("a GPU is visible here")
     (tmp_path / "file").write_text("a file where a folder is expected\n")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(40)))
+    chats = [CHAT] * 7 + [{"text": "1+1=2"}] + [CHAT] * 8  # row 7 (line 9: after a blank line) has no messages
+    (tmp_path / "chats.jsonl").write_text("\n" + "".join(json.dumps(row) + "\n" for row in chats))
     args = [a.format(tmp=tmp_path) for a in args]
     if not any(a == "--trainer.logger.init_args.save_dir" for a in args):
         args += ["--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
@@ -61,4 +80,5 @@ def test_console_refusals_are_one_line(repo, tmp_path, name, args, expected):
     errors = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
     assert len(errors) == 1 and "Traceback" not in out, out[-4000:]
     assert errors[0].startswith(f"lightalign: error: {expected.format(tmp=tmp_path)}"), errors[0]
+    assert out.splitlines()[0] == errors[0], out[:2000]  # nothing before it (no "Seed set to 42")
     assert "Tokenizing" not in out and not list(tmp_path.rglob("*.ckpt"))  # before the data and the model

@@ -528,3 +528,20 @@ def test_console_data_refusals_are_one_line(repo, data_dir, tmp_path, name, extr
     line = one_error_line(lightalign(repo, "fit", "--config", config, "--trainer.max_steps", "2",
                                      "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *args))
     assert line.startswith(f"lightalign: error: {expected.format(f=files)}"), line
+
+
+@pytest.mark.parametrize("name, text, row, line", [
+    ("jsonl", '\n{"text": "a"}\n\n{"text": "b"}\n', 1, 4),
+    ("json", '[\n  {"text": "a"},\n\n  {"text":\n   "b"}\n]', 1, 4),
+    ("csv", 'text,label\n"a\nb",1\nc,2\n', 1, 4),
+    ("jsonl", '{"text": "a"}\n', 3, None),
+])
+def test_row_line_is_where_the_row_starts_in_the_file(tmp_path, name, text, row, line):
+    """The line a missing-column error names (sources.row_line): blank lines, a multi-line array row and a
+    multi-line CSV cell counted (mutation: the JSON rows' lines replaced by row + 2 -> the json and jsonl cases
+    fail); no such row -> None."""
+    from lightalign.datamodules.sources import row_line
+
+    path = tmp_path / f"data.{name}"
+    path.write_text(text)
+    assert row_line(str(path), row) == line

@@ -69,3 +69,35 @@ def test_a_trl_knob_name_points_to_the_methods_knob_and_choices_are_listed(repo,
         proc = console_script.run(repo, *distill, *extra, timeout=600)
         assert proc.returncode == 2 and "usage:" not in proc.stderr, proc.stderr[-4000:]
         assert f"lightalign: error: {expected}" in proc.stderr.splitlines(), proc.stderr[-4000:]
+
+
+# (name, base config, YAML override or None, extra arguments, the error line after "lightalign: error: ")
+UNION_CASES = [
+    ("float or None typed", "configs/distill_quickstart.yaml", None, ("--model.lmbda", "half"),
+     "--model.lmbda expects a float or null, got 'half'."),
+    ("float or list typed", "configs/online_dpo_quickstart.yaml", None, ("--model.beta", "abc"),
+     "--model.beta expects a float or a list of floats, got 'abc'."),
+    ("float or None in a file", "configs/distill_quickstart.yaml",
+     "model:\n  init_args:\n    beta: 0.5\n    lmbda: 0.5.5\n", (),
+     "{file}, line 4: 'model.lmbda' expects a float or null, got '0.5.5'."),
+    ("missing config file", "configs/distill_quickstar.yaml", None, (),
+     "config file 'configs/distill_quickstar.yaml' does not exist; did you mean configs/distill_quickstart.yaml?"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, config, text, extra, expected", UNION_CASES, ids=[c[0] for c in UNION_CASES])
+def test_union_knobs_and_a_missing_config_are_one_line(repo, tmp_path, name, config, text, expected, extra):
+    """A knob typed as a Union (DistillModule's `lmbda: float | None`, OnlineDPOModule's `beta: float | list[float]`)
+    is refused like a plain one, typed or in a file (its line), not with jsonargparse's list of the subtypes' errors;
+    a --config file that is not there in one line (not three), with the close name in its folder."""
+    args = ["fit", "--config", config]
+    file = tmp_path / "override.yaml"
+    if text is not None:
+        file.write_text(text)
+        args += ["--config", str(file)]
+    proc = console_script.run(repo, *args, *extra, "--trainer.logger.init_args.save_dir", str(tmp_path), timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert out.splitlines()[0] == f"lightalign: error: {expected.format(file=file)}", out[-4000:]
+    assert len(out.splitlines()) == 1 and "Traceback" not in out, out[-4000:]

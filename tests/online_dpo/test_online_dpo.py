@@ -274,6 +274,7 @@ def test_a_judged_run_trains_and_validates(tiny_dir, data_dir):
     assert calls == [4, 4, 4] and module.last_pair["chosen"].tolist() == [1, 3, 5, 7]  # 2 steps, then the win rate
     assert "train/loss" in metrics and "train/rewards/margins" in metrics and "val/contain_eos_token" in metrics
     assert "val/win_rate" in metrics and "train/win_rate" not in metrics
+    assert "val/win_rate" in trainer.progress_bar_metrics  # with no reward, the progress bar shows the win rate
     assert "train/objective/scores" not in metrics  # no rewards with a judge
 
 

@@ -75,7 +75,7 @@ NOISE = {
 
 def test_a_run_prints_what_a_user_acts_on_and_not_the_libraries_chatter(odd_run_and_output):
     """Mutations (each caught by its line): RankLogging at info for transformers; each filter of quiet.py removed;
-    progress bars kept; shrink.py reading torch_dtype/use_return_dict; the lines held until setup never released."""
+    progress bars kept; shrink.py reading torch_dtype/use_return_dict; the lines held until the run starts never released."""
     run, out = odd_run_and_output
     assert {name: text for name, text in NOISE.items() if text in out} == {}
     for kept in ("Seed set to 42", "GPU available: False, used: False", "step 3/3 | train/loss", f"Hugging Face model written to {run / 'hf_model'}", "lightalign run summary",
