@@ -65,6 +65,11 @@ def right_pad(rows: list[list[int]], pad_token_id: int, device: torch.device) ->
     return ids.to(device), mask.to(device)
 
 
+def data_columns(columns: list[str]) -> list[str]:
+    """The data's own columns, without those the datamodule's tokenisation added (``*_input_ids`` ...)."""
+    return sorted(c for c in columns if not c.endswith(("_input_ids", "_attention_mask")))
+
+
 class DistillModule(SamplingModule):
     """Distil a frozen teacher into the policy (the student) on the prompts of ``PromptDataModule``.
 
@@ -241,7 +246,7 @@ class DistillModule(SamplingModule):
         if hp.lmbda < 1.0 and not hp.seq_kd and columns is not None and "completion" not in columns:
             raise DataFormatError(
                 f"lmbda is {hp.lmbda} and seq_kd is false, so {1 - hp.lmbda:.0%} of the batches train on the data's "
-                f"completions, but the training data has no 'completion' column (it has {sorted(columns)}). Give "
+                f"completions, but the training data has no 'completion' column (it has {data_columns(columns)}). Give "
                 "prompt-completion data (a 'completion' column), set seq_kd: true (the teacher writes them) or "
                 "lmbda: 1 (the student samples every batch).")
 

@@ -50,7 +50,7 @@ CASES = [
     ("distill prompt-only data with lmbda 0", DISTILL + ("--model.teacher_model_name_or_path", "assets/models/tiny",
                                                          "--model.lmbda", "0", "--data.path", "{tmp}/prompts.jsonl"),
      "lmbda is 0.0 and seq_kd is false, so 100% of the batches train on the data's completions, but the training data "
-     "has no 'completion' column"),
+     "has no 'completion' column (it has ['prompt'])."),
     ("a row without its column", DISTILL + ("--model.teacher_model_name_or_path", "assets/models/tiny", "--data.path",
                                             "{tmp}/chats.jsonl", "--data.val_split_size", "0"),
      "train data '{tmp}/chats.jsonl', line 9: row 7 has no column 'messages' (its columns: text): every row of "
