@@ -31,17 +31,23 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, text, extra, expected", CASES, ids=[c[0] for c in CASES])
-def test_config_and_option_errors_are_one_line(repo, tmp_path, name, text, extra, expected):
-    args = list(QUICKSTART)
+def run_with_override(repo, tmp_path, args, text, extra):
+    """The console script on ``args``, then ``text`` (if any) as one more --config file, then ``extra``; returns (its
+    output, the override file); exit status 2 (a parser error) checked."""
     file = tmp_path / "override.yaml"
     if text is not None:
         file.write_text(text)
-        args += ["--config", str(file)]
+        args = [*args, "--config", str(file)]
     proc = console_script.run(repo, *args, *extra, "--trainer.logger.init_args.save_dir", str(tmp_path), timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-4000:]
+    return out, file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, text, extra, expected", CASES, ids=[c[0] for c in CASES])
+def test_config_and_option_errors_are_one_line(repo, tmp_path, name, text, extra, expected):
+    out, file = run_with_override(repo, tmp_path, list(QUICKSTART), text, extra)
     errors = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
     assert errors == [f"lightalign: error: {expected.format(file=file)}"], out[-4000:]
     assert "usage:" not in out and "Traceback" not in out and "tip:" not in out, out[-4000:]
@@ -91,13 +97,6 @@ def test_union_knobs_and_a_missing_config_are_one_line(repo, tmp_path, name, con
     """A knob typed as a Union (DistillModule's `lmbda: float | None`, OnlineDPOModule's `beta: float | list[float]`)
     is refused like a plain one, typed or in a file (its line), not with jsonargparse's list of the subtypes' errors;
     a --config file that is not there in one line (not three), with the close name in its folder."""
-    args = ["fit", "--config", config]
-    file = tmp_path / "override.yaml"
-    if text is not None:
-        file.write_text(text)
-        args += ["--config", str(file)]
-    proc = console_script.run(repo, *args, *extra, "--trainer.logger.init_args.save_dir", str(tmp_path), timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-4000:]
+    out, file = run_with_override(repo, tmp_path, ["fit", "--config", config], text, extra)
     assert out.splitlines()[0] == f"lightalign: error: {expected.format(file=file)}", out[-4000:]
     assert len(out.splitlines()) == 1 and "Traceback" not in out, out[-4000:]
