@@ -20,6 +20,7 @@ from lightalign.modules.generation.config import SamplingConfig
 from lightalign.modules.generation.vllm import check_vllm_knobs
 from lightalign.modules.sampling.component import Sampling
 from lightalign.modules.training.policy import PolicyModule
+from lightalign.modules.training.stat_metrics import loggers_write_this_step, read_every_step
 
 
 class SamplingModule(PolicyModule):
@@ -196,7 +197,8 @@ class SamplingModule(PolicyModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
         self.before_step_stats()
-        self.train_stats.log(self, "train", self.progress_stats)
+        only = None if loggers_write_this_step(self.trainer) else read_every_step(self.trainer, self)
+        self.train_stats.log(self, "train", self.progress_stats, only)  # the others on the loggers' steps
 
     def before_step_stats(self) -> None:
         """The method's last statistics of an optimizer step, before they are logged."""

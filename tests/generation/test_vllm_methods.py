@@ -35,7 +35,7 @@ def _data(tiny_dir, data_dir, name="arithmetic_sft.jsonl"):
 
 
 def _fit(module, data, steps, callbacks=()):
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator="cpu", logger=False, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, max_steps=steps,
                         callbacks=list(callbacks))
     trainer.fit(module, data)

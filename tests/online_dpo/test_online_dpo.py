@@ -174,7 +174,7 @@ class BetaPerEpoch(L.Callback):
 def test_beta_as_a_list_follows_the_epoch(tiny_dir, data_dir):
     assert [beta_for_epoch([0.5, 0.2], e) for e in range(3)] == [0.5, 0.2, 0.2] and beta_for_epoch(0.1, 7) == 0.1
     record = BetaPerEpoch()
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator="cpu", logger=False, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, max_epochs=3, limit_train_batches=1,
                         limit_val_batches=0, callbacks=[record])
     trainer.fit(_module(tiny_dir, beta=[0.5, 0.2], max_completion_length=3), _data(tiny_dir, data_dir))

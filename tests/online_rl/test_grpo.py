@@ -96,7 +96,7 @@ def test_trl_style_reward_gets_extra_columns_and_training_logs(tiny_dir, data_di
 
     module = grpo_module(reward_funcs=[exact_answer, "lightalign.rewards.digit_fraction_reward"],
                      reward_weights=[1.0, 0.5], generation_batch_size=8, beta=0.05)
-    trainer = L.Trainer(accelerator="cpu", max_steps=2, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, logger=L.pytorch.loggers.CSVLogger(tmp_path),
                         callbacks=[CompletionSamples(every_n_steps=1, max_rows=3)])
     trainer.fit(module, prompt_data())

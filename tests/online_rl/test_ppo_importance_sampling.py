@@ -63,7 +63,7 @@ def fit(tiny_dir, prompt_data, monkeypatch, grad_capture, use_vllm=True, steps=1
     seen, losses, spying = record(module)
     monkeypatch.setattr(ppo_module, "clipped_policy_loss", spying)
     capture = grad_capture()
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator="cpu", logger=False, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, max_steps=steps,
                         callbacks=[capture, *callbacks])
     trainer.fit(module, prompt_data())

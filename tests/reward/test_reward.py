@@ -246,7 +246,7 @@ def test_trained_reward_model_scores_in_reward_model_and_drives_grpo(tiny_dir, d
 
     grpo = GRPOModule(str(tiny_dir), from_config=True, reward_funcs=[str(folder)], num_generations=4,
                       max_completion_length=4, learning_rate=1e-3)
-    trainer = quiet_trainer(max_steps=1)
+    trainer = quiet_trainer(max_steps=1, log_every_n_steps=1)
     trainer.fit(grpo, prompt_data(batch_size=2))
     assert torch.isfinite(trainer.callback_metrics["train/reward/reward_model"]), sorted(trainer.callback_metrics)
     assert trainer.global_step == 1
