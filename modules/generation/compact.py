@@ -21,7 +21,8 @@ Two CPU speed-ups that change no token, used by default only where they were mea
   tokens and log-probs; tests);
 - on the CPU in float32 every plain ``nn.Linear`` runs on a oneDNN-prepacked copy of its weight for the duration
   of the call (``packed_linear``): the same product up to float32 rounding, 1.25x faster sampling on the small
-  model at 2 threads (docs/performance.md).
+  model at 2 threads (docs/performance.md); only for models whose linear weights hold at least the small model's
+  116 MiB (``compact_prepack_min_mib``: on the 1M tiny model it is 1.2-1.6x slower).
 
 What the loop changes besides its own tensors, and for how long: the linears' forwards for the duration of the
 call (``packed_linears`` gives them back on exit), and the class of the cache layers it grows
@@ -166,12 +167,17 @@ def compact_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask
     ``prepack``: on the CPU in float32, the linears run on oneDNN-prepacked weights (``packed_linear``).
     ``grow_cache``: the cache's plain layers get room for the whole completion up front (``grow_in_place``).
     Unset (None), each is the value measured for the prompts' device type (``training/device_tuning.py``): on the
-    CPU a quarter, on, on; elsewhere 0 (at once), off, off."""
+    CPU a quarter, on (for a model with at least ``compact_prepack_min_mib`` of eligible linear weights), on;
+    elsewhere 0 (at once), off, off."""
     from lightalign.modules.generation.packed_linear import packed_linears
 
     device = prompt_ids.device
     compact_fraction = tuned("compact_fraction", device) if compact_fraction is None else compact_fraction
-    prepack = tuned("compact_prepack_linears", device) if prepack is None else prepack
+    if prepack is None:  # measured to pay off on large weights only (compact_prepack_min_mib)
+        from lightalign.modules.generation.packed_linear import eligible_mib
+
+        prepack = bool(tuned("compact_prepack_linears", device)) and eligible_mib(model) >= tuned(
+            "compact_prepack_min_mib", device)
     grow_cache = tuned("compact_grow_cache", device) if grow_cache is None else grow_cache
     check_compact_model(model)
     with packed_linears(model) if prepack else contextlib.nullcontext():

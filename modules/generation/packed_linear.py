@@ -16,7 +16,9 @@ cannot give (a gradient, autocast, another dtype or device) runs the module's ow
 
 The result is the same product as ``F.linear``'s up to float32 rounding (another summation order; tests bound the
 difference), so a sampled completion's distribution is unchanged. It is entered only where it was measured: CPU,
-float32, oneDNN built in, no autocast.
+float32, oneDNN built in, no autocast, and (``compact_groups``) a model whose eligible weights hold at least the
+small model's 116 MiB: on small matrices the reorder at each rollout and oneDNN's per-call cost lose (the 1M-parameter
+tiny model samples 1.2-1.6x slower prepacked; ``compact_prepack_min_mib`` in ``training/device_tuning.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def _eligible(module: torch.nn.Module) -> bool:
             and type(weight.data) is torch.Tensor and weight.device.type == "cpu" and weight.dtype == torch.float32
             and weight.layout == torch.strided and (module.bias is None or module.bias.dtype == torch.float32)
             and "forward" not in vars(module))
+
+
+def eligible_mib(model: torch.nn.Module) -> float:
+    """MiB of the weights ``packed_linears`` would prepack in ``model`` (each shared weight once)."""
+    weights = {id(m.weight): m.weight for m in model.modules() if _eligible(m)}
+    return sum(w.numel() * w.element_size() for w in weights.values()) / 2**20
 
 
 class _PackedForward:

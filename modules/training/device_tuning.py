@@ -61,6 +61,16 @@ TABLE: dict[str, Tuned] = {
         measured="GRPO generation, small model, 2 threads, idle (2026-11-24): 2.32 -> 1.86 ms per completion token "
                  "(1.25x), the same tokens in 5 of 5 seeded rollouts; docs/performance.md 'Prepacked linears'",
         read_by="modules/generation/compact.py (compact_groups)"),
+    "compact_prepack_min_mib": Tuned(
+        value=116, neutral=None, device="cpu",
+        tunes="compact backend: the linears are prepacked only when a model's eligible linear weights hold at least "
+              "this many MiB (the reorder of every weight at each rollout and oneDNN's per-call cost are a loss on "
+              "small matrices)",
+        measured="the sampling call alone, 8 prompts x 2 completions, 2 threads, idle (2026-11-26): the tiny model "
+                 "(3.9 MiB of linear weights) 85.8 ms prepacked vs 53.7 ms plain for 8 new tokens, 273.8 vs 224.3 ms "
+                 "for 32; the small model (116 MiB) gains 1.25x (compact_prepack_linears). Sizes between the two "
+                 "were not measured: they stay unpacked; docs/performance.md 'Prepacked linears'",
+        read_by="modules/generation/compact.py (compact_groups)"),
     "packed_linear_rows_hint": Tuned(
         value=32, neutral=None, device="cpu",
         tunes="the batch size oneDNN's prepacked weight layout is chosen for",

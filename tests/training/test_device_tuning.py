@@ -4,6 +4,7 @@ value is the one used before the table (bit-identical numerics) and elsewhere th
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -18,6 +19,7 @@ BEFORE = {
     "compact_fraction": 0.25,
     "compact_grow_cache": True,
     "compact_prepack_linears": True,
+    "compact_prepack_min_mib": 116,  # (new in session 19: before it every model's linears were packed on the CPU)
     "packed_linear_rows_hint": 32,
     "static_prompt_bucket": 32,
     "min_saved_scores_per_call": 32768,
@@ -81,7 +83,32 @@ def test_compact_takes_its_defaults_from_the_prompts_device(monkeypatch, device)
     prompts = torch.ones(1, 3, dtype=torch.long, device=device)
     compact.compact_groups(build("llama"), prompts, prompts, 2, eos_token_ids=[2], pad_token_id=0, max_new_tokens=4)
     knobs = (seen["compact_fraction"], seen["grow_cache"], len(packed))
-    assert knobs == ((0.25, True, 1) if device == "cpu" else (0.0, False, 0))
+    assert knobs == ((0.25, True, 0) if device == "cpu" else (0.0, False, 0))  # a tiny model: below the size
+    set_tuned(monkeypatch, "compact_prepack_min_mib", 0)  # every size measured to gain: packed on the CPU
+    compact.compact_groups(build("llama"), prompts, prompts, 2, eos_token_ids=[2], pad_token_id=0, max_new_tokens=4)
+    assert len(packed) == (1 if device == "cpu" else 0)
+
+
+def test_compact_packs_only_models_with_at_least_the_measured_linear_weights(monkeypatch):
+    """The small model's 116 MiB of linear weights are packed, the same structure 1 MiB short of it is not.
+    Mutation: the size check dropped -> the smaller one is packed, fails."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightalign.modules.generation import compact, packed_linear
+
+    packed = []
+    monkeypatch.setattr(compact, "_sample", lambda *args: (None, None))
+    monkeypatch.setattr(packed_linear, "packed_linears",
+                        lambda model: packed.append(packed_linear.eligible_mib(model)) or contextlib.nullcontext())
+    config = AutoConfig.from_pretrained("assets/models/small")
+    small = AutoModelForCausalLM.from_config(config)
+    config.intermediate_size -= 12  # 8 layers x 3 matrices x 12 x 512 x 4 bytes = 1.1 MiB less
+    smaller = AutoModelForCausalLM.from_config(config)
+    assert packed_linear.eligible_mib(small) == 116.0
+    prompts = torch.ones(1, 3, dtype=torch.long)
+    for model in (small, smaller):
+        compact.compact_groups(model, prompts, prompts, 2, eos_token_ids=[2], pad_token_id=0, max_new_tokens=4)
+    assert packed == [116.0]
 
 
 def test_packed_linears_read_the_rows_hint_from_the_table(monkeypatch):
