@@ -26,9 +26,9 @@ KV cache, no vLLM, fp32, no gradient checkpointing (TRL's SFTConfig turns it on 
 (TRL's fused default), weight decay 0, constant learning rate, grad clip 1.0, dropout off (both defaults), 2 threads,
 no eval, checkpoints or loggers. Prompts are kept whole on both sides (`max_prompt_length` / TRL `max_length` are set
 above the longest row). lightalign samples with its device default (`generation_backend` unset; the backend is
-reported), or with the backend of a `+<backend>` suffix (`lightalign:lmbda1+generate`); TRL with `generate`. A
-`+padding_free` suffix runs lightalign's `padding_free: true` (no padding through student or teacher; TRL's GKD
-collator pads).
+reported), or with the backend of a `+<backend>` suffix (`lightalign:lmbda1+generate`); TRL with `generate`.
+lightalign's `padding_free` is its device default (unset: on on the CPU where both models run it exactly: no padding
+through student or teacher; TRL's GKD collator pads); a `+padded` suffix sets it false, `+padding_free` true.
 
 Each (framework, setting) runs in its own process (peak RSS = its ru_maxrss; peak PSS sampled every 0.25 s), settings
 interleaved (lightalign, TRL, lightalign, TRL ...; reversed on odd repeats), --repeats times; medians reported.
@@ -131,7 +131,8 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
     module = TimedDistillModule(
         args.student_dir, teacher_model_name_or_path=args.teacher_dir, loss_type="gkd", lmbda=lmbda, seq_kd=seq_kd,
         beta=args.beta, temperature=args.temperature, max_completion_length=args.max_new_tokens,
-        generation_backend=backend, padding_free="padding_free" in options,
+        generation_backend=backend,
+        padding_free=True if "padding_free" in options else False if "padded" in options else None,
         learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0)
     data = PromptDataModule(args.la_data, tokenizer=args.student_dir, max_prompt_length=args.max_prompt_length,
                             batch_size=args.batch_size, num_workers=0, seed=args.seed)
@@ -141,7 +142,8 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
                         num_sanity_val_steps=0, callbacks=[Clock()])
     trainer.fit(module, data)
     samplers = ", ".join(f"{who} {name[0]}" for who, name in module.sampling.chosen.items())
-    return {"backend": samplers or "-", "attn": module.model.config._attn_implementation}
+    rows = "packed rows" if module.padding_free_on else "padded rows"
+    return {"backend": ", ".join(filter(None, [samplers, rows])), "attn": module.model.config._attn_implementation}
 
 
 # --------------------------------------------------------------------------- TRL
@@ -265,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", choices=tuple(DATA), default="arithmetic")
     parser.add_argument("--mean-length", type=int, default=24, help="--data english: mean words per row")
     parser.add_argument("--variants", nargs="+", default=None, help="framework:setting entries (settings: "
-                        f"{', '.join(SETTINGS)}; lightalign's may end in +<sampler> and/or +padding_free, e.g. "
-                        "lightalign:lmbda1+generate, lightalign:lmbda0+padding_free; "
+                        f"{', '.join(SETTINGS)}; lightalign's may end in +<sampler> and/or +padded / "
+                        "+padding_free, e.g. lightalign:lmbda1+generate, lightalign:lmbda0+padded; "
                         "default: every setting for both frameworks)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="sampled completion tokens at most")
@@ -283,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check(args: argparse.Namespace) -> None:
-    harness.check_variants(args, tuple(SETTINGS), BACKENDS, options=("padding_free",))
+    harness.check_variants(args, tuple(SETTINGS), BACKENDS, options=("padding_free", "padded"))
     if args.temperature != 1.0:
         print(f"note: --temperature {args.temperature}: TRL's GKDTrainer compares the distributions at 1, "
               "DistillModule at this temperature: the two compute different losses.", flush=True)

@@ -23,7 +23,7 @@ from lightalign.datamodules.formats import DataFormatError
 from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
 from lightalign.modules.adaptations.layouts import packed_completion_batch, packed_logits
-from lightalign.modules.distill_rows import data_columns, right_pad, tokenize_completions
+from lightalign.modules.distill_rows import data_columns, default_padding_free, right_pad, tokenize_completions
 from lightalign.modules.offpolicy.component import MISMATCH_STATS, update_mismatch_stats
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.reference.model import freeze
@@ -85,10 +85,13 @@ class DistillModule(SamplingModule):
         padding_free: the student and the teacher run on the rows with no padding: every ``[prompt, completion]``
             one after the other in one row, positions restarting at each, one attention call per sequence
             (``sdpa_varlen``), logits only where a completion token is predicted. The same loss up to float32
-            rounding with fewer tokens through both models, worth it when prompt or completion lengths vary (the
-            benchmark's english rows: 43% of the padded tokens were padding); refused at fit start on a student or
-            teacher that cannot run it exactly (measured on the model's class). The name TRL's SFT and DPO use for
-            the idea (TRL's GKD collator pads).
+            rounding with fewer tokens through both models (the benchmark's english rows: 43% of the padded tokens
+            were padding; 1.6x the steps/s there, 1.2x on short arithmetic rows). Null (default): the device's
+            measured default (``distill_padding_free`` in ``training/device_tuning.py``: on on the CPU, off
+            elsewhere), and padded rows for a student or teacher measured at fit start not to run it exactly (the
+            fit-start line says which and why). True: asked, refused at fit start on a student or teacher that
+            cannot run it exactly (measured on the model's class). False: padded rows. The name TRL's SFT and DPO
+            use for the idea (TRL's GKD collator pads).
         disable_dropout: set every dropout probability of the student to 0 (TRL GKD's default; the teacher is
             always in eval mode).
         iw_opd_gamma: ``on_policy`` only: IW-OPD's weighting (TRL's ``IWOPDConfig.iw_opd_gamma``): each token's
@@ -123,7 +126,7 @@ class DistillModule(SamplingModule):
         seq_kd: bool = False,
         max_completion_length: int = 128,
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
-        padding_free: bool = False,
+        padding_free: bool | None = None,
         disable_dropout: bool = True,
         iw_opd_gamma: float = 0.0,
         **kwargs: Any,
@@ -179,6 +182,8 @@ class DistillModule(SamplingModule):
                                         "completions/mean_length", *(MISMATCH_STATS if self.hparams.use_vllm else ())))
         self.eval_stats = StatMetrics(("divergence", "completions/mean_length"))
         self.last_source: str | None = None  # who wrote the last training batch's completions (tests, logs)
+        self.packed_rows: bool | None = None  # padding_free as decided at fit start (resolve_padding_free)
+        self.padding_free_note: str | None = None
 
     # ------------------------------------------------------------------------------------- teacher
     def check_vocabularies(self) -> None:
@@ -230,6 +235,18 @@ class DistillModule(SamplingModule):
         self.teacher_component.move(self.teacher, self.device, self.model)
         super().on_fit_start()  # the samplers are decided again in fit_start_notes
 
+    def check_model_layout(self) -> None:
+        self.packed_rows, self.padding_free_note = self.resolve_padding_free()  # before the layout is checked
+        super().check_model_layout()
+
+    def resolve_padding_free(self) -> tuple[bool, str | None]:
+        """(whether the rows are packed, the fit-start note when the default decided it): ``padding_free`` as set,
+        else ``distill_rows.default_padding_free`` on the student and the teacher."""
+        asked = self.hparams.padding_free
+        if asked is not None:
+            return bool(asked), None
+        return default_padding_free(self.model, self.teacher_eval(), self.device, super().batch_layout()[1])
+
     def fit_start_notes(self) -> list[str]:
         """The teacher's layout check (as a separate reference's) and the samplers, decided before any batch."""
         from lightalign.modules.adaptations import describe_decision
@@ -238,15 +255,24 @@ class DistillModule(SamplingModule):
         layout, longest = self.batch_layout()
         teacher = describe_decision(check_layout(self.teacher_eval(), layout, max_tokens=longest))
         notes = [f"teacher {describe_model(self.hparams.teacher_model_name_or_path or self.teacher)} ({teacher})"]
+        if self.padding_free_note:
+            notes.append(self.padding_free_note)
         for who in ("student", "teacher") if self.hparams.seq_kd else ("student",):
             self.sampling.backend(self.sampler_model(who), who)
             notes.append(f"{who} {self.sampling.note(who)}")
         return notes
 
     def batch_layout(self) -> tuple[str, int | None]:
-        """Padded ``[prompt, completion]`` rows, or with ``padding_free`` the same sequences packed into one row."""
+        """Padded ``[prompt, completion]`` rows, or with ``padding_free`` the same sequences packed into one row
+        (the default's decision is known from fit start on: padded before it)."""
         layout, longest = super().batch_layout()
-        return ("grpo_packed" if self.hparams.padding_free else layout), longest
+        return ("grpo_packed" if self.padding_free_on else layout), longest
+
+    @property
+    def padding_free_on(self) -> bool:
+        """Whether the rows are packed: ``padding_free`` as set, else as decided at fit start."""
+        asked = self.hparams.padding_free
+        return bool(self.packed_rows) if asked is None else bool(asked)
 
     def sampler_model(self, who: str) -> torch.nn.Module:
         return self.model if who == "student" else self.teacher_eval()
@@ -306,7 +332,7 @@ class DistillModule(SamplingModule):
         hp = self.hparams
         mask = rows["completion_mask"].bool()
         # padded: logits [B, T, V] under the completion mask; padding-free: [targets, V], every row a target
-        packed = packed_completion_batch(rows) if hp.padding_free else None
+        packed = packed_completion_batch(rows) if self.padding_free_on else None
         with self.training_forward_context():
             student_logits = self.forward_logits(self.model, rows, packed)
         with torch.no_grad():

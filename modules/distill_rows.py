@@ -1,5 +1,6 @@
-"""The data-completion rows of ``DistillModule``: the data's completions tokenised as SFT tokenises them, right-padded
-into tensors, and the data's own column names (without the datamodule's tokenisation columns) for its refusals."""
+"""The rows of ``DistillModule``: the data's completions tokenised as SFT tokenises them, right-padded into tensors,
+the data's own column names (without the datamodule's tokenisation columns) for its refusals, and whether the rows
+are packed when ``padding_free`` is unset (``default_padding_free``)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,21 @@ def right_pad(rows: list[list[int]], pad_token_id: int, device: torch.device) ->
 def data_columns(columns: list[str]) -> list[str]:
     """The data's own columns, without those the datamodule's tokenisation added (``*_input_ids`` ...)."""
     return sorted(c for c in columns if not c.endswith(("_input_ids", "_attention_mask")))
+
+
+def default_padding_free(student: torch.nn.Module, teacher: torch.nn.Module, device: torch.device,
+                         longest: int | None) -> tuple[bool, str | None]:
+    """DistillModule's ``padding_free`` when it is unset: the device's measured default (``distill_padding_free``
+    in ``training/device_tuning.py``), and padded rows when the student or the teacher does not run the packed layout
+    exactly (measured on a probe of its class, ``adaptations.check_layout``). Returns (packed, the fit-start note)."""
+    from lightalign.modules.adaptations.support import LayoutRefused, check_layout
+    from lightalign.modules.training.device_tuning import tuned
+
+    if not tuned("distill_padding_free", device):
+        return False, None
+    for who, model in (("student", student), ("teacher", teacher)):
+        try:
+            check_layout(model, "grpo_packed", max_tokens=longest)
+        except LayoutRefused as refused:
+            return False, f"padded rows: the default padding_free is not exact on the {who}: {refused}"
+    return True, "padding_free (the CPU default)"

@@ -71,6 +71,14 @@ TABLE: dict[str, Tuned] = {
                  "for 32; the small model (116 MiB) gains 1.25x (compact_prepack_linears). Sizes between the two "
                  "were not measured: they stay unpacked; docs/performance.md 'Prepacked linears'",
         read_by="modules/generation/compact.py (compact_groups)"),
+    "distill_padding_free": Tuned(
+        value=True, neutral=False, device="cpu",
+        tunes="DistillModule: padding_free when it is unset (rows packed into one, no padding through the student "
+              "and the teacher), where both models run it exactly",
+        measured="bench/distill.py --steps 10-20 --repeats 2, tiny student / small teacher, 2 threads, idle "
+                 "(2026-11-26, session 18): english rows 2.67 -> 4.37 steps/s (1.64x), arithmetic rows 6.06 -> 7.31 "
+                 "(1.21x); docs/distill.md 'Speed and memory against TRL'",
+        read_by="modules/distill.py (DistillModule.resolve_padding_free)"),
     "packed_linear_rows_hint": Tuned(
         value=32, neutral=None, device="cpu",
         tunes="the batch size oneDNN's prepacked weight layout is chosen for",

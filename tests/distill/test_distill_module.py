@@ -259,6 +259,36 @@ def test_padding_free_is_refused_at_fit_start_on_a_teacher_that_cannot_run_it(ti
         _fit(module, _data(tiny_dir, data_dir), max_steps=1)
 
 
+def test_padding_free_unset_is_the_cpu_default_and_steps_back_on_an_inexact_teacher(tiny_dir, data_dir, teacher_dir,
+                                                                                    monkeypatch, caplog):
+    """padding_free unset: on the CPU the rows are packed (the measured default), said at fit start; a teacher the
+    probe measures inexact in the packed layout makes the run train on padded rows instead of refusing, the line
+    naming the teacher and the difference. Elsewhere (the table's neutral value) padded, with no probe. Mutations:
+    the teacher not probed -> the second run packs, fails; the default read as false -> the first run pads, fails."""
+    from lightalign.modules.adaptations import support
+    from lightalign.modules.adaptations.probe import Verdict
+    from lightalign.modules.distill_rows import default_padding_free
+
+    teacher = load_causal_lm(str(teacher_dir)).eval()
+    module = _module(tiny_dir, teacher, lmbda=0.0)
+    _fit(module, _data(tiny_dir, data_dir), max_steps=1, callbacks=[Record()])
+    assert module.padding_free_on and module.batch_layout()[0] == "grpo_packed"
+    assert module.padding_free_note == "padding_free (the CPU default)"
+
+    real = support.measured
+    monkeypatch.setattr(support, "measured", lambda model, layout, *a, **kw: Verdict(layout, False, 0.7)
+                        if layout == "grpo_packed" and model is teacher else real(model, layout, *a, **kw))
+    module = _module(tiny_dir, teacher, lmbda=0.0)
+    _fit(module, _data(tiny_dir, data_dir), max_steps=1, callbacks=[Record()])
+    assert not module.padding_free_on and module.batch_layout()[0] == "grpo_padded"
+    assert re.match(r"padded rows: the default padding_free is not exact on the teacher: .*7\.0e-01 nats",
+                    module.padding_free_note), module.padding_free_note
+
+    probed = []
+    monkeypatch.setattr(support, "measured", lambda *a, **kw: probed.append(a) or pytest.fail("probed"))
+    assert default_padding_free(module.model, teacher, torch.device("meta"), 64) == (False, None) and not probed
+
+
 def test_lmbda_decides_who_writes_the_completions(tiny_dir, data_dir, teacher_dir, tokenizer):
     # lmbda 1: the student samples every batch; 0: none, the data's completions (tokenised + EOS) are used
     record = Record()

@@ -20,6 +20,7 @@ BEFORE = {
     "compact_grow_cache": True,
     "compact_prepack_linears": True,
     "compact_prepack_min_mib": 116,  # (new in session 19: before it every model's linears were packed on the CPU)
+    "distill_padding_free": True,  # (new in session 19: before it DistillModule's padding_free defaulted to false)
     "packed_linear_rows_hint": 32,
     "static_prompt_bucket": 32,
     "min_saved_scores_per_call": 32768,
