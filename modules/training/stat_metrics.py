@@ -8,7 +8,8 @@ on every call), about 20 per online-DPO step and more for GRPO. A statistic noth
 only on the optimizer steps whose metrics the loggers write (Lightning's ``log_every_n_steps``), the steps where it
 would have reached a file or a dashboard anyway: what the loggers receive is unchanged. Read at every step, and so
 logged at every step: the progress bar's statistics, the run summary's (its final and best values), and any
-callback's ``monitor`` (``ModelCheckpoint``, ``EarlyStopping``). On the other steps ``trainer.callback_metrics``
+callback's ``monitor`` (``ModelCheckpoint``, ``EarlyStopping``); every statistic at the fit's last step (the model
+card's and ``trainer.callback_metrics``' final values). On the other steps ``trainer.callback_metrics``
 holds the other statistics' values of the last written step (with or without a logger: the steps are Lightning's
 ``log_every_n_steps``; ``log_every_n_steps: 1`` logs every statistic at every step).
 """
@@ -49,8 +50,15 @@ class StatMetrics(torch.nn.ModuleDict):
 def loggers_write_this_step(trainer: Any) -> bool:
     """Whether the optimizer step in progress is one whose training metrics the loggers write (Lightning's rule:
     every ``log_every_n_steps``-th step, the step the trainer stops at, every step of ``fast_dev_run``; the same
-    steps when the run has no logger). Asked before the step's optimizer update, as ``on_before_optimizer_step``."""
-    return bool(trainer.fast_dev_run) or bool(trainer._logger_connector.should_update_logs)
+    steps when the run has no logger), or the fit's last step (so that ``trainer.callback_metrics`` after fit, the
+    model card's final metrics, hold every statistic's last value). Asked before the step's optimizer update, as
+    ``on_before_optimizer_step``."""
+    if trainer.fast_dev_run or trainer._logger_connector.should_update_logs:
+        return True
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step + 1 >= trainer.max_steps:
+        return True
+    epochs = trainer.max_epochs
+    return bool(trainer.is_last_batch) and epochs is not None and epochs >= 0 and trainer.current_epoch + 1 >= epochs
 
 
 def read_every_step(trainer: Any, module: Any, stage: str = "train") -> set[str]:

@@ -1,7 +1,7 @@
 """A sampling method's training statistics (``StatMetrics``): the ones something reads at every step (progress bar,
 run summary, a callback's ``monitor``) are logged at every optimizer step, the others only on the steps the loggers
-write (``log_every_n_steps``), and what the loggers receive is the same as when every statistic is logged at every
-step."""
+write (``log_every_n_steps``) and at the fit's last step, and what the loggers receive is the same as when every
+statistic is logged at every step."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class Seen(L.Callback):
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
 
 
-def _fit(tiny_dir, data_dir, tmp_path, callbacks=(), every=2, steps=4):
+def _fit(tiny_dir, data_dir, tmp_path, callbacks=(), every=2, steps=5):
     from lightalign import OnlineDPOModule, PromptDataModule
 
     torch.manual_seed(0)
@@ -61,7 +61,8 @@ def test_other_statistics_only_on_the_loggers_steps_and_the_files_are_unchanged(
     assert every_step <= set(seen[0]) and "train/logps/chosen" not in seen[0]  # step 1: not a loggers' step
     assert "train/logps/chosen" in seen[1]  # step 2 (log_every_n_steps=2)
     assert seen[2]["train/logps/chosen"] == seen[1]["train/logps/chosen"]  # step 3: step 2's value still there
-    assert seen[3]["train/logps/chosen"] != seen[1]["train/logps/chosen"]
+    assert seen[3]["train/logps/chosen"] != seen[1]["train/logps/chosen"]  # step 4: written
+    assert seen[4]["train/logps/chosen"] != seen[3]["train/logps/chosen"]  # step 5, the last: all, for after fit
     assert all(s["train/loss"] != seen[0]["train/loss"] for s in seen[1:])  # the loss: fresh at every step
 
     from lightalign.modules.sampling import module as sampling_module
