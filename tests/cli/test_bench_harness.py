@@ -184,7 +184,7 @@ def test_distill_bench_settings_ratios_and_rows(tmp_path):
     with pytest.raises(SystemExit, match=r"^--variants 'trl:lmbda2': use framework:setting .* "
                                          r"\['lmbda0', 'lmbda0.5', 'lmbda1', 'seq_kd'\]"):
         distill.check(distill.build_parser().parse_args(["--variants", "trl:lmbda2"]))
-    for wrong in ("trl:lmbda1+compact", "trl:lmbda0+padding_free", "lightalign:lmbda0+padded"):
+    for wrong in ("trl:lmbda1+compact", "trl:lmbda0+padding_free", "lightalign:lmbda0+unpadded"):
         with pytest.raises(SystemExit, match=rf"^--variants '{re.escape(wrong)}': a \+<backend> suffix is "
                                              r"lightalign's sampler, .*other \+<option> suffixes .*'padding_free'"):
             distill.check(distill.build_parser().parse_args(["--variants", wrong]))
