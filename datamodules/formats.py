@@ -11,6 +11,7 @@ Formats, by the columns a row has:
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -36,8 +37,22 @@ class DataFormatError(ValueError):
 
     Rows are numbered from 0 in the order of the user's data (``row 30`` is ``dataset[30]``, the 31st object of a
     JSON-lines file), whatever part of it (training or the carved-out validation rows) they end up in; errors
-    found while reading a file name its line, counted from 1.
+    found while reading a file name its line, counted from 1. ``row``: the row an error is about, when it is about
+    one (the datamodule then adds the file's line, ``sources.row_line``).
     """
+
+    row: int | None = None
+
+
+@contextlib.contextmanager
+def about_row(row: int):
+    """Errors raised inside are about row ``row`` (``DataFormatError.row``, unless they already name one)."""
+    try:
+        yield
+    except DataFormatError as err:
+        if err.row is None:
+            err.row = row
+        raise
 
 
 class MissingColumnError(DataFormatError):
@@ -84,38 +99,40 @@ def require_format(fmt: str, allowed: Iterable[str], what: str, columns: list[st
 # --------------------------------------------------------------------------------------------- validation
 def validate_messages(messages: Any, row: int, column: str, require_assistant: bool = False) -> None:
     """Check one conversation; errors name the row, the column and the message index."""
-    where = f"row {row}, column '{column}'"
-    if not isinstance(messages, list) or not messages:
-        raise DataFormatError(f"{where}: expected a non-empty list of messages, got {type(messages).__name__} {messages!r:.80}.")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise DataFormatError(f"{where}, message {i}: expected a dict with 'role' and 'content', got {msg!r:.80}.")
-        role = msg.get("role")
-        if role not in KNOWN_ROLES:
-            raise DataFormatError(f"{where}, message {i}: unknown role {role!r}; known roles are {list(KNOWN_ROLES)}.")
-        content = msg.get("content")
-        if role == "assistant" and msg.get("tool_calls") and (content is None or isinstance(content, str)):
-            continue  # a tool-calling turn may have no text
-        if not isinstance(content, str):
+    with about_row(row):
+        where = f"row {row}, column '{column}'"
+        if not isinstance(messages, list) or not messages:
+            raise DataFormatError(f"{where}: expected a non-empty list of messages, got {type(messages).__name__} {messages!r:.80}.")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict):
+                raise DataFormatError(f"{where}, message {i}: expected a dict with 'role' and 'content', got {msg!r:.80}.")
+            role = msg.get("role")
+            if role not in KNOWN_ROLES:
+                raise DataFormatError(f"{where}, message {i}: unknown role {role!r}; known roles are {list(KNOWN_ROLES)}.")
+            content = msg.get("content")
+            if role == "assistant" and msg.get("tool_calls") and (content is None or isinstance(content, str)):
+                continue  # a tool-calling turn may have no text
+            if not isinstance(content, str):
+                raise DataFormatError(
+                    f"{where}, message {i} ({role}): content must be a string, got {type(content).__name__} {content!r:.80}."
+                )
+            if not content.strip():
+                raise DataFormatError(f"{where}, message {i} ({role}): content is empty.")
+        if require_assistant and not any(m.get("role") == "assistant" for m in messages):
             raise DataFormatError(
-                f"{where}, message {i} ({role}): content must be a string, got {type(content).__name__} {content!r:.80}."
+                f"{where}: the conversation has no assistant turn, so assistant_only_loss leaves nothing to learn. "
+                "Remove the row or set assistant_only_loss=False."
             )
-        if not content.strip():
-            raise DataFormatError(f"{where}, message {i} ({role}): content is empty.")
-    if require_assistant and not any(m.get("role") == "assistant" for m in messages):
-        raise DataFormatError(
-            f"{where}: the conversation has no assistant turn, so assistant_only_loss leaves nothing to learn. "
-            "Remove the row or set assistant_only_loss=False."
-        )
 
 
 def validate_text(value: Any, row: int, column: str) -> None:
-    if value is None:  # (a JSONL row without the column reads as None, like an explicit null)
-        raise DataFormatError(f"row {row}, column '{column}': missing or null; every row needs a string there.")
-    if not isinstance(value, str):
-        raise DataFormatError(f"row {row}, column '{column}': expected a string, got {type(value).__name__} {value!r:.80}.")
-    if not value.strip():
-        raise DataFormatError(f"row {row}, column '{column}': the text is empty.")
+    with about_row(row):
+        if value is None:  # (a JSONL row without the column reads as None, like an explicit null)
+            raise DataFormatError(f"row {row}, column '{column}': missing or null; every row needs a string there.")
+        if not isinstance(value, str):
+            raise DataFormatError(f"row {row}, column '{column}': expected a string, got {type(value).__name__} {value!r:.80}.")
+        if not value.strip():
+            raise DataFormatError(f"row {row}, column '{column}': the text is empty.")
 
 
 def validate_field(value: Any, row: int, column: str, require_assistant: bool = False) -> None:

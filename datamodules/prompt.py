@@ -195,10 +195,12 @@ def split_conversations(raw: Dataset, label: str, numbers: Any = None) -> Datase
                                      "there (or give prompt-completion rows: 'prompt' and 'completion').")
         if not isinstance(messages, list) or len(messages) < 2 or not isinstance(messages[-1], dict) \
                 or messages[-1].get("role") != "assistant":
-            raise DataFormatError(
+            error = DataFormatError(
                 f"row {i}, column 'messages': a conversation is split into a prompt (the messages before its last) "
                 "and a completion (its last message, the assistant's), so it needs at least two messages and must "
                 "end with an assistant message.")
+            error.row = i
+            raise error
     return raw.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
                    remove_columns=["messages"], desc=f"Splitting {label} conversations")
 

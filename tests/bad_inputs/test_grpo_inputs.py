@@ -62,9 +62,16 @@ def test_prompt_data_errors(tiny_dir, write_jsonl):
     with pytest.raises(DataFormatError, match=r"needs a 'prompt' column.*\['question'\]"):
         dm.setup("fit")
     dm = PromptDataModule(write_jsonl([{"prompt": "a"}, {"prompt": ""}]), tokenizer=str(tiny_dir))
-    with pytest.raises(DataFormatError, match="row 1, column 'prompt': the text is empty"):
-        dm.setup("fit")
+    with pytest.raises(DataFormatError, match=r"^train data '.*', line 2: row 1, column 'prompt': the text is empty"):
+        dm.setup("fit")  # the file's line beside the row (mutation: no row on the error -> no line, fails)
     dm = PromptDataModule(write_jsonl([{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}]),
                           tokenizer=str(tiny_dir))
-    with pytest.raises(DataFormatError, match="row 1, column 'prompt': missing or null; every row needs a string"):
+    with pytest.raises(DataFormatError, match=r"^train data '.*', line 2: row 1, column 'prompt': missing or null; "
+                                              "every row needs a string"):
+        dm.setup("fit")
+    talk = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    dm = PromptDataModule(write_jsonl([{"messages": talk}, {"messages": talk}, {"messages": talk[:1]}]),
+                          tokenizer=str(tiny_dir), val_split_size=0)
+    with pytest.raises(DataFormatError, match=r"^train data '.*', line 3: row 2, column 'messages': a conversation is "
+                                              "split into a prompt"):
         dm.setup("fit")
