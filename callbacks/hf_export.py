@@ -123,6 +123,16 @@ class HFExport(L.Callback):
             self._exported_final = True
 
 
+def object_path(obj: Any) -> str:
+    """How a model card names a reward function or judge: a reward model's folder or hub name, else the import path
+    of the function (or of the object's class)."""
+    path = getattr(obj, "name_or_path", None)  # a RewardModel
+    if isinstance(path, str):
+        return path
+    target = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(obj).__name__)}"
+
+
 def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, repo_id: str | None = None,
                 run_dir: Path | None = None) -> dict:
     """What ``model_card_text`` needs, read from the run: the module's hparams and class defaults, the last logged
@@ -133,6 +143,10 @@ def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, 
     from lightalign.runs import version_of
 
     hparams = dict(getattr(pl_module, "hparams", {}) or {})
+    for knob in ("reward_funcs", "judge"):  # objects, kept out of the saved hyperparameters: named here
+        given = getattr(pl_module, knob, None)
+        if given and knob not in hparams:
+            hparams[knob] = [object_path(f) for f in given] if isinstance(given, (list, tuple)) else object_path(given)
     metrics = {}
     for name, value in trainer.callback_metrics.items():
         if name.startswith(("train/", "val/")):

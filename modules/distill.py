@@ -240,11 +240,11 @@ class DistillModule(SamplingModule):
         super().check_model_layout()
 
     def resolve_padding_free(self) -> tuple[bool, str | None]:
-        """(whether the rows are packed, the fit-start note when the default decided it): ``padding_free`` as set,
-        else ``distill_rows.default_padding_free`` on the student and the teacher."""
+        """(whether the rows are packed, the fit-start note saying so and why): ``padding_free`` as set, else
+        ``distill_rows.default_padding_free`` on the student and the teacher."""
         asked = self.hparams.padding_free
         if asked is not None:
-            return bool(asked), None
+            return bool(asked), "padding_free (asked)" if asked else "padded rows (padding_free: false)"
         return default_padding_free(self.model, self.teacher_eval(), self.device, super().batch_layout()[1])
 
     def fit_start_notes(self) -> list[str]:

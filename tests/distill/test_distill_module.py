@@ -230,6 +230,8 @@ def test_padding_free_trains_as_the_padded_rows_do(tiny_dir, data_dir, teacher_d
         module, record = _module(tiny_dir, teacher_dir, lmbda=0.0, padding_free=padding_free), Gradients()
         _fit(module, _data(tiny_dir, data_dir), max_steps=2, callbacks=[record])
         runs.append((torch.stack(record.losses), record.grads))
+        assert module.padding_free_note == ("padding_free (asked)" if padding_free else  # the fit-start line's words
+                                            "padded rows (padding_free: false)")
     rows = record.rows[0]
     assert not rows["prompt_mask"].all() and not rows["completion_mask"].all()  # the padding is there to skip
     (padded_losses, padded), (packed_losses, packed) = runs

@@ -111,5 +111,7 @@ def test_an_exported_card_names_the_method_run_and_folder_and_leaves_out_knobs_o
     assert "vllm_" not in body and "ref_model_sync_steps" not in body and "`top_p`" in body
     assert ("Left out (off here): 2 knobs that act only when `sync_ref_model` is on; 12 knobs that act only when "
             "`use_vllm` is on.") in body
+    # the reward functions (objects, not saved hyperparameters) by import path (mutation: not added -> fails)
+    assert "| `reward_funcs` | `['lightalign.rewards.functions.digit_fraction_reward']` |" in body
     on = dict(inputs, hparams={**inputs["hparams"], "use_vllm": True})  # the feature on: its knobs are listed
     assert "| `vllm_mode` | `colocate` |" in model_card_text(**on)
