@@ -62,9 +62,9 @@ def chat_rows(n: int, bad_row: int) -> list[dict]:
 
 @pytest.mark.parametrize("val_split_size", [0.0, 0.25, 10])
 def test_row_numbers_are_the_users_rows_with_a_validation_carve_out(tiny_dir, write_jsonl, val_split_size):
-    """Row 30 (the 31st line) is reported as row 30 whichever part of the carve-out it lands in."""
+    """Row 30 (the 31st line) is reported as row 30, line 31, whichever part of the carve-out it lands in."""
     path = write_jsonl(chat_rows(40, 30))
-    with pytest.raises(DataFormatError, match=r"data '.*data.jsonl': row 30, column 'messages', message 1 "
+    with pytest.raises(DataFormatError, match=r"data '.*data.jsonl', line 31: row 30, column 'messages', message 1 "
                                               r"\(assistant\): content is empty"):
         setup_sft(path, tiny_dir, val_split_size=val_split_size)
 
@@ -206,8 +206,8 @@ def test_unpaired_rows_name_the_row(tiny_dir, write_jsonl):
 def test_prompt_rows_name_the_row(tiny_dir, write_jsonl):
     rows = [{"prompt": f"{i}+1="} for i in range(40)]
     rows[30]["prompt"] = ""
-    with pytest.raises(DataFormatError, match=r"validation data '.*': row 30, column 'prompt': the text is empty"
-                       r"|train data '.*': row 30, column 'prompt': the text is empty"):
+    with pytest.raises(DataFormatError, match=r"validation data '.*', line 31: row 30, column 'prompt': the text is "
+                       r"empty|train data '.*', line 31: row 30, column 'prompt': the text is empty"):
         PromptDataModule(write_jsonl(rows), tokenizer=str(tiny_dir), val_split_size=0.25).setup("fit")
 
 
@@ -444,7 +444,7 @@ def test_console_data_errors(repo, tmp_path):
     bad.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(40, 30)))
     line = one_error_line(lightalign(repo, *fit_args(tmp_path, "--data.path", str(bad), "--data.val_path", "null",
                                                      "--data.val_split_size", "0.25")))
-    assert "row 30, column 'messages', message 1 (assistant): content is empty" in line, line
+    assert "line 31: row 30, column 'messages', message 1 (assistant): content is empty" in line, line
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     line = one_error_line(lightalign(repo, *fit_args(tmp_path, "--data.path", str(empty))))
