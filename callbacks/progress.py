@@ -37,6 +37,7 @@ class StepProgressBar(TQDMProgressBar):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        self._start = time.perf_counter()  # `lightalign validate`'s lines count from here; a fit's from train start
         interactive = self.interactive if self.interactive is not None else sys.stdout.isatty()
         if not interactive and trainer.is_global_zero:
             self.disable()  # no tqdm output; the hooks below print lines instead

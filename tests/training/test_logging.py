@@ -377,3 +377,20 @@ def test_rank_logging_setup_sets_every_library_logger_per_rank():
     finally:
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_a_validate_runs_lines_show_the_time_since_it_started(monkeypatch, capsys):
+    """`lightalign validate` prints `validation step 0 | ... | 0:00:00`, not the time since the machine's clock
+    started (no train start to count from). Mutation: no start taken at setup -> hours, fails."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lightalign.callbacks import StepProgressBar
+
+    monkeypatch.setattr(TQDMProgressBar, "setup", lambda *args: None)
+    bar = StepProgressBar(interactive=False)
+    trainer = SimpleNamespace(is_global_zero=True, max_steps=-1, global_step=0)
+    bar.setup(trainer, None, "validate")
+    bar.print_line(trainer, None, {"val/divergence": 0.665}, prefix="validation ")
+    assert capsys.readouterr().out.strip() == "validation step 0 | val/divergence 0.665 | 0:00:00"
