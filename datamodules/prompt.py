@@ -11,8 +11,8 @@ from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.samplers import RepeatBatchSampler
 from lightalign.datamodules.step_loader import SeededLoader
-from lightalign.datamodules.formats import (DataFormatError, MissingColumnError, check_chat_template, iter_rows,
-                                            validate_field)
+from lightalign.datamodules.formats import (DataFormatError, MissingColumnError, about_row, check_chat_template,
+                                            iter_rows, validate_field)
 
 if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
     from datasets import Dataset
@@ -195,12 +195,11 @@ def split_conversations(raw: Dataset, label: str, numbers: Any = None) -> Datase
                                      "there (or give prompt-completion rows: 'prompt' and 'completion').")
         if not isinstance(messages, list) or len(messages) < 2 or not isinstance(messages[-1], dict) \
                 or messages[-1].get("role") != "assistant":
-            error = DataFormatError(
-                f"row {i}, column 'messages': a conversation is split into a prompt (the messages before its last) "
-                "and a completion (its last message, the assistant's), so it needs at least two messages and must "
-                "end with an assistant message.")
-            error.row = i
-            raise error
+            with about_row(i):
+                raise DataFormatError(
+                    f"row {i}, column 'messages': a conversation is split into a prompt (the messages before its "
+                    "last) and a completion (its last message, the assistant's), so it needs at least two messages "
+                    "and must end with an assistant message.")
     return raw.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
                    remove_columns=["messages"], desc=f"Splitting {label} conversations")
 
