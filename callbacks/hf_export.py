@@ -123,23 +123,13 @@ class HFExport(L.Callback):
             self._exported_final = True
 
 
-def object_path(obj: Any) -> str:
-    """How a model card names a reward function or judge: a reward model's folder or hub name, else the import path
-    of the function (or of the object's class)."""
-    path = getattr(obj, "name_or_path", None)  # a RewardModel
-    if isinstance(path, str):
-        return path
-    target = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
-    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(obj).__name__)}"
-
-
 def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, repo_id: str | None = None,
                 run_dir: Path | None = None) -> dict:
     """What ``model_card_text`` needs, read from the run: the module's hparams and class defaults, the last logged
     train/val metrics, the data module's path and format, the package versions, how the folder loads (its absolute
     path) and the run's ``<name>/version_N`` (``run_dir``, a run folder; None or another folder: no run name)."""
     from lightalign.callbacks.run_config import package_versions
-    from lightalign.modules.training.model_card import class_defaults
+    from lightalign.modules.training.model_card import class_defaults, object_path
     from lightalign.runs import version_of
 
     hparams = dict(getattr(pl_module, "hparams", {}) or {})

@@ -45,13 +45,23 @@ def card_title(repo_id: str | None, run_name: str | None, folder: str | None) ->
     return name or "model"
 
 
+def object_path(obj: Any) -> str:
+    """How the card names a function, class or object given as a knob (a reward function, a judge): a reward
+    model's folder or hub name, else the import path of the function or class (of the object's class)."""
+    path = getattr(obj, "name_or_path", None)  # a RewardModel
+    if isinstance(path, str):
+        return path
+    target = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(target, '__module__', '')}.{target.__qualname__}".lstrip(".")
+
+
 def _value(value: Any) -> str:
     if isinstance(value, float):
         text = f"{value:.6g}"
     elif isinstance(value, (list, tuple)) and all(callable(v) for v in value):
         text = ", ".join(getattr(v, "__qualname__", repr(v)) for v in value)
     elif callable(value) and hasattr(value, "__qualname__"):
-        text = f"{getattr(value, '__module__', '')}.{value.__qualname__}".lstrip(".")
+        text = object_path(value)
     else:
         text = repr(value) if not isinstance(value, str) else value
     text = " ".join(text.split()).replace("|", "\\|")
