@@ -61,6 +61,7 @@ The method and data knobs belong to the classes a config names; list them with
                                                        UnpairedPreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config
 Learning curves of finished runs: lightalign plot RUN_DIR [RUN_DIR ...] (see lightalign plot --help)
+The shipped configs, tiny model assets and example data, into a folder to run them from: lightalign examples DIR
 Continue the newest run of a config in its folder: lightalign fit --config X --ckpt_path last
 Errors print as one message; --debug (or LIGHTALIGN_DEBUG=1) prints the traceback.
 """
@@ -247,6 +248,10 @@ def main(args: list[str] | None = None) -> int:
             from lightalign.plotting import main as plot_main
 
             return plot_main(argv[1:])
+        if argv[:1] == ["examples"]:  # copies the shipped configs and data out of an installed package
+            from lightalign.shipped import main as examples_main
+
+            return examples_main(argv[1:])
         from lightalign.quiet import console_quiet
 
         with console_quiet():  # library messages a user cannot act on (lightalign/quiet.py), for this command only
