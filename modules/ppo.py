@@ -366,6 +366,7 @@ class PPOModule(OnlineRLModule):
         """The policy as an ordinary causal-LM folder, with ``value_head.safetensors`` and ``value_head.json`` beside
         its weights (``modules/training/value_head.py``: ``load_value_head``). ``extras``: ``gather_export_extras()``'s,
         required when the module is sharded."""
+        self.configure_model()
         extras = extras if extras is not None else self.gather_export_extras()
         path = super().export_hf(output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict)
         self.value_head.save(path, extras["value_head"])

@@ -250,5 +250,7 @@ class RewardModule(StatHooks, PolicyModule):
     # ------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """The sequence-classification folder; LoRA adapters are always merged into it (``merge_lora`` implied)."""
+        """The sequence-classification folder; LoRA adapters are always merged into it (``merge_lora`` implied). A
+        module not trained yet builds its model first (``configure_model``)."""
+        self.configure_model()
         return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=True, state_dict=state_dict)

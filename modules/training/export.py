@@ -18,7 +18,8 @@ from lightalign.modules.training.lora import is_peft_model
 
 def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
               state_dict: dict[str, torch.Tensor] | None = None, random_base: bool = False) -> Path:
-    """Write a Hugging Face model folder (``save_pretrained`` of model and tokenizer), atomically.
+    """Write a Hugging Face model folder (``save_pretrained`` of model and tokenizer), atomically. ``tokenizer``: a
+    tokenizer, or its name or folder (loaded with ``lightalign.hub.load_tokenizer``).
 
     The folder is written under a temporary name beside ``output_dir`` and renamed into place, so a crash
     mid-write leaves the previous export intact. With LoRA, the adapters are saved; ``merge_lora`` saves a
@@ -59,6 +60,10 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: 
         finally:
             if config is not None and use_cache is not None:
                 config.use_cache = use_cache
+        if isinstance(tokenizer, (str, os.PathLike)):  # a name or folder, as the datamodules take it
+            from lightalign.hub import load_tokenizer
+
+            tokenizer = load_tokenizer(str(tokenizer))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         # mkdtemp makes the folder 0700 and safetensors writes 0600 files: give the export the permissions a

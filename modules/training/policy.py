@@ -571,7 +571,9 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the policy as a Hugging Face model folder, atomically (``modules/training/export.py``: ``export_hf``)."""
+        """Write the policy as a Hugging Face model folder, atomically (``modules/training/export.py``: ``export_hf``).
+        A module not trained yet builds its model first (``configure_model``), so it exports what it would train."""
+        self.configure_model()
         return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict,
                          random_base=bool(self.hparams.get("from_config")))
 

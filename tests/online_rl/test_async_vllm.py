@@ -111,6 +111,11 @@ def fit_on_engine(module, engines, trainer_factory, prompt_data, **trainer_kw):
     fit = trainer_kw.pop("fit", {})
     callbacks = [StepEnded(engines), *trainer_kw.pop("callbacks", [])]
     trainer_factory(callbacks=callbacks, **trainer_kw).fit(module, prompt_data(), **fit)
+    # A request sent before fit ended runs on after it (``close`` drops its rollout without waiting): wait for the
+    # server's threads, so the records a test reads are complete however loaded the machine is.
+    for thread in threading.enumerate():
+        if thread.name.startswith("lightalign-vllm"):
+            thread.join(timeout=2 * GATE_SECONDS)
     return engines[-1]
 
 

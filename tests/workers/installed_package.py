@@ -1,0 +1,152 @@
+"""Run by tests/packaging/test_installed_wheel.py with the python of a fresh venv that holds lightalign installed from
+its wheel (no editable install), in a working directory outside the repository: what a user who ran
+``pip install lightalign-*.whl`` can do.
+
+    python installed_package.py WORK_DIR REPO_DIR
+
+1. ``import lightalign`` is the installed copy (under site-packages, not REPO_DIR), and every module of the installed
+   package imports (a package folder left out of the wheel, or a module importing one, fails here by name).
+2. Every public class of ``lightalign``'s ``__all__`` resolves, and each method trains two optimizer steps through the
+   Python API on a tiny Qwen2 model this script builds (2 layers, hidden 32) from the shipped tokenizer, on the
+   shipped example data read from the installed package: SFT, DPO, KTO, reward, GRPO, RLOO, PPO, online DPO,
+   distillation, iterative SFT.
+3. The console script: ``lightalign fit --help``; ``lightalign examples DIR``, then from DIR every shipped offline
+   config (the quickstart, the ``*_tiny`` and ``*_quickstart`` ones, the tool configs) for two steps, each exiting 0.
+
+Prints one ``ok: ...`` line per check; any failure raises (exit status 1 with the traceback).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def check_installed_copy(repo: Path) -> Path:
+    import lightalign
+
+    where = Path(lightalign.__file__).resolve().parent
+    assert "site-packages" in where.parts, f"lightalign imported from {where}, not an installed package"
+    assert repo.resolve() not in where.parents and where != repo.resolve(), f"{where} is the repository"
+    names = [m.name for m in pkgutil.walk_packages([str(where)], prefix="lightalign.")]
+    for name in names:
+        importlib.import_module(name)
+    print(f"ok: {len(names)} modules of the installed package import ({where})")
+    return where
+
+
+def check_public_names() -> None:
+    import lightalign
+    import lightalign.callbacks
+    import lightalign.datamodules
+    import lightalign.modules
+    import lightalign.rewards
+
+    for package in (lightalign, lightalign.modules, lightalign.datamodules, lightalign.callbacks, lightalign.rewards):
+        for name in package.__all__:
+            getattr(package, name)
+    print(f"ok: every name of lightalign.__all__ ({len(lightalign.__all__)}) and of its subpackages' __all__ resolves")
+
+
+def build_tiny_model(package: Path, out: Path) -> Path:
+    """A 2-layer Qwen2 (hidden 32) with the shipped tokenizer, saved with random weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    shipped = package / "assets" / "models" / "tiny"
+    config = AutoConfig.from_pretrained(shipped)
+    config.update({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "layer_types": ["full_attention"] * 2})
+    if hasattr(config, "head_dim"):
+        config.head_dim = 8
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(shipped).save_pretrained(out)
+    return out
+
+
+def fit_two_steps(module, data) -> None:
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(module, data)
+    assert trainer.global_step == 2, f"{type(module).__name__}: {trainer.global_step} steps, not 2"
+    print(f"ok: {type(module).__name__} trained 2 steps from the installed package", flush=True)
+
+
+def check_methods(package: Path, model: Path, work: Path) -> None:
+    import lightalign as la
+    from lightalign.rewards import digit_fraction_reward
+
+    data = package / "examples" / "data"
+    m, short = str(model), dict(max_completion_length=4, learning_rate=1e-3)
+    prompts = dict(path=str(data / "arithmetic_prompts.jsonl"), tokenizer=m, max_prompt_length=16)
+    fit_two_steps(la.SFTModule(m, learning_rate=1e-3),
+                  la.SFTDataModule(str(data / "arithmetic_sft.jsonl"), tokenizer=m, max_length=32, batch_size=4))
+    preference = dict(path=str(data / "arithmetic_preference.jsonl"), tokenizer=m, max_length=32, batch_size=4)
+    fit_two_steps(la.DPOModule(m, learning_rate=1e-3), la.PreferenceDataModule(**preference))
+    fit_two_steps(la.RewardModule(m, learning_rate=1e-3), la.PreferenceDataModule(**preference, prompt_sharing=False))
+    fit_two_steps(la.KTOModule(m, learning_rate=1e-3),
+                  la.UnpairedPreferenceDataModule(str(data / "arithmetic_unpaired.jsonl"), tokenizer=m, max_length=32,
+                                                  batch_size=4))
+    online = dict(reward_funcs=[digit_fraction_reward], generation_batch_size=8, **short)
+    fit_two_steps(la.GRPOModule(m, num_generations=4, **online), la.PromptDataModule(**prompts))
+    fit_two_steps(la.RLOOModule(m, num_generations=4, **online), la.PromptDataModule(**prompts))
+    fit_two_steps(la.PPOModule(m, num_generations=1, **online), la.PromptDataModule(**prompts))
+    fit_two_steps(la.OnlineDPOModule(m, reward_funcs=[digit_fraction_reward], **short),
+                  la.PromptDataModule(**prompts, batch_size=4))
+    fit_two_steps(la.DistillModule(m, teacher_model_name_or_path=m, lmbda=0.5, **short),
+                  la.PromptDataModule(str(data / "arithmetic_sft.jsonl"), tokenizer=m, max_prompt_length=16,
+                                      batch_size=4))
+    iterative = la.IterativeSFT(m, learning_rate=1e-3, max_length=32, device="cpu")
+    for _ in range(2):
+        iterative.step(texts=["1+1=", "2+2="], texts_labels=["2", "4"])
+    print("ok: IterativeSFT took 2 steps from the installed package")
+    la.SFTModule(m).export_hf(work / "export", tokenizer=str(model))
+    assert (work / "export" / "config.json").is_file()
+    print("ok: export_hf wrote a Hugging Face folder")
+
+
+def check_console(work: Path) -> None:
+    script = Path(sys.executable).with_name("lightalign")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+    def run(*args: str, cwd: Path) -> str:
+        done = subprocess.run([str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, f"lightalign {' '.join(args)} exited {done.returncode}:\n{out[-4000:]}"
+        return out
+
+    assert "--model.help" in run("fit", "--help", cwd=work)
+    print("ok: lightalign fit --help")
+    examples = work / "lightalign-examples"
+    assert "configs/quickstart.yaml" in run("examples", str(examples), cwd=work)
+    two = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--plot.enabled", "false"]
+    # the teachers first: distill_quickstart.yaml's is the quickstart's export, tools_grpo.yaml's tools_sft.yaml's
+    first = ["quickstart.yaml", "tools_sft.yaml"]
+    configs = first + sorted(p.name for p in (examples / "configs").glob("*.yaml") if p.name not in first
+                             and (p.stem.endswith(("_tiny", "_quickstart")) or p.stem.startswith("tools_")))
+    for config in configs:
+        run("fit", "--config", f"configs/{config}", *two, cwd=examples)
+        print(f"ok: lightalign fit --config configs/{config} (2 steps, from `lightalign examples`)")
+    assert (examples / "runs" / "quickstart" / "version_0" / "hf_model" / "config.json").is_file()
+
+
+def main(work: Path, repo: Path) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    package = check_installed_copy(repo)
+    check_public_names()
+    model = build_tiny_model(package, work / "tiny")
+    check_methods(package, model, work)
+    check_console(work)
+    print("ok: all")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
