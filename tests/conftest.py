@@ -95,8 +95,11 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tool_policy_dir(tmp_path_factory) -> Path:
-    """The tiny model fitted to call a tool (tests/helpers/tool_policy.py), once per test run: the pytest-xdist
-    workers share the folder (the base temp folder's parent is common to them) and take turns under a file lock."""
+    """The tiny model fitted to call a tool and sharpened to follow its path (tests/helpers/tool_policy.py), for the
+    tests that run the console script (in-process tests script their tool calls instead: helpers/scripted_turns.py).
+    Fitted once per test run, in this run's temp folder (never reused by a later run, whose code may differ): the
+    pytest-xdist workers share the folder (the base temp folder's parent is common to them) and take turns under a
+    file lock."""
     from filelock import FileLock
 
     from helpers.tool_policy import fit_tool_policy
