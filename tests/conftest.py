@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +35,20 @@ TINY = REPO / "assets" / "models" / "tiny"
 DATA = REPO / "examples" / "data"
 
 
+def pytest_configure(config):
+    """Stop before collecting when ``import lightalign`` is not this checkout: the checkout's folder is not named
+    ``lightalign``, so the import resolves to whatever copy is installed, and the suite would test that copy."""
+    try:
+        import lightalign
+    except ImportError as error:
+        raise pytest.UsageError(f"lightalign is not importable ({error}); run `pip install -e .` in {REPO}.") from None
+    imported = Path(lightalign.__file__).resolve().parent  # symlinks resolved: a link to this checkout is this checkout
+    if imported != REPO:
+        raise pytest.UsageError(f"`import lightalign` resolves to {imported}, but these tests belong to the checkout "
+                                f"{REPO}: run `pip install -e .` in {REPO} (or use the virtual environment made for "
+                                "it), so that the suite tests this checkout's code.")
+
+
 def pytest_collection_modifyitems(config, items):
     # Longest first: the multi-process tests (up to a minute each), then the other end-to-end runs, then the many
     # short ones. pyproject's addopts select xdist's work-stealing scheduler: each worker starts on one half of
@@ -47,6 +62,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same RNG state (``random``, ``numpy`` when installed, ``torch``), whatever ran before
+    it in its process: which tests share a pytest-xdist worker, and in which order, is the scheduler's choice."""
+    random.seed(0)
+    try:
+        import numpy
+    except ImportError:
+        pass
+    else:
+        numpy.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="session")
@@ -66,8 +95,11 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tool_policy_dir(tmp_path_factory) -> Path:
-    """The tiny model fitted to call a tool (tests/helpers/tool_policy.py), once per test run: the pytest-xdist
-    workers share the folder (the base temp folder's parent is common to them) and take turns under a file lock."""
+    """The tiny model fitted to call a tool and sharpened to follow its path (tests/helpers/tool_policy.py), for the
+    tests that run the console script (in-process tests script their tool calls instead: helpers/scripted_turns.py).
+    Fitted once per test run, in this run's temp folder (never reused by a later run, whose code may differ): the
+    pytest-xdist workers share the folder (the base temp folder's parent is common to them) and take turns under a
+    file lock."""
     from filelock import FileLock
 
     from helpers.tool_policy import fit_tool_policy

@@ -22,10 +22,14 @@ def tools_run(save_dir, *extra: str) -> list[str]:
 
 
 def test_tool_config_trains_and_logs_trajectories(repo, tmp_path, tool_policy_dir):
+    """The shipped config, at its own temperature (1.0), on the fitted tool policy and the question it was fitted on:
+    fit_tool_policy leaves every token of the path (call, then ``6``) at least 40 nats above any other, so every
+    trajectory calls the calculator once and answers 6 unless a token leaves the path, which happens with
+    probability below 1e-14 per token (tests/helpers/tool_policy.py)."""
     data = tmp_path / "prompts.jsonl"  # the question the policy was fitted to answer with a call
     data.write_text("".join(json.dumps({"prompt": QUESTION, "answer": "6"}) + "\n" for _ in range(20)))
     out = lightalign(repo, *tools_run(tmp_path, "--model.init_args.model_name_or_path", str(tool_policy_dir),
-                                      "--model.init_args.temperature", "0.05", "--data.init_args.path", str(data)))
+                                      "--data.init_args.path", str(data)))
     assert "step 2/2" in out and "Traceback" not in out
     run = tmp_path / "tools_grpo" / "version_0"
     with open(run / "metrics.csv") as f:

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import console_script
 from helpers.rollout_callbacks import KeepBuffer, PerturbPolicy
-from helpers.rewards import Recorder, varied_reward
+from helpers.rewards import Recorder, ranked_reward
 import torch
 
 from lightalign.modules.rloo import RLOOModule
@@ -16,7 +16,7 @@ G = 4
 
 
 def rloo(tiny_dir, **kw):
-    kw.setdefault("reward_funcs", [varied_reward])
+    kw.setdefault("reward_funcs", [ranked_reward])  # rewards that differ inside every group
     kw.setdefault("num_generations", G)
     kw.setdefault("max_completion_length", 6)
     kw.setdefault("learning_rate", 1e-3)
@@ -28,8 +28,21 @@ def in_rollout_order(buffer, key):
     return torch.cat([mb[key] for mb in buffer])[torch.argsort(rows)]
 
 
+def leave_one_out(values):
+    """Each value minus the mean of the others in its group of G."""
+    grouped = values.view(-1, G)
+    return (grouped - (grouped.sum(1, keepdim=True) - grouped) / (G - 1)).flatten()
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_advantage_is_reward_minus_the_others_mean(beta, tiny_dir, quiet_trainer, prompt_data):
+    """The advantages are the KL-penalised rewards minus the mean of the group's others. The recorded rewards
+    (``ranked_reward``) differ inside every group by construction. With ``beta``, the penalty's own share of the
+    advantages must be far above the tolerance, or a module that dropped it (or took the wrong log-probs) would
+    pass: PerturbPolicy moves every weight by N(0, 0.05^2) noise, 2.5 times the tiny model's initial scale, so the
+    policy and its reference are different random networks, and each completion's KL is a sum of six per-token
+    log-ratios of order 1. This is not constructed: the check fails only if, in every group, the four sampled
+    completions' KLs agree to within 1e-3 / beta."""
     recorder = Recorder()
     keep = KeepBuffer()
     module = rloo(tiny_dir, reward_funcs=[recorder], beta=beta, generation_batch_size=8)
@@ -40,7 +53,7 @@ def test_advantage_is_reward_minus_the_others_mean(beta, tiny_dir, quiet_trainer
     if beta:  # the penalty uses the sampling policy's and the reference's log-probs of each completion
         kl = ((in_rollout_order(buffer, "old_logps") - in_rollout_order(buffer, "ref_logps"))
               * in_rollout_order(buffer, "completion_mask")).sum(-1)
-        assert kl.abs().min() > 1e-3
+        assert leave_one_out(beta * kl).abs().max() > 1e-3, kl  # 100 times atol below
         rewards = rewards - beta * kl
     expected = []
     for i, r in enumerate(rewards.tolist()):
@@ -78,15 +91,17 @@ def test_bad_knobs_refused(tiny_dir):
 
 
 def test_reward_clip_range_clamps_before_the_baseline(tiny_dir, quiet_trainer, prompt_data):
+    """``ranked_reward`` gives row ``i`` of the rollout a reward in ``[i, i + 1)``: the range [1, 5] raises row 0's
+    and lowers rows 5 to 7's, and leaves variance inside both groups."""
     keep = KeepBuffer()
     recorder = Recorder()
-    module = rloo(tiny_dir, reward_funcs=[recorder], beta=0.0, generation_batch_size=8, reward_clip_range=(0.0, 0.3))
+    module = rloo(tiny_dir, reward_funcs=[recorder], beta=0.0, generation_batch_size=8, reward_clip_range=(1.0, 5.0))
     quiet_trainer(max_steps=1, callbacks=[keep]).fit(module, prompt_data())
-    rewards = recorder.rewards[0].float().clamp(0.0, 0.3)
+    raw = recorder.rewards[0].float()
+    rewards = raw.clamp(1.0, 5.0)
+    assert raw[0] < 1.0 and (raw[5:] > 5.0).all() and rewards.view(-1, G).std(dim=1).min() > 0
     adv = in_rollout_order(keep.buffers[0], "advantages")
-    grouped = rewards.view(-1, G)
-    expected = (grouped - (grouped.sum(1, keepdim=True) - grouped) / (G - 1)).flatten()
-    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(adv, leave_one_out(rewards), atol=1e-6, rtol=1e-6)
 
 
 def _run(args, cwd, **env):

@@ -1,5 +1,12 @@
-"""Tool-calling rollouts (modules/agent/): a policy that really calls a tool, the exact ids the loss sees, masks over
-tool results, log-probs at rollout equal to the trainer's, environments' lifecycle and reward, refusals."""
+"""Tool-calling rollouts (modules/agent/): the exact ids the loss sees, masks over tool results, log-probs at rollout
+equal to the trainer's, environments' lifecycle and reward, refusals.
+
+The policy is the tiny model with random weights (``assets/models/tiny`` built from its config), which never writes a
+well-formed call by itself: a test that needs a call scripts it (``helpers.scripted_turns.ScriptedTurns``), so what it
+checks does not depend on a draw or on how well a fit converged. The scripted call is ``call_turn_ids``: ids that are
+not the tokenizer's canonical tokenisation of their text, so a rollout that decoded a turn and tokenised it again
+would hold other ids than the sampled ones.
+"""
 
 from __future__ import annotations
 
@@ -8,32 +15,21 @@ import json
 import pytest
 import torch
 
+from helpers.scripted_turns import ScriptedTurns
 from helpers.tool_policy import QUESTION, calculate, call_turn_ids
 
 TOOL_RESULT = [{"role": "tool", "name": "calculate", "content": "6"}]
 
 
-@pytest.fixture(scope="module")
-def policy_dir(tool_policy_dir):
-    return tool_policy_dir
-
-
-@pytest.fixture(scope="module")
-def policy_tokenizer(policy_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(policy_dir)
-
-
 @pytest.fixture
-def tool_prompts(tmp_path, policy_dir):
+def tool_prompts(tmp_path, tiny_dir):
     from lightalign import PromptDataModule
 
     def make(rows=8, **kw):
         path = tmp_path / "tool_prompts.jsonl"
         path.write_text("".join(json.dumps({"prompt": QUESTION, "answer": "6"}) + "\n" for _ in range(rows)))
         kw.setdefault("max_prompt_length", 256)
-        kw.setdefault("tokenizer", str(policy_dir))
+        kw.setdefault("tokenizer", str(tiny_dir))
         return PromptDataModule(str(path), **kw)
 
     return make
@@ -43,28 +39,16 @@ def eos_ids(tokenizer):
     return [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
 
 
-class SamplerSpy:
-    """Records every id the sampler returned, cut after the first EOS, per call (one call a turn)."""
-
-    def __init__(self, monkeypatch):
-        import lightalign.modules.agent.episodes as episodes
-
-        self.turns, real = [], episodes.sample_groups
-
-        def spy(*args, **kwargs):
-            out = real(*args, **kwargs)
-            rows = []
-            for row in out[0].tolist():
-                ends = [i for i, t in enumerate(row) if t in kwargs["eos"]]
-                rows.append(row[: ends[0] + 1] if ends else row)
-            self.turns.append(rows)
-            return out
-
-        monkeypatch.setattr(episodes, "sample_groups", spy)
+def answer_turn_ids(tokenizer) -> list[int]:
+    """The assistant turn that answers ``6`` after the tool's result, ending with ``<|im_end|>``."""
+    return tokenizer.encode("6", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
-def test_policy_calls_the_tool_and_the_loss_sees_the_sampled_ids(policy_dir, policy_tokenizer, tool_prompts,
-                                                                 quiet_trainer, monkeypatch):
+def test_the_loss_sees_the_sampled_ids_and_the_tool_ran_with_the_policys_arguments(tiny_dir, tokenizer, tool_prompts,
+                                                                                   quiet_trainer, monkeypatch):
+    """Every trajectory's turns are scripted (the call, then the answer): the tool ran once per trajectory with the
+    call's arguments, the answer turn was asked on exactly the prompt, the call's ids and the tool result's ids, and
+    the loss's ids are the turns' ids as returned, with the tool result between them, untrained."""
     from lightalign import GRPOModule
     from lightalign.modules.agent.turns import tool_result_ids
     from lightalign.rewards import accuracy_reward
@@ -81,62 +65,76 @@ def test_policy_calls_the_tool_and_the_loss_sees_the_sampled_ids(policy_dir, pol
         return calculate(expression)
 
     calculate_spy.__name__ = "calculate"
-    spy = SamplerSpy(monkeypatch)
-    module = GRPOModule(str(policy_dir), tools=[calculate_spy], reward_funcs=[accuracy_reward], num_generations=4,
-                        max_completion_length=96, temperature=0.05, learning_rate=0.0, generation_backend="generate")
+    call, answer = call_turn_ids(tokenizer), answer_turn_ids(tokenizer)
+    script = ScriptedTurns([call, answer]).install(monkeypatch.setattr)
+    module = GRPOModule(str(tiny_dir), from_config=True, tools=[calculate_spy], reward_funcs=[accuracy_reward],
+                        num_generations=4, max_completion_length=96, learning_rate=0.0, generation_backend="generate")
     quiet_trainer(max_steps=1).fit(module, tool_prompts())
 
-    assert calls == ["2*3"] * 4  # every trajectory called the tool once, with the policy's arguments
-    first, second = spy.turns  # the call turn (4 trajectories of the group), then the answer turn of each
-    call = call_turn_ids(policy_tokenizer)
-    assert first == [call] * 4  # the non-canonical ids the policy was fitted to emit
-    result = tool_result_ids(policy_tokenizer, TOOL_RESULT, eos_ids(policy_tokenizer))
-    assert "6" in policy_tokenizer.decode(result) and "tool" in policy_tokenizer.decode(result)
+    assert calls == ["2*3"] * 4  # every trajectory called the tool once, with the arguments of its call turn
+    first, second = script.records  # the call turn (the group's 4 trajectories on their prompt), then the answer turn
+    assert first.scripted and second.scripted and first.ids == [call] * 4 and second.ids == [answer] * 4
+    result = tool_result_ids(tokenizer, TOOL_RESULT, eos_ids(tokenizer))
+    assert "6" in tokenizer.decode(result) and "tool" in tokenizer.decode(result)
+    (prompt,) = first.contexts
+    assert second.contexts == [prompt + call + result] * 4  # the next turn continues the ids, not their text
     (mb,) = module.rollout_buffer.chunks
     for r in range(4):
-        row = int(mb["row"][r])
         ids = mb["completion_ids"][r]
         extent = mb["completion_attention_mask"][r].bool()
         trained = mb["completion_mask"][r].bool()
-        # the loss's ids are exactly the sampled ones, turn after turn; the tool result sits between them, untrained
-        assert ids[trained].tolist() == first[row] + second[row]
+        # the loss's ids are exactly the returned ones, turn after turn; the tool result sits between them, untrained
+        assert ids[trained].tolist() == call + answer
         assert ids[extent & ~trained].tolist() == result
-        assert ids[extent].tolist() == first[row] + result + second[row]
-        assert policy_tokenizer.decode(second[row]).startswith("6")
+        assert ids[extent].tolist() == call + result + answer
     assert module.last_samples[0]["reward"] == 1.0 and "[tool calculate] 6" in module.last_samples[0]["completion"]
 
 
 @pytest.mark.parametrize("backend, temperature", [("generate", 1.0), ("generate", 0.3), ("compact", 1.0),
                                                   ("compact", 0.3), ("continuous", 1.0), ("static", 1.0)])
-def test_rollout_logps_equal_the_trainers_over_tool_turns(policy_dir, policy_tokenizer, temperature, backend,
-                                                         monkeypatch):
+def test_rollout_logps_equal_the_trainers_over_tool_turns(tiny_model, tokenizer, temperature, backend, monkeypatch):
     """The sampler's log-probs of every sampled token equal the training forward's on the stored rollout (padded and
-    padding-free layouts): turns after the first were sampled on exactly the ids the trainer reads. The static
-    backend's decode step is compiled with torch.compile's eager backend, as in tests/generation: the same graph
-    capture and static cache, without inductor's code generation (about 40 s on a cold cache)."""
-    from transformers import AutoModelForCausalLM
+    padding-free layouts): turns after the first were sampled by ``backend`` on exactly the ids the trainer reads.
 
+    The first turn is the scripted call (its log-probs a plain forward's), so every trajectory has a tool result and
+    a turn after it that the backend samples: the budget leaves that turn at least one token. The static backend's
+    decode step is compiled with torch.compile's eager backend, as in tests/generation: the same graph capture and
+    static cache, without inductor's code generation (about 40 s on a cold cache).
+
+    Tolerance: both sides compute the same float32 log-softmax of the same model on the same ids; they differ only in
+    how the attention and matmul sums are split (a KV cache one token at a time against one pass), rounding of
+    relative size ~1e-6 on logits of magnitude < 10, far below ``atol=2e-4``."""
     import lightalign.modules.generation.static as static
     from lightalign.modules.adaptations.layouts import grpo_forward, packed_completion_batch
     from lightalign.modules.agent.episodes import ToolRollouts
+    from lightalign.modules.agent.turns import tool_result_ids
 
     monkeypatch.setattr(static, "COMPILE_BACKEND", "eager")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    call = call_turn_ids(tokenizer)
+    result = tool_result_ids(tokenizer, TOOL_RESULT, eos_ids(tokenizer))
+    budget = 96
+    assert len(call) + len(result) < budget  # room for a sampled turn after the tool result
+    script = ScriptedTurns([call]).install(monkeypatch.setattr)
     rollouts = ToolRollouts([calculate], None, None, None, None)
     batch = {"prompts": [QUESTION], "columns": {"answer": ["6"]}}
-    out = rollouts.sample(model, policy_tokenizer, batch, 4, backend=backend, return_logprobs=True,
-                          sampling=dict(max_new_tokens=96, temperature=temperature, top_p=1.0, top_k=0, min_p=None,
+    out = rollouts.sample(tiny_model, tokenizer, batch, 4, backend=backend, return_logprobs=True,
+                          sampling=dict(max_new_tokens=budget, temperature=temperature, top_p=1.0, top_k=0, min_p=None,
                                         repetition_penalty=1.0, share_prefill=backend != "static",
                                         continuous_config=None),
                           max_prompt_length=None, chat_template_kwargs=None)
-    assert out["tool_calls"] >= 1 and (out["tool_mask"] == 0).any()  # a multi-turn rollout
+    scripted, sampled = script.records[0], script.records[1]
+    assert scripted.scripted and not sampled.scripted and len(sampled.ids) == 4  # the backend sampled the 2nd turn
+    assert sampled.contexts == [scripted.contexts[0] + call + result] * 4
+    assert out["tool_calls"] >= 4  # every trajectory's first turn called the tool
+    tool_mask = out["tool_mask"].bool()
+    assert (out["completion_ids"][:, : len(call)] == torch.tensor(call)).all()
+    assert (~tool_mask[:, len(call): len(call) + len(result)]).all() and tool_mask[:, len(call) + len(result)].all()
     loss_mask = out["completion_mask"] * out["tool_mask"]
     mb = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"], "completion_ids": out["completion_ids"],
           "completion_mask": loss_mask, "completion_attention_mask": out["completion_mask"]}
     with torch.no_grad():
-        padded = grpo_forward(model, mb, temperature)[0]
-        packed = grpo_forward(model, {**mb, "packed": packed_completion_batch(mb, out["completion_mask"].sum(-1))},
+        padded = grpo_forward(tiny_model, mb, temperature)[0]
+        packed = grpo_forward(tiny_model, {**mb, "packed": packed_completion_batch(mb, out["completion_mask"].sum(-1))},
                               temperature)[0]
     trained = loss_mask.bool()
     torch.testing.assert_close(padded[trained], out["sampling_logps"][trained], atol=2e-4, rtol=1e-4)
@@ -201,17 +199,17 @@ def test_tool_call_failures_become_messages_never_errors():
     assert nameless.failed and nameless.name == "unknown"
 
 
-def test_malformed_call_is_answered_with_the_parse_error(policy_tokenizer):
+def test_malformed_call_is_answered_with_the_parse_error(tokenizer):
     from lightalign.modules.agent.turns import parse_turn
 
-    prompt = policy_tokenizer.apply_chat_template(QUESTION, tools=[calculate], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)
-    bad = policy_tokenizer.encode('<tool_call>{"name": "calc</tool_call><|im_end|>', add_special_tokens=False)
-    message, error = parse_turn(policy_tokenizer, bad, prompt, [])
+    prompt = tokenizer.apply_chat_template(QUESTION, tools=[calculate], add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    bad = tokenizer.encode('<tool_call>{"name": "calc</tool_call><|im_end|>', add_special_tokens=False)
+    message, error = parse_turn(tokenizer, bad, prompt, [])
     assert message == {} and "JSON" in error
-    good, error = parse_turn(policy_tokenizer, call_turn_ids(policy_tokenizer), prompt, [])
+    good, error = parse_turn(tokenizer, call_turn_ids(tokenizer), prompt, [])
     assert error is None and good["tool_calls"][0]["function"] == {"name": "calculate",
-                                                                    "arguments": {"expression": "2*3"}}
+                                                             "arguments": {"expression": "2*3"}}
 
 
 class CountingEnv:
@@ -240,12 +238,16 @@ class CountingEnv:
         CountingEnv.closed.append(self)
 
 
-def test_environment_per_trajectory_owns_the_reward_and_is_closed(policy_dir, tool_prompts, quiet_trainer):
+def test_environment_per_trajectory_owns_the_reward_and_is_closed(tiny_dir, tokenizer, tool_prompts, quiet_trainer,
+                                                                 monkeypatch):
+    """One environment per trajectory, reset with the row, closed once; its tool is the one the call names, and its
+    reward (2.0 for exactly one result "6") is the trajectory's. The turns are scripted: the call, then the answer."""
     from lightalign import GRPOModule
 
+    ScriptedTurns([call_turn_ids(tokenizer), answer_turn_ids(tokenizer)]).install(monkeypatch.setattr)
     CountingEnv.resets, CountingEnv.closed = [], []
-    module = GRPOModule(str(policy_dir), environment_factory=CountingEnv, num_generations=4, max_completion_length=96,
-                        temperature=0.05, learning_rate=0.0)
+    module = GRPOModule(str(tiny_dir), from_config=True, environment_factory=CountingEnv, num_generations=4,
+                        max_completion_length=96, learning_rate=0.0)
     assert CountingEnv.closed and not CountingEnv.resets  # the probe instance, built and closed at construction
     probe_closes = len(CountingEnv.closed)
     quiet_trainer(max_steps=1).fit(module, tool_prompts())
@@ -254,7 +256,8 @@ def test_environment_per_trajectory_owns_the_reward_and_is_closed(policy_dir, to
     assert module.reward_names == ["CountingEnv"] and module.last_samples[0]["CountingEnv"] == 2.0
 
 
-def test_environments_are_closed_when_scoring_fails(policy_dir, tool_prompts, quiet_trainer):
+def test_environments_are_closed_when_scoring_fails(tiny_dir, tool_prompts, quiet_trainer):
+    """Whatever the policy sampled, a reward function that raises leaves no environment open."""
     from lightalign import GRPOModule
     from lightalign.rewards import RewardFunctionError
 
@@ -262,31 +265,35 @@ def test_environments_are_closed_when_scoring_fails(policy_dir, tool_prompts, qu
         raise ValueError("judge down")
 
     CountingEnv.closed = []
-    module = GRPOModule(str(policy_dir), environment_factory=CountingEnv, reward_funcs=[failing], num_generations=4,
-                        max_completion_length=96, temperature=0.05, learning_rate=0.0)
+    module = GRPOModule(str(tiny_dir), from_config=True, environment_factory=CountingEnv, reward_funcs=[failing],
+                        num_generations=4, max_completion_length=96, learning_rate=0.0)
     with pytest.raises(RewardFunctionError, match="failing"):
         quiet_trainer(max_steps=1).fit(module, tool_prompts())
     assert len(CountingEnv.closed) == 1 + 4  # the probe, then the rollout's four despite the error
 
 
 @pytest.mark.parametrize("method", ["GRPOModule", "RLOOModule"])
-def test_budget_ends_a_trajectory_after_its_call(method, policy_dir, policy_tokenizer, tool_prompts, quiet_trainer):
-    """No room for the tool result and a next turn: the trajectory ends with its call (not truncated: it has EOS)."""
+def test_budget_ends_a_trajectory_after_its_call(method, tiny_dir, tokenizer, tool_prompts, quiet_trainer,
+                                                 monkeypatch):
+    """No room for the tool result and a next turn: the trajectory ends with its call (not truncated: it has EOS),
+    and no second turn is asked. The call is scripted."""
     import lightalign
     from lightalign.rewards import accuracy_reward
 
-    call = call_turn_ids(policy_tokenizer)
-    module = getattr(lightalign, method)(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward],
-                                         num_generations=4, max_completion_length=len(call) + 3, temperature=0.05,
-                                         learning_rate=0.0)
+    call = call_turn_ids(tokenizer)
+    script = ScriptedTurns([call]).install(monkeypatch.setattr)
+    module = getattr(lightalign, method)(str(tiny_dir), from_config=True, tools=[calculate],
+                                         reward_funcs=[accuracy_reward], num_generations=4,
+                                         max_completion_length=len(call) + 3, learning_rate=0.0)
     quiet_trainer(max_steps=1).fit(module, tool_prompts())
+    assert [turn.scripted for turn in script.records] == [True]
     (mb,) = module.rollout_buffer.chunks
     assert mb["completion_mask"].sum(-1).tolist() == [len(call)] * 4
     assert module.last_samples[0]["completion"].endswith('[call {"name": "calculate", "arguments": '
                                                          '{"expression": "2*3"}}]')
 
 
-def test_refusals_name_the_knob(policy_dir, tiny_dir, tool_prompts, prompt_data, quiet_trainer, tmp_path):
+def test_refusals_name_the_knob(tiny_dir, tool_prompts, prompt_data, quiet_trainer, tmp_path):
     from lightalign import GRPOModule, PPOModule
     from lightalign.rewards import accuracy_reward
 
@@ -294,17 +301,18 @@ def test_refusals_name_the_knob(policy_dir, tiny_dir, tool_prompts, prompt_data,
         return x
 
     with pytest.raises(ValueError, match="'undocumented' cannot be described"):
-        GRPOModule(str(policy_dir), tools=[undocumented], reward_funcs=[accuracy_reward])
+        GRPOModule(str(tiny_dir), from_config=True, tools=[undocumented], reward_funcs=[accuracy_reward])
     with pytest.raises(ValueError, match="max_tool_calling_iterations must be >= 1"):
-        GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], max_tool_calling_iterations=0)
+        GRPOModule(str(tiny_dir), from_config=True, tools=[calculate], reward_funcs=[accuracy_reward],
+                   max_tool_calling_iterations=0)
     with pytest.raises(ValueError, match="max_tool_calling_iterations is set but there are no tools"):
-        GRPOModule(str(policy_dir), reward_funcs=[accuracy_reward], max_tool_calling_iterations=2)
+        GRPOModule(str(tiny_dir), from_config=True, reward_funcs=[accuracy_reward], max_tool_calling_iterations=2)
     with pytest.raises(TypeError, match="PPOModule has no knob 'tools'; GRPOModule and RLOOModule take it"):
-        PPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward])
+        PPOModule(str(tiny_dir), from_config=True, tools=[calculate], reward_funcs=[accuracy_reward])
     with pytest.raises(ValueError, match="needs reward_funcs"):
-        GRPOModule(str(policy_dir), tools=[calculate])
+        GRPOModule(str(tiny_dir), from_config=True, tools=[calculate])
     with pytest.raises(ValueError, match="Two tools are named 'calculate' in the tools knob and the environment's"):
-        GRPOModule(str(policy_dir), tools=[calculate], environment_factory=CountingEnv)
+        GRPOModule(str(tiny_dir), from_config=True, tools=[calculate], environment_factory=CountingEnv)
     # string prompts cannot carry the tool list
     module = GRPOModule(str(tiny_dir), from_config=True, tools=[calculate], reward_funcs=[accuracy_reward],
                         num_generations=4, max_completion_length=8)
@@ -313,13 +321,13 @@ def test_refusals_name_the_knob(policy_dir, tiny_dir, tool_prompts, prompt_data,
     # a tokenizer whose turns cannot be parsed: refused at fit start, naming the knob that fixes it
     from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(policy_dir).save_pretrained(tmp_path / "plain")
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "plain")
     config_file = tmp_path / "plain" / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     del config["response_template"]
     config_file.write_text(json.dumps(config))
-    module = GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], num_generations=4,
-                        max_completion_length=8)
+    module = GRPOModule(str(tiny_dir), from_config=True, tools=[calculate], reward_funcs=[accuracy_reward],
+                        num_generations=4, max_completion_length=8)
     data = tool_prompts(tokenizer=str(tmp_path / "plain"))
     with pytest.raises(ValueError, match="model.response_template"):
         quiet_trainer(max_steps=1).fit(module, data)
@@ -330,12 +338,12 @@ class FailingResetEnv(CountingEnv):
         raise KeyError("sandbox")
 
 
-def test_an_environment_whose_reset_raises_is_named_with_the_row(policy_dir, tool_prompts, quiet_trainer):
+def test_an_environment_whose_reset_raises_is_named_with_the_row(tiny_dir, tool_prompts, quiet_trainer):
     from lightalign import GRPOModule
     from lightalign.modules.agent.environments import EnvironmentCallError
 
     CountingEnv.closed = []
-    module = GRPOModule(str(policy_dir), environment_factory=FailingResetEnv, num_generations=4,
+    module = GRPOModule(str(tiny_dir), from_config=True, environment_factory=FailingResetEnv, num_generations=4,
                         max_completion_length=96, learning_rate=0.0)
     with pytest.raises(EnvironmentCallError, match=r"FailingResetEnv.reset raised KeyError on rollout row 0 \(data "
                                                    r"columns \['answer', 'prompt'\]\): 'sandbox'"):
@@ -343,14 +351,14 @@ def test_an_environment_whose_reset_raises_is_named_with_the_row(policy_dir, too
     assert len(CountingEnv.closed) == 1 + 4  # the probe, then every environment of the failed rollout
 
 
-def test_a_prompt_too_long_with_its_tool_list_is_refused_at_fit_start(policy_dir, tool_prompts, quiet_trainer):
+def test_a_prompt_too_long_with_its_tool_list_is_refused_at_fit_start(tiny_dir, tool_prompts, quiet_trainer):
     """The tool list is rendered into every prompt: one that no longer fits data.max_prompt_length is refused before
     any rollout (cutting it would cut the tool list)."""
     from lightalign import GRPOModule
     from lightalign.rewards import accuracy_reward
 
-    module = GRPOModule(str(policy_dir), tools=[calculate], reward_funcs=[accuracy_reward], num_generations=4,
-                        max_completion_length=8)
+    module = GRPOModule(str(tiny_dir), from_config=True, tools=[calculate], reward_funcs=[accuracy_reward],
+                        num_generations=4, max_completion_length=8)
     module.generate = lambda *a, **k: pytest.fail("refused after sampling started")
     with pytest.raises(ValueError, match=r"training prompt 0 is \d+ tokens with the tool list rendered, more than "
                                          r"data.max_prompt_length \(64\)"):

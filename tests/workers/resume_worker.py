@@ -129,11 +129,15 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4):
                             entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
         return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY), 1
     if method == "grpo_tools":
-        # the GRPO case's knobs, with tools: the fitted tool policy (tests/helpers/tool_policy.py, weights loaded: no
-        # from_config) samples multi-turn trajectories at temperature 1 (calls, malformed calls, answers)
-        from helpers.tool_policy import QUESTION, calculate
+        # the GRPO case's knobs, with tools, on the tiny model: every trajectory's first turn is the scripted tool
+        # call (tests/helpers/scripted_turns.py: given ids, not a draw), every later turn is sampled after the tool's
+        # result at temperature 1, drawing from the RNG: multi-turn rollouts by construction
+        from transformers import AutoTokenizer
 
-        common = {k: v for k, v in common.items() if k != "from_config"}
+        from helpers.scripted_turns import ScriptedTurns
+        from helpers.tool_policy import QUESTION, calculate, call_turn_ids
+
+        ScriptedTurns([call_turn_ids(AutoTokenizer.from_pretrained(model))]).install(setattr)
         module = GRPOModule(model, tools=[calculate], reward_funcs=[varied_reward], num_generations=4,
                             generation_batch_size=8, steps_per_generation=2, num_iterations=2,
                             max_completion_length=160, normalize_rewards=True, scale_rewards="none",
