@@ -4,7 +4,9 @@ Local text files are checked before ``datasets`` reads them, so a bad file fails
 (``datasets`` would say "An error occurred while generating the dataset", or keep the last of two equal keys, or
 rename a second CSV column ``a`` to ``a.1``):
 
-* every byte is UTF-8 (the error gives the byte offset and the line of the first bad byte);
+* every byte is UTF-8 (the error gives the byte offset and the line of the first bad byte); a UTF-8 byte order mark
+  (BOM: ``EF BB BF``, which Windows editors write) starting a json, jsonl or csv file is skipped, as ``datasets``
+  skips it when it reads the file;
 * json/jsonl: every line (or the whole document) parses (an error names its line and column, ``_error_position``),
   no object repeats a key, at any depth, and every column (and every field inside one, e.g. ``messages[].content``)
   holds one JSON type: ``datasets`` casts a column to one type, so a ``2`` among strings like ``"60"`` would turn
@@ -18,6 +20,7 @@ to the hub; a folder must hold one kind of supported file (mixed folders are ref
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -205,6 +208,10 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _decode(raw: bytes, source: str, offset: int, line: int) -> str:
+    """``raw`` (the bytes from byte ``offset``, line ``line`` of the file) as text; not UTF-8: an error naming the
+    first bad byte. A byte order mark that starts the file is dropped (``offset`` 0)."""
+    if offset == 0 and raw.startswith(codecs.BOM_UTF8):
+        return _decode(raw[len(codecs.BOM_UTF8):], source, len(codecs.BOM_UTF8), line)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -338,7 +345,7 @@ def row_line(source: Any, row: int) -> int | None:
     if not path.is_file() or kind not in ("json", "csv"):
         return None
     if kind == "csv":
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.reader(f)
             next(reader, None)  # the header
             start = reader.line_num + 1
@@ -348,7 +355,7 @@ def row_line(source: Any, row: int) -> int | None:
                 start = reader.line_num + 1
         return None
     lines = _RowLines()
-    if path.suffix.lower() != ".json" or _check_json_document(path.read_text(encoding="utf-8"), str(source), lines):
+    if path.suffix.lower() != ".json" or _check_json_document(path.read_text(encoding="utf-8-sig"), str(source), lines):
         lines = _RowLines()
         _check_json_lines(path, str(source), lines)
     return lines.lines[row] if 0 <= row < len(lines.lines) else None
@@ -360,7 +367,7 @@ def _check_csv(path: Path, source: str) -> list[str]:
         for number, raw in enumerate(f, start=1):
             _decode(raw, source, offset, number)
             offset += len(raw)
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # the header's first name without a byte order mark
         header = next(csv.reader(io.StringIO(f.readline())), [])
     seen: set[str] = set()
     for column in header:
