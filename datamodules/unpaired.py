@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are 
     from datasets import Dataset
 
 # Part of the datasets cache fingerprint of tokenized rows: bump it whenever tokenization changes its output.
-TOKENIZATION_VERSION = 1
+# 2: tool-call arguments given as a JSON string are rendered as the object (``formats.chat_messages``).
+TOKENIZATION_VERSION = 2
 # TRL's unpairing maps batches of this many pairs (datasets' default): chosen rows of a block, then rejected rows.
 UNPAIR_BLOCK = 1000
 
