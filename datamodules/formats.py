@@ -10,7 +10,8 @@ Formats, by the columns a row has:
 
 Tool-calling conversations: an assistant message's ``tool_calls[].function.arguments`` is a JSON object, or a string
 holding one (the OpenAI shape, common in TRL datasets); ``chat_messages`` parses the string form before any chat
-template renders it, so both shapes give the same tokens.
+template renders it, so both shapes give the same tokens. Every ``tool`` message answers a call of the assistant
+message before it (``validate_messages``).
 """
 
 from __future__ import annotations
@@ -102,8 +103,12 @@ def require_format(fmt: str, allowed: Iterable[str], what: str, columns: list[st
 
 
 # --------------------------------------------------------------------------------------------- validation
-def validate_messages(messages: Any, row: int, column: str, require_assistant: bool = False) -> None:
-    """Check one conversation; errors name the row, the column and the message index."""
+def validate_messages(messages: Any, row: int, column: str, require_assistant: bool = False,
+                      follows: Sequence[dict] = ()) -> None:
+    """Check one conversation; errors name the row, the column and the message index.
+
+    ``follows``: the conversation this column continues (a completion's prompt, already checked), so that a ``tool``
+    message at the start of a completion answers the prompt's last call (``_check_tool_answers``)."""
     with about_row(row):
         where = f"row {row}, column '{column}'"
         if not isinstance(messages, list) or not messages:
@@ -125,6 +130,7 @@ def validate_messages(messages: Any, row: int, column: str, require_assistant: b
                 )
             if not content.strip():
                 raise DataFormatError(f"{where}, message {i} ({role}): content is empty.")
+        _check_tool_answers(messages, where, follows)
         if require_assistant and not any(m.get("role") == "assistant" for m in messages):
             raise DataFormatError(
                 f"{where}: the conversation has no assistant turn, so assistant_only_loss leaves nothing to learn. "
@@ -142,10 +148,12 @@ def validate_text(value: Any, row: int, column: str) -> None:
             raise DataFormatError(f"row {row}, column '{column}': the text is empty.")
 
 
-def validate_field(value: Any, row: int, column: str, require_assistant: bool = False) -> None:
-    """A field is either plain text or a conversation (a list of messages)."""
+def validate_field(value: Any, row: int, column: str, require_assistant: bool = False, follows: Any = None) -> None:
+    """A field is either plain text or a conversation (a list of messages). ``follows``: the field this one
+    continues (a completion's ``prompt``), when it is a conversation (``validate_messages``)."""
     if isinstance(value, list):
-        validate_messages(value, row, column, require_assistant=require_assistant)
+        validate_messages(value, row, column, require_assistant=require_assistant,
+                          follows=follows if isinstance(follows, list) else ())
     else:
         validate_text(value, row, column)
 
@@ -218,6 +226,35 @@ def _check_tool_calls(calls: Any, where: str) -> None:
                 f"{where}, tool call {j} ({function.get('name', '?')!r}): 'arguments' {arguments!r:.80} is not a JSON "
                 f"object ({why}). Write them as an object of the call's parameters ({{\"city\": \"Paris\"}}) or as "
                 "a string holding one ('{\"city\": \"Paris\"}')."
+            )
+
+
+def _check_tool_answers(messages: list[dict], where: str, follows: Sequence[dict] = ()) -> None:
+    """Every ``tool`` message answers one call of the last assistant message before it (``follows`` + ``messages``
+    is the conversation; ``follows`` was checked already): a tool message with no call to answer would train the
+    model on a result nobody asked for, silently."""
+    offset, last, calls, answers = len(follows), None, 0, 0
+    for k, msg in enumerate([*follows, *messages]):
+        role = msg.get("role")
+        if role == "assistant":
+            tool_calls = msg.get("tool_calls")
+            last, calls, answers = k, len(tool_calls) if isinstance(tool_calls, list) else 0, 0
+        elif role == "tool":
+            answers += 1
+            if answers <= calls:
+                continue
+            at = f"message {last - offset}" if last is not None and last >= offset else f"message {last} of the prompt"
+            if last is None:
+                found, fix = "no assistant message comes before it", "Add the assistant message that makes the call"
+            elif not calls:
+                found = f"the assistant message before it ({at}) made no tool call"
+                fix = f"Give {at} the call in 'tool_calls' ({_CALL_SHAPE})"
+            else:
+                found = f"it is tool message {answers} after {at} (assistant), which made {calls} tool call(s)"
+                fix = f"Give {at} one call per tool message in 'tool_calls'"
+            raise DataFormatError(
+                f"{where}, message {k - offset} (tool): a tool message answers a tool call of the assistant message "
+                f"before it, but {found}. {fix}, or remove the tool message."
             )
 
 

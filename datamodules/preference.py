@@ -413,7 +413,7 @@ class PreferenceDataModule(TokenizedDataModule):
         identical, first_identical = 0, None
         for i, row in iter_rows(raw, columns, self.row_numbers):
             for col in columns:
-                validate_field(row[col], i, col)
+                validate_field(row[col], i, col, follows=row["prompt"] if col in COMPLETIONS and not implicit else None)
                 if isinstance(row[col], list) != conversational:
                     raise DataFormatError(
                         f"row {i}, column '{col}': mixes {'strings' if conversational else 'conversations'} with the "

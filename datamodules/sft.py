@@ -223,7 +223,7 @@ class SFTDataModule(TokenizedDataModule):
         else:
             for i, row in iter_rows(raw, ["prompt", "completion"], self.row_numbers):
                 validate_field(row["prompt"], i, "prompt")
-                validate_field(row["completion"], i, "completion")
+                validate_field(row["completion"], i, "completion", follows=row["prompt"])
                 if is_conversation(row["prompt"]) != conversational or isinstance(row["completion"], list) != conversational:
                     raise DataFormatError(
                         f"row {i}: 'prompt' and 'completion' must both be strings or both be message lists, like "

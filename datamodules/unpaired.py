@@ -297,7 +297,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
             check_chat_template(tokenizer, f"{label} unpaired preference data")
         for i, row in iter_rows(raw, columns + (["label"] if labelled else []), self.row_numbers):
             for col in columns:
-                validate_field(row[col], i, col)
+                validate_field(row[col], i, col, follows=row["prompt"] if col != "prompt" and "prompt" in row else None)
                 if isinstance(row[col], list) != conversational:
                     raise DataFormatError(
                         f"row {i}, column '{col}': mixes {'strings' if conversational else 'conversations'} with the "

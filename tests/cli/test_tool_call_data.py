@@ -1,6 +1,6 @@
 """Tool-calling rows (#48): a call's ``arguments`` given as a JSON string (the OpenAI shape, common in TRL datasets)
-train the same tokens as the object form, and a string that holds no JSON object is refused
-(``formats.chat_messages``, ``formats.validate_messages``).
+train the same tokens as the object form, a string that holds no JSON object is refused, and every ``tool`` message
+answers a call of the assistant message before it (``formats.chat_messages``, ``formats.validate_messages``).
 
 Refusals name the data file's line, the row (numbered from 0 in the user's data), the column and the message, and
 come before anything is tokenized or any model is loaded. The rows are the shipped demo's
@@ -140,6 +140,51 @@ def test_arguments_of_another_type_are_refused(data_dir, arguments, why):
     validate_messages(messages, 7, "chosen")
 
 
+# --------------------------------------------------------------------------------------------- tool messages
+def demo_messages(data_dir: Path) -> list[dict]:
+    return shipped_rows(data_dir, 1)[0]["messages"]  # user, assistant with one call, tool, assistant
+
+
+@pytest.mark.parametrize("shape, match", [
+    ("no assistant before", r"message 1 \(tool\): a tool message answers a tool call of the assistant message before "
+                            r"it, but no assistant message comes before it\. Add the assistant message"),
+    ("assistant without a call", r"message 2 \(tool\): .* but the assistant message before it \(message 1\) made no "
+                                 r"tool call\. Give message 1 the call in 'tool_calls'"),
+    ("more answers than calls", r"message 3 \(tool\): .* but it is tool message 2 after message 1 \(assistant\), which "
+                                r"made 1 tool call\(s\)\. Give message 1 one call per tool message"),
+])
+def test_a_tool_message_without_a_call_to_answer_is_refused(tiny_dir, data_dir, tmp_path, shape, match):
+    """Row 3 (line 4) of 6; mutation: ``_check_tool_answers`` removed -> the rows train and every case fails."""
+    user, call, tool, answer = demo_messages(data_dir)
+    bad = {"no assistant before": [user, tool, answer],
+           "assistant without a call": [user, {"role": "assistant", "content": "Let me see."}, tool, answer],
+           "more answers than calls": [user, call, tool, tool, answer]}[shape]
+    rows = [{"messages": [user, call, tool, answer]} for _ in range(6)]
+    rows[3] = {"messages": bad}
+    with pytest.raises(DataFormatError, match=r"train data '.*data.jsonl', line 4: row 3, column 'messages', " + match):
+        SFTDataModule(str(write_rows(tmp_path / "data.jsonl", rows)), tokenizer=str(tiny_dir)).setup("fit")
+
+
+def test_tool_messages_answering_their_calls_are_accepted_and_counted_across_prompt_and_completion(
+        tiny_dir, data_dir, tmp_path):
+    """Two calls answered by two tool messages, and prompts that end with the tool's answer (prompt-completion and
+    preference rows), are accepted. A prompt and its completion are one conversation: a completion whose first
+    message answers the prompt's call a second time is refused counting that call (without the prompt it would be
+    said to follow no assistant message)."""
+    user, call, tool, answer = demo_messages(data_dir)
+    two_calls = {**call, "tool_calls": call["tool_calls"] * 2}
+    chats = write_rows(tmp_path / "chats.jsonl", [{"messages": [user, two_calls, tool, tool, answer]}] * 2)
+    SFTDataModule(str(chats), tokenizer=str(tiny_dir)).setup("fit")
+    pairs = [{"prompt": [user, call, tool], "chosen": [answer], "rejected": [{**answer, "content": "0"}]}] * 2
+    PreferenceDataModule(str(write_rows(tmp_path / "pairs.jsonl", pairs)), tokenizer=str(tiny_dir)).setup("fit")
+    rows = [{"prompt": [user, call, tool], "completion": [answer]} for _ in range(3)]
+    SFTDataModule(str(write_rows(tmp_path / "ok.jsonl", rows)), tokenizer=str(tiny_dir)).setup("fit")
+    rows[2]["completion"] = [tool, answer]
+    with pytest.raises(DataFormatError, match=r"line 3: row 2, column 'completion', message 0 \(tool\): .* it is tool "
+                                              r"message 2 after message 1 of the prompt \(assistant\), which made 1"):
+        SFTDataModule(str(write_rows(tmp_path / "bad.jsonl", rows)), tokenizer=str(tiny_dir)).setup("fit")
+
+
 # --------------------------------------------------------------------------------------------- console
 def console_refusal(repo: Path, *args: str) -> str:
     """The one error line of a refused ``lightalign`` run (exit 1, no traceback); the run never tokenized."""
@@ -150,15 +195,21 @@ def console_refusal(repo: Path, *args: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["arguments not an object"])
+@pytest.mark.parametrize("case", ["arguments not an object", "tool message without a call"])
 def test_console_tool_rows_are_refused_in_one_line(repo, data_dir, tmp_path, case):
     """The shipped tool-calling config on 40 of its rows with row 30 (line 31) broken, 8 rows carved out for
     validation: refused before the model loads, naming the line, the row and the message."""
     rows = [with_string_arguments(r) for r in shipped_rows(data_dir, 40)]
-    rows[30]["messages"][1]["tool_calls"][0]["function"]["arguments"] = "expression=52+30"
-    expected = ("line 31: row 30, column 'messages', message 1 (assistant), tool call 0 ('calculate'): "
-                "'arguments' 'expression=52+30' is not a JSON object (the string is not valid JSON: Expecting "
-                "value at character 1).")
+    if case == "arguments not an object":
+        rows[30]["messages"][1]["tool_calls"][0]["function"]["arguments"] = "expression=52+30"
+        expected = ("line 31: row 30, column 'messages', message 1 (assistant), tool call 0 ('calculate'): "
+                    "'arguments' 'expression=52+30' is not a JSON object (the string is not valid JSON: Expecting "
+                    "value at character 1).")
+    else:
+        del rows[30]["messages"][1]["tool_calls"]
+        rows[30]["messages"][1]["content"] = "Let me calculate."
+        expected = ("line 31: row 30, column 'messages', message 2 (tool): a tool message answers a tool call of the "
+                    "assistant message before it, but the assistant message before it (message 1) made no tool call.")
     path = write_rows(tmp_path / "tools.jsonl", rows)
     line = console_refusal(repo, "fit", "--config", "configs/tools_sft.yaml", "--data.path", str(path),
                            "--data.val_split_size", "8", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
