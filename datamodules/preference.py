@@ -28,7 +28,8 @@ COMPLETIONS = ("chosen", "rejected")
 MARGIN = "margin"  # optional per-row column: the reward margin chosen must beat rejected by (RewardModule)
 # Part of the datasets cache fingerprint of tokenized rows: bump it whenever tokenization changes its output, so
 # caches written by an older lightalign are not reused.
-TOKENIZATION_VERSION = 3
+# 4: tool-call arguments given as a JSON string are rendered as the object (``formats.chat_messages``).
+TOKENIZATION_VERSION = 4
 
 
 def extract_prompt(chosen: Any, rejected: Any, row: int) -> tuple[Any, Any, Any]:
@@ -412,7 +413,7 @@ class PreferenceDataModule(TokenizedDataModule):
         identical, first_identical = 0, None
         for i, row in iter_rows(raw, columns, self.row_numbers):
             for col in columns:
-                validate_field(row[col], i, col)
+                validate_field(row[col], i, col, follows=row["prompt"] if col in COMPLETIONS and not implicit else None)
                 if isinstance(row[col], list) != conversational:
                     raise DataFormatError(
                         f"row {i}, column '{col}': mixes {'strings' if conversational else 'conversations'} with the "

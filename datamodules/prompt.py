@@ -11,23 +11,28 @@ from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.samplers import RepeatBatchSampler
 from lightalign.datamodules.step_loader import SeededLoader
-from lightalign.datamodules.formats import (DataFormatError, MissingColumnError, about_row, check_chat_template,
-                                            iter_rows, validate_field)
+from lightalign.datamodules.formats import (DataFormatError, MissingColumnError, about_row, chat_messages,
+                                            check_chat_template, iter_rows, validate_field)
 
 if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
     from datasets import Dataset
 
 
+# Part of the datasets cache fingerprint of tokenized prompts (datasets hashes a module's function by its name, not
+# its code): bump it whenever tokenization changes its output, so caches written by an older lightalign are not reused.
+# 1: tool-call arguments given as a JSON string are rendered as the object (``formats.chat_messages``).
+TOKENIZATION_VERSION = 1
 OWNED_CHAT_TEMPLATE_KEYS = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
                             "return_dict", "chat_template")
 
 
 def _tokenize_prompts(batch: dict[str, list], tokenizer: Any, max_prompt_length: int | None,
-                      chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, list]:
+                      chat_template_kwargs: dict[str, Any] | None = None, version: int = TOKENIZATION_VERSION,
+                      ) -> dict[str, list]:
     ids_out = []
     for prompt in batch["prompt"]:
         if isinstance(prompt, list):
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+            text = tokenizer.apply_chat_template(chat_messages(prompt), tokenize=False, add_generation_prompt=True,
                                                  **(chat_template_kwargs or {}))
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
@@ -55,7 +60,9 @@ class PromptCollator:
     """Left-pads prompt ids (generation continues at the right edge) and passes raw prompts and columns through.
 
     Returns ``prompt_input_ids``, ``prompt_attention_mask``, ``prompts`` (strings or message lists, as in the
-    data) and ``columns`` (every other column as a list, for the reward functions).
+    data, tool-call arguments as objects: ``formats.chat_messages``, so that every later rendering of a prompt with
+    its turns, in a tool rollout or a reward model, is the one the prompt ids were tokenized from) and ``columns``
+    (every other column as a list, for the reward functions).
     """
 
     def __init__(self, pad_token_id: int) -> None:
@@ -67,7 +74,7 @@ class PromptCollator:
         return {
             "prompt_input_ids": ids,
             "prompt_attention_mask": mask,
-            "prompts": [r["prompt"] for r in rows],
+            "prompts": [chat_messages(r["prompt"]) if isinstance(r["prompt"], list) else r["prompt"] for r in rows],
             "columns": {k: [r[k] for r in rows] for k in extra},
         }
 
@@ -161,7 +168,7 @@ class PromptDataModule(TokenizedDataModule):
                                       f"{'a conversation' if conversational else 'a string'}).")
         return raw.map(_tokenize_prompts, batched=True, num_proc=self.dataset_num_proc, desc=f"Tokenizing {label}",
                        fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length,
-                                      chat_template_kwargs=self.chat_template_kwargs))
+                                      chat_template_kwargs=self.chat_template_kwargs, version=TOKENIZATION_VERSION))
 
     def train_dataloader(self) -> DataLoader:
         if len(self.train_dataset) < self.prompts_per_generation:

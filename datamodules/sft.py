@@ -16,6 +16,7 @@ from lightalign.datamodules.formats import (
     LANGUAGE_MODELING,
     PROMPT_COMPLETION,
     DataFormatError,
+    chat_messages,
     check_chat_template,
     detect_format,
     is_conversation,
@@ -31,6 +32,10 @@ if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are 
     from datasets import Dataset
 
 TruncationMode = Literal["keep_start", "keep_end"]
+# Part of the datasets cache fingerprint of tokenized rows (datasets hashes a module's function by its name, not its
+# code): bump it whenever tokenization changes its output, so caches written by an older lightalign are not reused.
+# 1: tool-call arguments given as a JSON string are rendered as the object (``formats.chat_messages``).
+TOKENIZATION_VERSION = 1
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -71,7 +76,7 @@ def tokenize_sft_row(
         return prompt_ids + completion_ids, mask
     if fmt == CONVERSATIONAL:
         enc = tokenizer.apply_chat_template(
-            row["messages"],
+            chat_messages(row["messages"]),
             tools=row.get("tools"),  # TRL's column: tool schemas the template renders (tool-calling transcripts)
             tokenize=True,
             return_dict=True,
@@ -84,7 +89,8 @@ def tokenize_sft_row(
 
 
 def _tokenize_batch(batch: dict[str, list], tokenizer: Any, fmt: str, text_field: str, completion_only_loss: bool,
-                    assistant_only_loss: bool, max_length: int | None, truncation_mode: str) -> dict[str, list]:
+                    assistant_only_loss: bool, max_length: int | None, truncation_mode: str,
+                    version: int = TOKENIZATION_VERSION) -> dict[str, list]:
     out: dict[str, list] = {"input_ids": [], "completion_mask": [], "untruncated_length": []}
     size = len(next(iter(batch.values())))
     for j in range(size):
@@ -172,6 +178,7 @@ class SFTDataModule(TokenizedDataModule):
                 assistant_only_loss=self.assistant_only_loss,
                 max_length=self.max_length,
                 truncation_mode=self.truncation_mode,
+                version=TOKENIZATION_VERSION,
             ),
         )
         targets = [sum(m[1:]) for m in tokenized["completion_mask"]]
@@ -216,7 +223,7 @@ class SFTDataModule(TokenizedDataModule):
         else:
             for i, row in iter_rows(raw, ["prompt", "completion"], self.row_numbers):
                 validate_field(row["prompt"], i, "prompt")
-                validate_field(row["completion"], i, "completion")
+                validate_field(row["completion"], i, "completion", follows=row["prompt"])
                 if is_conversation(row["prompt"]) != conversational or isinstance(row["completion"], list) != conversational:
                     raise DataFormatError(
                         f"row {i}: 'prompt' and 'completion' must both be strings or both be message lists, like "

@@ -4,11 +4,13 @@ Local text files are checked before ``datasets`` reads them, so a bad file fails
 (``datasets`` would say "An error occurred while generating the dataset", or keep the last of two equal keys, or
 rename a second CSV column ``a`` to ``a.1``):
 
-* every byte is UTF-8 (the error gives the byte offset and the line of the first bad byte);
-* json/jsonl: every line (or the whole document) parses, no object repeats a key, at any depth, and every column
-  (and every field inside one, e.g. ``messages[].content``) holds one JSON type: ``datasets`` casts a column to one
-  type, so a ``2`` among strings like ``"60"`` would turn the whole column into numbers and an error after loading
-  would name a row that was fine (``column_types.py``);
+* every byte is UTF-8 (the error gives the byte offset and the line of the first bad byte); a UTF-8 byte order mark
+  (BOM: ``EF BB BF``, which Windows editors write) starting a json, jsonl or csv file is skipped, as ``datasets``
+  skips it when it reads the file;
+* json/jsonl: every line (or the whole document) parses (an error names its line and column, ``_error_position``),
+  no object repeats a key, at any depth, and every column (and every field inside one, e.g. ``messages[].content``)
+  holds one JSON type: ``datasets`` casts a column to one type, so a ``2`` among strings like ``"60"`` would turn
+  the whole column into numbers and an error after loading would name a row that was fine (``column_types.py``);
 * csv: no two header columns share a name;
 * a folder's files all have the same columns.
 
@@ -18,6 +20,7 @@ to the hub; a folder must hold one kind of supported file (mixed folders are ref
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -205,6 +208,10 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _decode(raw: bytes, source: str, offset: int, line: int) -> str:
+    """``raw`` (the bytes from byte ``offset``, line ``line`` of the file) as text; not UTF-8: an error naming the
+    first bad byte. A byte order mark that starts the file is dropped (``offset`` 0)."""
+    if offset == 0 and raw.startswith(codecs.BOM_UTF8):
+        return _decode(raw[len(codecs.BOM_UTF8):], source, len(codecs.BOM_UTF8), line)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -237,6 +244,10 @@ def _check_json_document(text: str, source: str, types: ColumnTypes | _RowLines)
     def line_of(i: int) -> int:
         return text.count("\n", 0, i) + 1
 
+    def at(i: int) -> str:  # "line L, column C" of position i (both from 1)
+        column = i - text.rfind("\n", 0, i)
+        return f"line {line_of(i)}, column {column}"
+
     def decode(i: int, row: bool = False) -> int:
         try:
             value, end = decoder.raw_decode(text, i)
@@ -246,8 +257,9 @@ def _check_json_document(text: str, source: str, types: ColumnTypes | _RowLines)
                 "JSON keeps only the last value. Remove or rename the duplicate."
             ) from None
         except json.JSONDecodeError as err:
+            line, column = _error_position(err)
             raise DataFormatError(
-                f"Data file '{source}', line {err.lineno}, column {err.colno}: invalid JSON ({err.msg})."
+                f"Data file '{source}', line {line}, column {column}: invalid JSON ({err.msg})."
             ) from None
         if row and isinstance(value, dict):
             types.add(value, line_of(i))
@@ -260,13 +272,14 @@ def _check_json_document(text: str, source: str, types: ColumnTypes | _RowLines)
     while not text.startswith("]", i):
         i = skip(decode(i, row=True))  # one row of the array
         if text.startswith(",", i):
-            i = skip(i + 1)
+            comma, i = i, skip(i + 1)
             if text.startswith("]", i):
-                raise DataFormatError(f"Data file '{source}', line {line_of(i)}: invalid JSON (a comma before ']').")
+                raise DataFormatError(f"Data file '{source}', {at(comma)}: invalid JSON (a comma before ']').")
         elif not text.startswith("]", i):
-            raise DataFormatError(f"Data file '{source}', line {line_of(i)}: invalid JSON (expected ',' or ']').")
+            raise DataFormatError(f"Data file '{source}', {at(min(i, len(text.rstrip())))}: invalid JSON (expected ',' "
+                                  "or ']').")
     if skip(i + 1) < len(text):
-        raise DataFormatError(f"Data file '{source}', line {line_of(skip(i + 1))}: invalid JSON (text after the array).")
+        raise DataFormatError(f"Data file '{source}', {at(skip(i + 1))}: invalid JSON (text after the array).")
     return False
 
 
@@ -286,9 +299,10 @@ def _check_json_lines(path: Path, source: str, types: ColumnTypes | _RowLines) -
                     "only the last value. Remove or rename the duplicate."
                 ) from None
             except json.JSONDecodeError as err:
+                line_in, column = _error_position(err)
                 raise DataFormatError(
-                    f"Data file '{source}', line {number}, column {err.colno}: invalid JSON ({err.msg}). Each line of a "
-                    "JSON-lines file must be one complete JSON object."
+                    f"Data file '{source}', line {number + line_in - 1}, column {column}: invalid JSON ({err.msg}). "
+                    "Each line of a JSON-lines file must be one complete JSON object."
                 ) from None
             if not isinstance(value, dict):
                 raise DataFormatError(
@@ -300,6 +314,15 @@ def _check_json_lines(path: Path, source: str, types: ColumnTypes | _RowLines) -
     if not rows:
         raise DataFormatError(f"Data file '{source}' holds no rows: its {number} line(s) are all blank. Write one JSON "
                               "object per line.")
+
+
+def _error_position(err: json.JSONDecodeError) -> tuple[int, int]:
+    """The line and column (from 1) of ``err`` in the text it decoded (``err.doc``). An error at the end of the text
+    (a value cut short: a truncated line, a missing ``}``) is placed just past its last character: ``json`` places it
+    after the whitespace that follows, so a JSON-lines line (decoded alone, its newline included) named column 1 of
+    the line after it, and a document the line after its last."""
+    pos = min(err.pos, len(err.doc.rstrip(" \t\r\n")))
+    return err.doc.count("\n", 0, pos) + 1, pos - err.doc.rfind("\n", 0, pos)
 
 
 class _RowLines:
@@ -322,7 +345,7 @@ def row_line(source: Any, row: int) -> int | None:
     if not path.is_file() or kind not in ("json", "csv"):
         return None
     if kind == "csv":
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.reader(f)
             next(reader, None)  # the header
             start = reader.line_num + 1
@@ -332,7 +355,7 @@ def row_line(source: Any, row: int) -> int | None:
                 start = reader.line_num + 1
         return None
     lines = _RowLines()
-    if path.suffix.lower() != ".json" or _check_json_document(path.read_text(encoding="utf-8"), str(source), lines):
+    if path.suffix.lower() != ".json" or _check_json_document(path.read_text(encoding="utf-8-sig"), str(source), lines):
         lines = _RowLines()
         _check_json_lines(path, str(source), lines)
     return lines.lines[row] if 0 <= row < len(lines.lines) else None
@@ -344,7 +367,7 @@ def _check_csv(path: Path, source: str) -> list[str]:
         for number, raw in enumerate(f, start=1):
             _decode(raw, source, offset, number)
             offset += len(raw)
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # the header's first name without a byte order mark
         header = next(csv.reader(io.StringIO(f.readline())), [])
     seen: set[str] = set()
     for column in header:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are 
     from datasets import Dataset
 
 # Part of the datasets cache fingerprint of tokenized rows: bump it whenever tokenization changes its output.
-TOKENIZATION_VERSION = 1
+# 2: tool-call arguments given as a JSON string are rendered as the object (``formats.chat_messages``).
+TOKENIZATION_VERSION = 2
 # TRL's unpairing maps batches of this many pairs (datasets' default): chosen rows of a block, then rejected rows.
 UNPAIR_BLOCK = 1000
 
@@ -296,7 +297,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
             check_chat_template(tokenizer, f"{label} unpaired preference data")
         for i, row in iter_rows(raw, columns + (["label"] if labelled else []), self.row_numbers):
             for col in columns:
-                validate_field(row[col], i, col)
+                validate_field(row[col], i, col, follows=row["prompt"] if col != "prompt" and "prompt" in row else None)
                 if isinstance(row[col], list) != conversational:
                     raise DataFormatError(
                         f"row {i}, column '{col}': mixes {'strings' if conversational else 'conversations'} with the "

@@ -246,8 +246,8 @@ def test_bad_json_lines_name_file_and_line(tiny_dir, tmp_path, lines, match):
 
 @pytest.mark.parametrize("text, match", [
     ('[\n  {"text": "a"},\n  {"text": "b",\n   "text": "c"}\n]', r"bad.json', line 3: the object starting there repeats the key 'text'"),
-    ('[\n  {"text": "a"},\n  {"text": "b"},\n]', r"bad.json', line 4: invalid JSON \(a comma before '\]'\)"),
-    ('[\n  {"text": "a"}\n  {"text": "b"}\n]', r"bad.json', line 3: invalid JSON \(expected ',' or '\]'\)"),
+    ('[\n  {"text": "a"},\n  {"text": "b"},\n]', r"bad.json', line 3, column 16: invalid JSON \(a comma before '\]'\)"),
+    ('[\n  {"text": "a"}\n  {"text": "b"}\n]', r"bad.json', line 3, column 3: invalid JSON \(expected ',' or '\]'\)"),
     ('{"text": "a"}\n{"text": "b", "text": "c"}\n', r"bad.json', line 2: the key 'text' appears twice"),
 ])
 def test_bad_json_documents_name_file_and_line(tiny_dir, tmp_path, text, match):
