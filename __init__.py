@@ -3,11 +3,12 @@ iterative SFT and distillation (GKD, on-policy).
 
 Python API::
 
-    import lightning as L
-    from lightalign import SFTModule, SFTDataModule
+    from lightalign import SFTModule, SFTDataModule, Trainer
 
-    trainer = L.Trainer(max_steps=100)
+    trainer = Trainer(max_steps=100, name="my-sft")  # the console's logger, checkpoints, export: runs/my-sft/version_N
     trainer.fit(SFTModule("Qwen/Qwen2.5-0.5B"), SFTDataModule("data.jsonl", tokenizer="Qwen/Qwen2.5-0.5B"))
+
+``lightning.Trainer`` works too; it writes only what its own arguments ask for (``lightalign.trainer``).
 """
 
 from pathlib import Path
@@ -27,6 +28,7 @@ _EXPORTS = {
                      "UnpairedPreferenceDataModule"], "lightalign.datamodules"),
     **dict.fromkeys(["ModelNotFoundError", "load_causal_lm", "load_tokenizer"], "lightalign.hub"),
     **dict.fromkeys(["AtomicCheckpointIO", "CheckpointError"], "lightalign.strategies"),
+    "Trainer": "lightalign.trainer",
     **dict.fromkeys(["DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "OnlineDPOModule", "PolicyModule", "PPOModule",
                      "RewardModule", "RLOOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
                      "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
@@ -60,6 +62,7 @@ __all__ = [
     "SFTDataModule",
     "SFTModule",
     "TokenThroughput",
+    "Trainer",
     "UnpairedPreferenceDataModule",
     "create_reference_model",
     "dpo_loss",

@@ -2,7 +2,8 @@
 
 The config names a module (``model: class_path: lightalign.SFTModule``) and a datamodule
 (``data: class_path: lightalign.SFTDataModule``). The module's ``model_name_or_path`` is linked to the
-datamodule's ``tokenizer``, so a config names the model once. Always present and configurable:
+datamodule's ``tokenizer``, so a config names the model once. Always present and configurable (one group per
+callback of ``lightalign.trainer.RUN_CALLBACKS``, which ``lightalign.Trainer`` builds from too):
 ``--checkpoint.*`` (a ModelCheckpoint that keeps ``last.ckpt``, also at the final step), ``--export.*`` (the
 Hugging Face export at the end of fit), ``--throughput.*`` (tokens/s in the progress bar and the logger),
 ``--progress_bar.*`` (one line every N steps when stdout is not a terminal), ``--summary.*`` (a table at the end of fit) and ``--plot.*`` (the
@@ -23,32 +24,19 @@ import os
 import re
 import sys
 from argparse import RawDescriptionHelpFormatter
-from pathlib import Path
 
 import lightning as L
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_warn
 
-from lightalign.callbacks import (CompletionSamples, HFExport, HubPush, PlotCurves, RunCheckpoint, RunFolder,
-                                  RunSummary, SaveRunConfig, StepProgressBar, TokenThroughput)
+from lightalign.callbacks import HFExport, HubPush, RunFolder, SaveRunConfig
 from lightalign.cli_errors import OneLineErrorParser, OptionError, check_trainer_can_run, trainer_refusal
 from lightalign.modules.training.policy import PolicyModule
-from lightalign.quiet import ReleaseHeldLines, exact_resume_quiet
-from lightalign.runs import ResumeError, RunError, check_resume, continue_logs, discard_empty_run_folder, latest_run, \
-    pin_version, read_checkpoint, run_of_checkpoint, runs_root, version_of
-from lightalign.strategies.launch import RankLogging, check_multinode_env, cpu_processes_note
-
-TRAINER_DEFAULTS = {
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.CSVLogger",
-        "init_args": {"save_dir": "runs", "name": "lightalign"},
-    },
-    "log_every_n_steps": 1,
-    "plugins": [{"class_path": "lightalign.strategies.AtomicCheckpointIO"}],
-}
+from lightalign.quiet import ReleaseHeldLines
+from lightalign.runs import RunError, callback_of, fit_run
+from lightalign.strategies.launch import check_multinode_env, cpu_processes_note
+from lightalign.trainer import RUN_CALLBACKS, TRAINER_DEFAULTS, run_callbacks
 
 
 KNOB_HELP = """lightalign: LLM post-training on PyTorch Lightning: SFT, DPO, KTO, reward models, GRPO, RLOO, PPO,
@@ -121,24 +109,11 @@ class LightalignCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.description = KNOB_HELP
         parser.link_arguments("model.init_args.model_name_or_path", "data.init_args.tokenizer", apply_on="parse")
-        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")  # + last.ckpt at the final step
-        # one last.ckpt per run folder: a run continued from an earlier checkpoint (a rollback) overwrites it rather
-        # than writing last-v1.ckpt beside the abandoned branch's, which --ckpt_path last would then continue
-        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0,
-                             "checkpoint.enable_version_counter": False})
-        parser.add_lightning_class_args(HFExport, "export")
-        parser.add_lightning_class_args(TokenThroughput, "throughput")
-        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
-        parser.add_lightning_class_args(CompletionSamples, "completions")
-        parser.set_defaults({"lr_monitor.logging_interval": "step"})
-        parser.add_lightning_class_args(StepProgressBar, "progress_bar")
-        parser.add_lightning_class_args(PlotCurves, "plot")
-        parser.add_lightning_class_args(RunSummary, "summary")  # after PlotCurves: the table names the PNG
-        parser.add_lightning_class_args(RankLogging, "logging")
-        # last: its fit-end push runs once everything local (export, summary, curves) is written. No `api` (a Python
-        # object) and no `hub_token` (config.yaml would record it): the token comes from HF_TOKEN or `hf auth login`.
-        parser.callback_keys.append("hub")
-        parser.add_class_arguments(HubPush, "hub", fail_untyped=False, sub_configs=True, skip={"api", "hub_token"})
+        for entry in RUN_CALLBACKS:  # --checkpoint.*, --export.*, ...: one group per callback every run gets
+            parser.callback_keys.append(entry.key)
+            parser.add_class_arguments(entry.cls, entry.key, fail_untyped=False, sub_configs=True,
+                                       skip=set(entry.skip) or None)
+            parser.set_defaults({f"{entry.key}.{name}": value for name, value in entry.defaults.items()})
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI would replace the config's --model.* with the checkpoint's hyperparameters (another model
@@ -146,23 +121,15 @@ class LightalignCLI(LightningCLI):
         return
 
     def instantiate_trainer(self, **kwargs):
-        # The StepProgressBar steps aside when the progress bar is off or the config brings its own (Lightning
-        # refuses both situations otherwise); the ModelCheckpoint when checkpointing is off; the learning-rate
-        # monitor when there is no logger.
+        # The --<key>.* groups' callbacks that run_callbacks keeps, as for lightalign.Trainer: a callback of the
+        # config's own (trainer.callbacks) of a group's class replaces that group's; a feature switched off
+        # (enable_progress_bar, enable_checkpointing, logger) drops the callback that needs it.
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         own = config.get("callbacks") or []
         own = own if isinstance(own, list) else [own]
-        skip = set()
-        if config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in own):
-            skip.add("progress_bar")
-        if config.get("enable_checkpointing") is False:
-            skip.add("checkpoint")
-        if config.get("logger") is False:  # Lightning's LearningRateMonitor refuses a Trainer without a logger
-            skip.add("lr_monitor")
-        keys = [k for k in self._parser(self.subcommand).callback_keys if k not in skip]
+        run = run_callbacks(config, own, lambda entry: self._get(self.config_init, entry.key))
         try:
-            return self._instantiate_trainer(config, [ReleaseHeldLines(), self.run_folder]
-                                             + [self._get(self.config_init, k) for k in keys])
+            return self._instantiate_trainer(config, [ReleaseHeldLines(), self.run_folder, *run])
         except Exception as err:  # an unknown strategy, a GPU that is not there: one line naming the settings
             refusal = trainer_refusal(err, config)
             if refusal is None:
@@ -176,9 +143,9 @@ class LightalignCLI(LightningCLI):
                                   self.trainer.num_devices)
         if note:
             rank_zero_warn(note)
-        hub = self._get(self.config_init, "hub")
+        hub = callback_of(self.trainer, HubPush)
         if hub is not None:  # HF_HUB_OFFLINE, no repository name: refused before the data is read or the model loads
-            export = self._get(self.config_init, "export")
+            export = callback_of(self.trainer, HFExport)
             hub.check_local(export.output_dir if export is not None and export.enabled else None)
         if self.trainer.max_steps == 0:
             raise RunError("--trainer.max_steps is 0: there is nothing to train. Set it to the number of optimizer "
@@ -186,51 +153,7 @@ class LightalignCLI(LightningCLI):
 
     def fit(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
             ckpt_path: str | None = None, **kwargs) -> None:
-        if ckpt_path is not None and str(ckpt_path) not in ("best", "hpc", "registry"):
-            ckpt_path = self.prepare_resume(str(ckpt_path), model, datamodule)
-        try:
-            with exact_resume_quiet(datamodule):  # Lightning's "dataloader not resumable": false for lightalign's data
-                self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
-        except Exception:
-            if self.run_folder.resume is None:  # a refusal while the data was read leaves no empty version_N
-                discard_empty_run_folder(self.trainer)
-            raise
-
-    def prepare_resume(self, ckpt_path: str, model: L.LightningModule, datamodule) -> str | None:
-        """The checkpoint to load (None: start fresh), checked against the config; pins the run folder it continues."""
-        trainer = self.trainer
-        root = runs_root(trainer)
-        if ckpt_path == "last":
-            run = latest_run(root)
-            if run is None:
-                rank_zero_info(f"--ckpt_path last: no earlier run of this config has a checkpoint (no "
-                               f"{root}/version_N/checkpoints/last.ckpt): starting a new run.")
-                return None
-            path = run / "checkpoints" / "last.ckpt"
-        else:
-            path = Path(ckpt_path)
-            run = run_of_checkpoint(path, root) if path.is_file() else None
-        checkpoint = read_checkpoint(path)
-        for warning in check_resume(checkpoint, path, trainer, model, datamodule):
-            rank_zero_warn(warning)
-        step = int(checkpoint.get("global_step", 0))
-        if step == trainer.max_steps:
-            export = self._get(self.config_init, "export")
-            # a checkpoint outside this config's run folders starts a new folder, where no export exists yet
-            target = Path(export.output_dir) if export.output_dir else run / "hf_model" if run else None
-            if not export.enabled or (target is not None and target.exists()):
-                raise ResumeError(f"Checkpoint '{path}' is at step {step} = --trainer.max_steps: that run is finished. "
-                                  f"Raise --trainer.max_steps above {step} to train further.")
-            rank_zero_info(f"Checkpoint '{path}' is at --trainer.max_steps ({step}): nothing left to train; writing "
-                           f"the Hugging Face export the interrupted run did not finish ({target or 'in a new run folder'}).")
-        del checkpoint
-        if run is not None:
-            pin_version(trainer, version_of(run))
-            self.run_folder.resume = run
-            dropped = continue_logs(trainer, step) if rank_zero_only.rank == 0 else 0
-            rank_zero_info(f"Continuing run {run} from step {step} ({path.name})" + (
-                f"; {dropped} metric rows the interrupted run logged after that step are dropped." if dropped else "."))
-        return str(path)
+        fit_run(self.trainer, self.trainer.fit, model, datamodule, ckpt_path, **kwargs)  # --ckpt_path last: runs.py
 
 
 def main(args: list[str] | None = None) -> int:

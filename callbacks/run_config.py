@@ -90,15 +90,48 @@ class SaveRunConfig(SaveConfigCallback):
             self.save_config(trainer, pl_module, stage)
 
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        log_dir = Path(self._log_dir)
-        versions = log_dir / self.versions_filename
-        versions.write_text(json.dumps(package_versions(), indent=2) + "\n")
-        files = [p for p in (log_dir / self.config_filename, versions) if p.is_file()]
-        for logger in trainer.loggers:
-            kind = type(logger).__name__
-            if kind == "MLFlowLogger":
-                for path in files:
-                    logger.experiment.log_artifact(logger.run_id, str(path))
-            elif kind == "WandbLogger":
-                for path in files:
-                    logger.experiment.save(str(path), base_path=str(log_dir), policy="now")
+        write_versions(trainer, Path(self._log_dir), [Path(self._log_dir) / self.config_filename])
+
+
+def write_versions(trainer: L.Trainer, run_dir: Path, files: list[Path]) -> None:
+    """``versions.json`` (``package_versions``) in ``run_dir``; it and ``files`` that exist are also attached to the
+    run of an MLFlowLogger (artifacts) or WandbLogger (run files). Rank 0."""
+    versions = run_dir / SaveRunConfig.versions_filename
+    versions.write_text(json.dumps(package_versions(), indent=2) + "\n")
+    files = [p for p in (*files, versions) if p.is_file()]
+    for logger in trainer.loggers:
+        kind = type(logger).__name__
+        if kind == "MLFlowLogger":
+            for path in files:
+                logger.experiment.log_artifact(logger.run_id, str(path))
+        elif kind == "WandbLogger":
+            for path in files:
+                logger.experiment.save(str(path), base_path=str(run_dir), policy="now")
+
+
+class RunVersions(L.Callback):
+    """``versions.json`` in the run folder of a run without a CLI config (``lightalign.Trainer``), as
+    ``SaveRunConfig`` writes it beside ``config.yaml``: once training starts, i.e. after a resumed run's checkpoint
+    has loaded (a resume that fails while reading it leaves the earlier file), or at the end of a fit that trained
+    nothing (resumed at ``max_steps`` to write a missing export)."""
+
+    def __init__(self) -> None:
+        self.written = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._run_dir = run_dir_of(trainer)  # every rank (without RunFolder, log_dir broadcasts)
+        self.written = stage != "fit"
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer)
+
+    def _write(self, trainer: L.Trainer) -> None:
+        if self.written:
+            return
+        self.written = True
+        if trainer.is_global_zero:
+            self._run_dir.mkdir(parents=True, exist_ok=True)
+            write_versions(trainer, self._run_dir, [])

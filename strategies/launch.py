@@ -86,11 +86,15 @@ class RankLogging(L.Callback):
             the model config of every load and every file saved).
         log_level_replica: level of every other process.
         log_on_each_node: True: the first process of each node is a main process; False: only global rank 0.
+
+    The levels hold from ``setup`` to ``teardown``, which restores the ones before (a Python program that fits keeps
+    its own logging configuration afterwards).
     """
 
     def __init__(self, log_level: str = "info", log_level_replica: str = "warning", log_on_each_node: bool = True) -> None:
         self.log_level, self.log_level_replica = _level(log_level), _level(log_level_replica)
         self.log_on_each_node = log_on_each_node
+        self._saved: dict[str, int] | None = None  # the levels before setup, put back at teardown
 
     def is_main(self, trainer: L.Trainer) -> bool:
         return trainer.local_rank == 0 if self.log_on_each_node else trainer.global_rank == 0
@@ -100,6 +104,16 @@ class RankLogging(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         level = self.level_for(trainer)
+        if self._saved is None:
+            self._saved = {name: logging.getLogger(name).level for name in LOGGERS}
         for name in LOGGERS:
             logging.getLogger(name).setLevel(max(level, logging.WARNING) if name in CHATTY and level > logging.DEBUG
                                              else level)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        saved, self._saved = self._saved, None
+        for name, level in (saved or {}).items():
+            logging.getLogger(name).setLevel(level)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "")  # Lightning calls no teardown hook after an exception

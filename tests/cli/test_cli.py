@@ -112,11 +112,17 @@ def test_sft_template_on_a_local_pretrained_folder(repo, tmp_path, tiny_model, t
 
 def test_python_api_example_runs(repo, tmp_path):
     # `python examples/sft_python.py ...` in tmp_path, forked from the console server (tests/helpers/console_script.py:
-    # run as __main__ with the script's sys.argv and sys.path[0], offline, torch and transformers already imported)
-    proc = console_script.run_python(repo / "examples" / "sft_python.py", "--max-steps", "5", "--output-dir",
-                                     str(tmp_path / "hf"), cwd=tmp_path, timeout=600)
+    # run as __main__ with the script's sys.argv and sys.path[0], offline, torch and transformers already imported).
+    # It writes the quickstart's files into its run folder (tests/training/test_trainer.py compares them with the
+    # console's) and generates from the export.
+    proc = console_script.run_python(repo / "examples" / "sft_python.py", "--max-steps", "5", cwd=tmp_path,
+                                     timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "hf" / "model.safetensors").exists()
+    run = tmp_path / "runs" / "python-quickstart" / "version_0"
+    for name in ("metrics.csv", "versions.json", "curves.png", "checkpoints/last.ckpt", "hf_model/model.safetensors",
+                 "hf_model/README.md"):
+        assert (run / name).is_file(), name
+    assert [step for step, _ in read_metrics(run)["train/loss"]] == [0, 1, 2, 3, 4]
     assert [line.split(" ")[0] for line in proc.stdout.splitlines()[-3:]] == ["12+7=", "45-3=", "8+80="]
 
 
