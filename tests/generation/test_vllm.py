@@ -11,6 +11,8 @@ import copy
 import pytest
 import torch
 
+from helpers.rewards import ranked_reward
+
 from lightalign.modules.generation.vllm import (check_vllm_knobs, padded_completions, vllm_sampling_params,
                                                 vllm_weight_name, vllm_weights)
 
@@ -134,7 +136,8 @@ def test_fit_pushes_weights_after_each_optimizer_step_and_samples_through_the_en
                                                                                      prompt_data):
     from lightalign.modules.generation.vllm_engines import VLLMRollouts
 
-    module = grpo_module(max_completion_length=5, temperature=0.9)
+    # rewards that differ inside every group by construction: the advantages are non-zero, so the policy moves
+    module = grpo_module(max_completion_length=5, temperature=0.9, reward_funcs=[ranked_reward])
     engines = []
     callback = VLLMRollouts(engine_factory=lambda m, t, *_: engines.append(RecordingEngine(m)) or engines[-1])
     trainer = quiet_trainer(max_steps=3, callbacks=[callback])

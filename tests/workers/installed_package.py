@@ -9,7 +9,7 @@ its wheel (no editable install), in a working directory outside the repository: 
 2. Every public class of ``lightalign``'s ``__all__`` resolves, and each method trains two optimizer steps through the
    Python API on a tiny Qwen2 model this script builds (2 layers, hidden 32) from the shipped tokenizer, on the
    shipped example data read from the installed package: SFT, DPO, KTO, reward, GRPO, RLOO, PPO, online DPO,
-   distillation, iterative SFT.
+   distillation, iterative SFT; ``lightalign.Trainer`` writes its run folder; an untrained module exports.
 3. The console script: ``lightalign fit --help``; ``lightalign examples DIR``, then from DIR every shipped offline
    config (the quickstart, the ``*_tiny`` and ``*_quickstart`` ones, the tool configs) for two steps, each exiting 0.
 
@@ -108,6 +108,12 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
     for _ in range(2):
         iterative.step(texts=["1+1=", "2+2="], texts_labels=["2", "4"])
     print("ok: IterativeSFT took 2 steps from the installed package")
+    trainer = la.Trainer(accelerator="cpu", max_steps=2, name="wheel-sft", enable_progress_bar=False)
+    trainer.fit(la.SFTModule(m, learning_rate=1e-3),
+                la.SFTDataModule(str(data / "arithmetic_sft.jsonl"), tokenizer=m, max_length=32, batch_size=4))
+    run = Path(trainer.run_dir)
+    assert (run / "metrics.csv").is_file() and (run / "hf_model" / "config.json").is_file(), sorted(run.iterdir())
+    print(f"ok: lightalign.Trainer wrote the run folder ({run.relative_to(work)}: metrics.csv, hf_model/)", flush=True)
     la.SFTModule(m).export_hf(work / "export", tokenizer=str(model))
     assert (work / "export" / "config.json").is_file()
     print("ok: export_hf wrote a Hugging Face folder")
