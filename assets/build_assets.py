@@ -215,6 +215,9 @@ def build() -> None:
         cfg.save_pretrained(out)
         make_generation_config(cfg).save_pretrained(out)
         print(f"wrote {out.relative_to(ASSETS.parent)}: {sorted(p.name for p in out.iterdir())}")
+    from build_tool_families import build as build_tool_families  # tiny-llama3, tiny-mistral: from models/tiny
+
+    build_tool_families()
 
 
 # --------------------------------------------------------------------------- verify

@@ -21,6 +21,7 @@ from lightalign.modules.agent.environments import EnvironmentFactory, Environmen
 from lightalign.modules.agent.tools import (ToolCall, check_unique_names, resolve_tools, run_tool_call, tool_name,
                                             tool_schema)
 from lightalign.datamodules.prompt import left_pad
+from lightalign.modules.agent.response_templates import check_round_trip, choose_response_template
 from lightalign.modules.agent.turns import check_tool_template, parse_turn, tool_result_ids
 from lightalign.modules.generation.samplers import Sampler, sample_groups
 from lightalign.modules.generation.sampling import cut_after_eos, eos_token_ids
@@ -60,6 +61,7 @@ class ToolRollouts:
         self.max_iterations = max_tool_calling_iterations
         self.tool_timeout = tool_timeout
         self.response_template = response_template
+        self.template_note: str | None = None  # set at fit start by check_setup
 
     @staticmethod
     def build(tools: Any, environment_factory: Any, max_tool_calling_iterations: int | None,
@@ -81,10 +83,13 @@ class ToolRollouts:
 
     def check_setup(self, tokenizer: Any, datamodule: Any) -> None:
         """At fit start, before any rollout: the tokenizer can render and parse tool turns, prompts are
-        conversations."""
-        if self.response_template is not None and tokenizer is not None:
-            tokenizer.response_template = self.response_template
+        conversations. The response template is chosen and proven to read the chat template's calls
+        (``response_templates.py``); ``template_note`` says which and how, for the fit-start line."""
         check_tool_template(tokenizer, "tools")
+        template, how = choose_response_template(tokenizer, self.response_template)
+        check_round_trip(tokenizer, template, how, getattr(datamodule, "chat_template_kwargs", None))
+        tokenizer.response_template = template
+        self.template_note = f"tool calls read by the response_template {how} (round trip of a call checked)"
         data = getattr(datamodule, "train_dataset", None)
         if data is None or not len(data):
             return

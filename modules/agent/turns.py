@@ -20,17 +20,12 @@ class ToolCallFormatError(ValueError):
 
 
 def check_tool_template(tokenizer: Any, where: str) -> None:
-    """Refuse a tokenizer that cannot serve tool rollouts: no chat template, or no ``response_template``."""
+    """Refuse a tokenizer without a chat template: the tool list and tool results could not be rendered. (Which
+    ``response_template`` reads the calls back is chosen and proven in ``response_templates.py``.)"""
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if not getattr(tokenizer, "chat_template", None):
         raise ToolCallFormatError(f"{where}: the tokenizer {name!r} has no chat template, so the tool list and tool "
                                   "results cannot be rendered; set data.chat_template or use an instruct tokenizer.")
-    if getattr(tokenizer, "response_template", None) is None:
-        raise ToolCallFormatError(
-            f"{where}: the tokenizer {name!r} has no response_template, so the policy's tool calls cannot be read in "
-            "the format its chat template defines (transformers' tokenizer.parse_response reads it). Give one with "
-            "model.response_template (a dict; TRL's trl.chat_template_utils has them for Qwen, Llama, GLM, GPT-OSS, "
-            "Gemma ...) or add it to the tokenizer's tokenizer_config.json.")
 
 
 def parse_turn(tokenizer: Any, turn_ids: Sequence[int], prefix_ids: Sequence[int],

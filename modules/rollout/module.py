@@ -290,12 +290,15 @@ class OnlineRLModule(SamplingModule):
 
     def fit_start_notes(self) -> list[str]:
         """The sampler, decided (and measured) here, before any rollout: an inexact asked backend or shared
-        prefill is refused at fit start."""
+        prefill is refused at fit start; with tools, the response template that reads the calls and how it was
+        chosen."""
         ahead = self.off_policy.note(self)
+        tools = getattr(self.tool_rollouts, "template_note", None)  # which response template reads the calls, how
+        extra = [n for n in (ahead, tools) if n]
         if self.hparams.use_vllm:
-            return [ahead] if ahead else []
+            return extra
         self.sampling_backend()
-        return [self.sampling_note, *([ahead] if ahead else [])]
+        return [self.sampling_note, *extra]
 
     def sampling_backend(self) -> str:
         """The run's sampler, decided once per fit (``Sampling.backend``)."""

@@ -1,7 +1,8 @@
 """The scoring stage: a rollout's completions through the reward functions, with the statistics every online-RL
 method logs (reward mean/std per function and in total, completion lengths, the truncated share, and with
 ``reward_fallback_value`` the substitutions per function) and the sample table of the last rollout
-(``callbacks/completions.py``)."""
+(``callbacks/completions.py``). Reward functions get TRL's ``trainer_state``, ``log_extra`` and ``log_metric``
+(``rewards/trl_kwargs.py``): their extra columns join the sample table, their metrics the statistics."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from lightalign.modules.training.stat_metrics import metric_key
 from lightalign.rewards import FallbackReport, compute_rewards, nanstd
 from lightalign.rewards.calling import short_repr
+from lightalign.rewards.trl_kwargs import RewardLogs, RewardTrainerState
 
 __all__ = ["fallback_stat", "metric_key", "score_rollout"]
 
@@ -29,9 +31,14 @@ def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDi
     validating, the module's eval metrics see each scored completion's total. With ``reward_fallback_value``, each
     function's substitutions are counted in ``stats`` and its first one is warned about once per run."""
     hp = module.hparams
+    logs = RewardLogs()  # TRL's trainer_state, log_extra, log_metric reach every reward function
+    columns = {**rollout["columns"], **logs.kwargs(RewardTrainerState.of(module))}
     per_func, total, fallbacks = compute_rewards(
-        module.reward_funcs, rollout["prompts"], rollout["completions"], rollout["columns"], module.reward_weights,
+        module.reward_funcs, rollout["prompts"], rollout["completions"], columns, module.reward_weights,
         reward_timeout=hp.reward_timeout, reward_fallback_value=hp.reward_fallback_value)
+    extra = logs.columns(len(rollout["prompts"]))
+    for name, values in logs.metrics.items():
+        stats.add(name).update(torch.tensor(sum(values) / len(values)))
     if hp.reward_fallback_value is not None:
         for name in module.reward_names:
             report = fallbacks.get(name)
@@ -58,7 +65,8 @@ def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDi
             stats[metric_key("tools/failure_frequency")].update(torch.tensor(failures / calls))
     module.last_samples = [
         {"step": module.global_step, "prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
-         "reward": float(r), **{n: float(per_func[i, j]) for j, n in enumerate(module.reward_names)}}
+         "reward": float(r), **{n: float(per_func[i, j]) for j, n in enumerate(module.reward_names)},
+         **{column: values[i] for column, values in extra.items()}}
         for i, (p, t, r) in enumerate(zip(rollout["prompts"], rollout["texts"], total.tolist()))
     ]
     if not module.training and (module.eval_metric_objects or module.eval_metric_fns):

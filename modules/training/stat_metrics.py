@@ -35,6 +35,18 @@ class StatMetrics(torch.nn.ModuleDict):
         names = list(names)
         super().__init__({metric_key(n): MeanMetric(**metric_kwargs) for n in names})
         self.names = {metric_key(n): n for n in names}
+        self.metric_kwargs = metric_kwargs
+
+    def add(self, name: str) -> MeanMetric:
+        """The metric of ``name``, created (on the device of the others) when a statistic first appears during the
+        run: what reward functions log with ``log_metric``."""
+        key = metric_key(name)
+        if key not in self:
+            existing = next(iter(self.values()), None)
+            metric = MeanMetric(**self.metric_kwargs)
+            self[key] = metric.to(existing.device) if existing is not None else metric
+            self.names[key] = name
+        return self[key]
 
     def log(self, module: Any, stage: str, prog_bar: Iterable[str] = (), only: Iterable[str] | None = None) -> None:
         """``module.log`` each updated statistic as ``<stage>/<name>`` (with ``only``, just those named there);

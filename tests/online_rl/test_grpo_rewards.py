@@ -137,3 +137,42 @@ def test_score_normalizes_then_clips_the_rewards(grpo_module):
     module.eval()  # validation scores do not move the running statistics
     assert advantages(module, _rollout(values), _Stats()).tolist() == pytest.approx([-2.0, -1.0, 0.0, 3.0])
     assert module.reward_normalizer.count == 0
+
+
+def trl_scheduled_reward(prompts, completions, trainer_state, log_extra, log_metric, **kwargs):
+    """Written for TRL 1.16's GRPOTrainer: a reward scheduled on ``trainer_state.global_step`` that logs a column of
+    the completions table and a metric."""
+    lengths = [len(c) for c in completions]
+    log_extra("completion_chars", lengths)
+    log_metric("chars_mean", sum(lengths) / len(lengths))
+    seen.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch))
+    return [float(trainer_state.global_step) + length / 100 for length in lengths]
+
+
+seen: list = []
+
+
+def test_a_trl_reward_reading_trainer_state_and_logging_runs_unchanged(grpo_module, prompt_data, quiet_trainer,
+                                                                      tmp_path):
+    """TRL passes trainer_state, log_extra and log_metric to every reward function: one using all three trains
+    unchanged; it sees each rollout's global step and the run's max_steps, its column is in the completions table
+    (CompletionSamples' CSV) one value per completion, and its metric is logged as train/chars_mean, the mean of the
+    logged values."""
+    import csv
+
+    from lightalign.callbacks.completions import CompletionSamples
+
+    seen.clear()
+    module = grpo_module(reward_funcs=[trl_scheduled_reward], learning_rate=0.0)
+    trainer = quiet_trainer(max_steps=2, callbacks=[CompletionSamples(every_n_steps=1, max_rows=64)],
+                            default_root_dir=str(tmp_path))
+    trainer.fit(module, prompt_data())
+
+    assert [s for s, _, _ in seen] == [0, 1] and {(m, e) for _, m, e in seen} == {(2, 0.0)}
+    samples = module.last_samples  # the last rollout's table: the column beside the rewards, per completion
+    assert [row["completion_chars"] for row in samples] == [len(row["completion"]) for row in samples]
+    assert float(trainer.callback_metrics["train/chars_mean"]) == pytest.approx(
+        statistics.mean(row["completion_chars"] for row in samples))
+    with open(tmp_path / "completions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(int(r["completion_chars"]) == len(r["completion"]) for r in rows)
