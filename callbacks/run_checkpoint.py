@@ -12,9 +12,8 @@ epoch that ends after one batch — the next epoch's data order starts one epoch
 
 A step after which a validation runs (``val_check_interval``, the epoch's end) is checkpointed once that validation
 has ended, not at its batch end: Lightning resumes a checkpoint written at a batch end without the validation that
-was due after that batch, so a run killed between the two never validated that step (``val/*`` missing for good,
-and the random streams the validation draws from, e.g. its data loader's seed, one draw behind the uninterrupted
-run's). Written after it, the checkpoint holds the state the next step starts from, and Lightning resumes it as
+was due after that batch, so a run killed between the two never validated that step (its ``val/*`` row missing for
+good). Written after it, the checkpoint holds the state the next step starts from, and Lightning resumes it as
 it resumes a checkpoint written at a validation's end: with the next training step. A kill before then resumes from
 the previous checkpoint and runs the validation again.
 """

@@ -92,9 +92,12 @@ def test_grpo_resumed_inside_a_rollout_logs_what_the_uninterrupted_run_logs(tmp_
 def test_kill_between_a_step_and_its_validation_validates_that_step_after_the_resume(tmp_path):
     """Validation after every 4th step, checkpoints every 2; killed as the validation after step 4 starts (after
     that step's batch end, where the checkpoint used to be written): the step-4 checkpoint is written only after
-    its validation, so the run resumes from step 2 and validates step 4. Mutation: ``validation_follows`` always
-    False (the checkpoint at the batch end) -> resumed from step 4 without its validation: val/* at step 3 (the
-    row of step 4's validation) missing, fails."""
+    its validation, so the run resumes from step 2 and validates step 4; then a run resumed from the step-4
+    checkpoint (written after the validation) goes on with step 5. Mutations: ``validation_follows`` always False
+    (the checkpoint at the batch end) -> last.ckpt at step 4, and resumed from it without its validation the val/*
+    row of step 4 (step index 3) is missing, fails; the datamodule's ``state_dict`` empty outside
+    ``trainer.training`` (before) -> the post-validation checkpoint resumes at the epoch's start, other weights,
+    fails."""
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--max-steps", "10", "--every", "2", "--prompts-per-rank", "4", "--val-every", "4"]
     _run(a, *common)
