@@ -1,4 +1,5 @@
-"""``RunCheckpoint``: Lightning's ModelCheckpoint, plus ``last.ckpt`` at the final step of every run.
+"""``RunCheckpoint``: Lightning's ModelCheckpoint, plus ``last.ckpt`` at the final step of every run, and each
+step's checkpoint written after that step's validation.
 
 Lightning writes ``last.ckpt`` with the periodic checkpoints only (``every_n_train_steps``, epoch ends, validation),
 so when ``max_steps`` is not a multiple of ``every_n_train_steps`` a finished run's ``last.ckpt`` stopped short of
@@ -8,6 +9,13 @@ its final steps: ``--ckpt_path last`` then trained those steps again instead of 
 It is written at that step's batch end, where the periodic checkpoints are written, not at the end of training:
 by then Lightning has closed the epoch, and a checkpoint of that state resumes (with a larger ``max_steps``) into an
 epoch that ends after one batch — the next epoch's data order starts one epoch early.
+
+A step after which a validation runs (``val_check_interval``, the epoch's end) is checkpointed once that validation
+has ended, not at its batch end: Lightning resumes a checkpoint written at a batch end without the validation that
+was due after that batch, so a run killed between the two never validated that step (its ``val/*`` row missing for
+good). Written after it, the checkpoint holds the state the next step starts from, and Lightning resumes it as
+it resumes a checkpoint written at a validation's end: with the next training step. A kill before then resumes from
+the previous checkpoint and runs the validation again.
 """
 
 from __future__ import annotations
@@ -19,13 +27,43 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` (same arguments) that also saves ``last`` (``save_last``) after the final step."""
+    """``ModelCheckpoint`` (same arguments) that also saves ``last`` (``save_last``) after the final step, and saves
+    a step that is followed by a validation after it."""
+
+    _after_validation: tuple[Any, ...] | None = None  # the batch-end arguments of a step whose save waits
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
-        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if validation_follows(trainer):
+            self._after_validation = args
+            return
+        self._save_at_step_end(trainer, pl_module, *args)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        waiting, self._after_validation = self._after_validation, None
+        if waiting is not None and not trainer.sanity_checking:
+            self._save_at_step_end(trainer, pl_module, *waiting)
+        super().on_validation_end(trainer, pl_module)
+
+    def _save_at_step_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
         if self.save_last and final_step(trainer) and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
             self._last_global_step_saved = trainer.global_step
+
+
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after the training batch that just ended (its own test, asked at the
+    batch end; a time-based ``val_check_interval`` may still become due by then, which only leaves that save at the
+    batch end). The validation data is set up first (as the validation would), so that a run whose validation
+    has no batches counts as not validating."""
+    if trainer.sanity_checking or not trainer.training:
+        return False
+    loop = trainer.fit_loop.epoch_loop
+    data_fetcher = trainer.fit_loop._data_fetcher
+    if data_fetcher is None or not loop._should_check_val_fx(data_fetcher):
+        return False
+    loop.val_loop.setup_data()
+    return not loop.val_loop.skip
 
 
 def final_step(trainer: L.Trainer) -> bool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.formats import DataFormatError, resolve_chat_template
@@ -192,9 +193,11 @@ class TokenizedDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------------------------- exact resume
     def state_dict(self) -> dict[str, Any]:
-        """Saved in every checkpoint: where training is inside the epoch (batches already trained on)."""
+        """Saved in every checkpoint of a fit: where training is inside the epoch (batches already trained on),
+        also in one written during a validation inside the fit (``RunCheckpoint`` after a step's validation, a
+        ``ModelCheckpoint`` monitoring ``val/*``), which resumes with the next training batch."""
         trainer = self.trainer
-        if trainer is None or not trainer.training:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return {}
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         return {"epoch": trainer.current_epoch, "batches_done": progress.processed}

@@ -447,10 +447,11 @@ class OnlineRLModule(SamplingModule):
         load_rollout_state(self, checkpoint)
 
     def rank_state(self) -> dict[str, Any]:
-        """This rank's rollout buffer (on the CPU) and position, the rollouts sampled ahead, and the method's
-        per-rank state."""
+        """This rank's rollout buffer (on the CPU) and position, the rollouts sampled ahead, the sample table of the
+        rollout in training (``last_samples``), and the method's per-rank state."""
         state = self.rollout_buffer.state_dict()
         state.update(self.off_policy.state_dict())
+        state["last_samples"] = list(self.last_samples)
         return state
 
     def load_rank_state(self, state: dict[str, Any]) -> None:

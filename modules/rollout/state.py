@@ -1,7 +1,9 @@
 """What an online-RL run keeps in its checkpoints beside the weights: the generation count, every rank's rollout
 buffer (under DDP each rank trains on its own prompts, so each resumes its own; every rank gathers, rank 0 writes)
-and the method's own state (``method_state``: the same on every rank; ``rank_state``: per rank), so a resumed run
-continues mid-rollout exactly as the uninterrupted one."""
+with the sample table of its rollout (``last_samples``: ``callbacks/completions.py`` writes it on the steps the
+rollout serves, so a run resumed mid-rollout writes the rows the uninterrupted one wrote) and the method's own
+state (``method_state``: the same on every rank; ``rank_state``: per rank), so a resumed run continues mid-rollout
+exactly as the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -33,5 +35,6 @@ def load_rollout_state(module: Any, checkpoint: dict[str, Any]) -> None:
         ranks = [{}] * world
     own = ranks[module.global_rank if module._trainer is not None else 0]
     module.rollout_buffer.load_state_dict(own)
+    module.last_samples = list(own.get("last_samples", []))  # the sample table of the rollout in training
     module.off_policy.load_state_dict(own)
     module.load_rank_state(own)

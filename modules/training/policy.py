@@ -423,13 +423,15 @@ class PolicyModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- non-finite guard
     def configure_callbacks(self) -> list[L.Callback]:
-        """The non-finite guard (``callbacks/nonfinite.py``), added by the module so the Python API has it too."""
+        """The non-finite guard (``callbacks/nonfinite.py``) and the carried training metrics of an exact resume
+        (``carried_metrics.py``), added by the module so the Python API has them too."""
         from lightalign.callbacks.nonfinite import NonFiniteGuard
         from lightalign.callbacks.side_effects import UndoSideEffectsOnError
+        from lightalign.modules.training.carried_metrics import CarriedStepMetrics
 
         hp = self.hparams
         self.nonfinite_guard = NonFiniteGuard(hp.get("nonfinite", "skip"), hp.get("max_consecutive_nonfinite_steps", 10))
-        callbacks: list[L.Callback] = [self.nonfinite_guard, UndoSideEffectsOnError()]
+        callbacks: list[L.Callback] = [self.nonfinite_guard, UndoSideEffectsOnError(), CarriedStepMetrics()]
         if hp.get("sync_ref_model"):
             from lightalign.callbacks.reference_sync import ReferenceSync
 

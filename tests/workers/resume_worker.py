@@ -1,11 +1,15 @@
 """Run a small SFT/DPO/GRPO training as a separate process, optionally SIGKILLed at a step, optionally resumed.
 
 Used by tests/training/test_resume.py:  python tests/workers/resume_worker.py --method sft --out DIR --max-steps 14 --every 4
-                                 [--kill-at 10] [--resume] [--devices 2]
+                                 [--kill-at 10 | --kill-at-validation 8] [--resume] [--devices 2]
+                                 [--val-every 4] [--continue-log]
 Everything that draws from the torch RNG during training is on: attention dropout 0.1 (the tiny model's config,
 copied to DIR/model), NEFTune noise (SFT), sampling and a reward with variance (GRPO, with running reward
 normalisation). Writes DIR/init.pt (the policy's weights when training first starts) and DIR/final.pt (weights
-and optimizer state at the end, rank 0) and logs to DIR/logs/version_<--log-version>/metrics.csv.
+and optimizer state at the end, rank 0) and logs to DIR/logs/version_<--log-version>/metrics.csv. With
+--continue-log every launch logs to that one folder as a run folder is continued (``runs.continue_metrics_csv`` on
+resume, every row flushed at once, so a kill loses none) and GRPO's sample table goes to completions.csv beside it
+(``CompletionSamples`` every step). Checkpoints are the CLI's ``RunCheckpoint`` (every --every steps, last.ckpt).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from datasets import Dataset
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +40,18 @@ class KillAt(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             os.killpg(os.getpgid(0), signal.SIGKILL)  # every rank: the launching process leads its own session
+
+
+class KillAtValidation(L.Callback):
+    """SIGKILL as the validation after optimizer step ``step`` starts: after that step's batch end, where Lightning's
+    ModelCheckpoint writes its checkpoints, before the validation logs anything."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.global_step == self.step and not trainer.sanity_checking:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 class DyingCheckpointIO:
@@ -98,7 +113,7 @@ def rows(name: str, n: int) -> Dataset:
     return Dataset.from_list([json.loads(line) for line in lines])
 
 
-def build(method: str, model: str, devices: int, prompts_per_rank: int = 4):
+def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, validate: bool = False):
     from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
 
     common = dict(from_config=True, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=2)
@@ -119,7 +134,9 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4):
                             steps_per_generation=2, num_iterations=2, max_completion_length=6,
                             normalize_rewards=True, scale_rewards="none", use_adaptive_entropy=True,
                             entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=100.0, **common)
-        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY), 1
+        val = dict(val_path=rows("arithmetic_prompts.jsonl", 2), batch_size=2) if validate else {}
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY,
+                                        **val), 1
     if method == "grpo_async":
         # the GRPO case's knobs, sampled one rollout ahead (a rollout trains 4 optimizer steps: max_staleness 4) by
         # a sampling process per rank: a checkpoint inside a rollout holds the next one, sampled or in flight
@@ -155,6 +172,9 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--every", type=int, required=True)
     parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--kill-at-validation", type=int, help="SIGKILL as the validation after this step starts")
+    parser.add_argument("--val-every", type=int, help="validate every N training batches (GRPO: 2 prompts, 1 batch)")
+    parser.add_argument("--continue-log", action="store_true", help="one metrics.csv, continued on resume")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--die-during-save", type=int)
     parser.add_argument("--devices", type=int, default=1)
@@ -168,22 +188,33 @@ def main() -> None:
         # process it starts, and nothing else
         os.setsid()
     from helpers.fork_ranks import fork_ranks
+    from lightalign.callbacks import CompletionSamples, RunCheckpoint
+    from lightalign.runs import continue_metrics_csv
 
     out = Path(args.out)
     model = tiny_with_dropout(out, args.model)  # written once, before the other ranks start
     fork_ranks(args.devices)  # the other ranks forked from this process (tests/helpers/fork_ranks.py)
     torch.set_num_threads(1)
     L.seed_everything(1234)
-    module, data, accumulate = build(args.method, model, args.devices, args.prompts_per_rank)
+    module, data, accumulate = build(args.method, model, args.devices, args.prompts_per_rank, bool(args.val_every))
     callbacks = [SaveInit(out / "init.pt"),
-                 ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
+                 RunCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
     if args.kill_at:
         callbacks.insert(0, KillAt(args.kill_at))
+    if args.kill_at_validation:
+        callbacks.insert(0, KillAtValidation(args.kill_at_validation))
+    logger = CSVLogger(out, name="logs", version=args.log_version,
+                       **({"flush_logs_every_n_steps": 1} if args.continue_log else {}))
+    if args.continue_log:
+        callbacks.append(CompletionSamples(every_n_steps=1))
+        if args.resume and int(os.environ.get("LOCAL_RANK", "0")) == 0:  # as runs.prepare_resume does for a run
+            continue_metrics_csv(logger, torch.load(out / "ckpt" / "last.ckpt", weights_only=True)["global_step"])
+    validation = dict(val_check_interval=args.val_every, limit_val_batches=1) if args.val_every else {}
     plugins = [DyingCheckpointIO.make(args.die_during_save)] if args.die_during_save else None
     ddp = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {}
     trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, accumulate_grad_batches=accumulate, plugins=plugins, **ddp,
-                        callbacks=callbacks, logger=CSVLogger(out, name="logs", version=args.log_version), log_every_n_steps=1,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                        callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, **validation)
     trainer.fit(module, data, ckpt_path="last" if args.resume else None)
     if trainer.is_global_zero:
         reference = getattr(module, "ref_model", None)
