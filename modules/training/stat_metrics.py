@@ -16,6 +16,7 @@ holds the other statistics' values of the last written step (with or without a l
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,13 +51,44 @@ class StatMetrics(torch.nn.ModuleDict):
 
     def log(self, module: Any, stage: str, prog_bar: Iterable[str] = (), only: Iterable[str] | None = None) -> None:
         """``module.log`` each updated statistic as ``<stage>/<name>`` (with ``only``, just those named there);
-        reset them all."""
+        reset them all. Under ``torch.distributed`` a statistic updated on any rank is logged on every rank
+        (``updated_on_any_rank``)."""
         prog_bar, only = set(prog_bar), None if only is None else set(only)
-        for key, metric in self.items():
-            name = self.names[key]
-            if metric.update_called and (only is None or name in only):
-                module.log(f"{stage}/{name}", metric.compute(), prog_bar=name in prog_bar)
+        updated = self.updated_on_any_rank()
+        for key in sorted(self.keys()) if self.distributed() else list(self.keys()):  # one order on every rank
+            metric, name = self[key], self.names[key]
+            if key in updated and (only is None or name in only):
+                with warnings.catch_warnings():  # updated on another rank only: its value comes with the sync
+                    warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+                    value = metric.compute()
+                module.log(f"{stage}/{name}", value, prog_bar=name in prog_bar)
             metric.reset()
+
+    @staticmethod
+    def distributed() -> bool:
+        dist = torch.distributed
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def updated_on_any_rank(self) -> set[str]:
+        """The keys of the statistics some rank updated. ``compute`` is a collective over the ranks, so every rank
+        must compute the same statistics in the same order: a statistic one rank never saw (a reward function's
+        ``log_metric`` on that rank's completions only, a tool statistic of a rank whose rollout made no call) would
+        otherwise pair one rank's ``compute`` with another's next one, or leave a rank waiting for good. One rank:
+        the statistics it updated."""
+        dist = torch.distributed
+        if not self.distributed():
+            return {key for key, metric in self.items() if metric.update_called}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(self.names.items()))
+        for pairs in everyone:
+            for key, name in pairs:
+                if key not in self:
+                    self.add(name)
+        keys = list(self.keys())
+        device = next(iter(self.values())).device if dist.get_backend() != "gloo" else torch.device("cpu")
+        flags = torch.tensor([float(self[k].update_called) for k in keys], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return {key for key, flag in zip(keys, flags.tolist()) if flag}
 
 
 def loggers_write_this_step(trainer: Any) -> bool:

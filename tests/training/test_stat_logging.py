@@ -6,6 +6,7 @@ statistic is logged at every step."""
 from __future__ import annotations
 
 import csv
+import time
 
 import lightning as L
 import pytest
@@ -109,3 +110,58 @@ def test_read_every_step_names_the_bar_the_summary_and_train_monitors(monitor):
     names = stat_metrics.read_every_step(Trainer(), OnlineDPOModule)
     assert {"loss", "reward/mean", "win_rate", "rewards/margins"} <= names
     assert ("objective/kl" in names) == (monitor == "train/objective/kl")
+
+
+def _log_on_ranks(rank: int, world: int, port: str, out: str) -> None:
+    """One rank of test_a_statistic_of_one_rank_is_logged_by_every_rank: rank 1 updates ``only_rank1`` (a reward
+    function's ``log_metric`` on its own completions), rank 0 never heard of it; both update ``shared``."""
+    import os
+
+    import torch.distributed as dist
+
+    from lightalign.modules.training.stat_metrics import StatMetrics
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        stats = StatMetrics(["shared", "zeta"])
+        stats["shared"].update(torch.tensor(float(rank + 1)))
+        if rank == 1:
+            stats.add("only_rank1").update(torch.tensor(4.0))
+            stats.add("alpha").update(torch.tensor(8.0))  # added after zeta here: another order than rank 0's
+        logged = {}
+
+        class Module:
+            def log(self, name, value, prog_bar=False):
+                logged[name] = float(value)
+
+        stats.log(Module(), "train")
+        torch.save(logged, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_statistic_of_one_rank_is_logged_by_every_rank(tmp_path):
+    """``compute`` is a collective: a statistic only one rank updated (or added) is computed and logged on every
+    rank, in one order, with the value over all ranks (mutation: each rank logs only what it updated -> the ranks'
+    collectives pair up wrongly or wait for good; the timeout of the spawn below turns a hang into a failure)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    context = mp.start_processes(_log_on_ranks, args=(2, port, str(tmp_path)), nprocs=2, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks hung"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    for rank in range(2):
+        logged = torch.load(tmp_path / f"rank{rank}.pt")
+        assert logged == {"train/shared": 1.5, "train/only_rank1": 4.0, "train/alpha": 8.0}, (rank, logged)
