@@ -5,7 +5,8 @@ starts, the two ``config.yaml`` and checkpoints overwrite each other, a double `
 steps twice). So the process that writes a run folder (global rank 0: the owner is the run, not each rank) claims it
 first, before anything is written into it, and a second claim is refused in one line naming the holder.
 
-The claim is the file ``<run folder>/.lightalign-run.lock``:
+The claim is the file ``.<run folder's name>.lock`` beside the run folder (``runs/x/.version_0.lock``: outside it, so
+claiming writes nothing into the folder, and Lightning's loggers, which warn about a non-empty new folder, see none):
 
 * held with ``fcntl.flock(LOCK_EX | LOCK_NB)`` on a descriptor kept open for the life of the run: the kernel releases
   it when the process ends however it ends (``kill -9``), so on one host a dead owner is never mistaken for a live
@@ -41,7 +42,6 @@ from typing import Any, Callable
 
 from lightalign.runs import RunError
 
-LOCK_NAME = ".lightalign-run.lock"
 HEARTBEAT_S = 30.0  # how often the owner refreshes its record's mtime
 STALE_AFTER_S = 120.0  # another host's record not refreshed for this long: its run is gone
 _HELD: set[int] = set()  # descriptors of the locks this process holds (closed in forked children, see _forked)
@@ -68,6 +68,11 @@ def _forked() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
+
+
+def lock_path(folder: Path) -> Path:
+    """The lock file of run folder ``folder``: ``.<name>.lock`` beside it (``version_*`` globs do not match it)."""
+    return folder.parent / f".{folder.name}.lock"
 
 
 def owner_record() -> dict[str, Any]:
@@ -99,7 +104,7 @@ class RunLock:
     this claim took over (None: the folder was free)."""
 
     def __init__(self, folder: Path, fd: int, previous: dict[str, Any] | None, flocked: bool) -> None:
-        self.folder, self.path, self.previous, self.flocked = folder, folder / LOCK_NAME, previous, flocked
+        self.folder, self.path, self.previous, self.flocked = folder, lock_path(folder), previous, flocked
         self._fd: int | None = fd
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="lightalign-run-lock", daemon=True)
@@ -110,8 +115,8 @@ class RunLock:
                 info: Callable[[str], None] = lambda msg: None) -> "RunLock":
         """Claim ``folder`` (created if missing) for this process; ``info`` is told about a take-over or a wait."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / LOCK_NAME
+        path = lock_path(folder)
+        path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             flocked = True
@@ -135,7 +140,7 @@ class RunLock:
             os.close(fd)
         try:
             previous = _read(fd)
-            if previous and not owner_gone(previous, path, flocked, wait, info):
+            if previous and not owner_gone(previous, folder, flocked, wait, info):
                 raise RunInUseError(refusal(folder, previous), previous)
             _write(fd, owner_record())
         except BaseException:
@@ -176,7 +181,7 @@ class RunLock:
                 pass
 
 
-def owner_gone(holder: dict[str, Any], path: Path, flocked: bool, wait: Callable[[float], None],
+def owner_gone(holder: dict[str, Any], folder: Path, flocked: bool, wait: Callable[[float], None],
                info: Callable[[str], None]) -> bool:
     """Whether the owner a lock file records is gone, for a claim that got the lock (``flocked``) or has no flock.
 
@@ -185,9 +190,10 @@ def owner_gone(holder: dict[str, Any], path: Path, flocked: bool, wait: Callable
     lives)."""
     if holder.get("host") == socket.gethostname():
         return True if flocked else not pid_alive(int(holder.get("pid") or 0))
+    path = lock_path(folder)
     first = _mtime(path)
     if time.time() - first < STALE_AFTER_S:
-        info(f"Run folder {path.parent}: its lock file names {describe(holder)}; waiting up to {STALE_AFTER_S:.0f} s "
+        info(f"Run folder {folder}: its lock file names {describe(holder)}; waiting up to {STALE_AFTER_S:.0f} s "
              "to see whether that run is alive (it refreshes the file while it runs).")
     while time.time() - _mtime(path) < STALE_AFTER_S:
         if _mtime(path) != first:
@@ -202,7 +208,7 @@ def refusal(folder: Path, holder: dict[str, Any]) -> str:
             "their metrics, config and checkpoints: wait for that run to end or stop it (a new run without "
             "--trainer.logger.init_args.version takes a version_N of its own). If it is gone (its node was lost), the "
             f"folder is taken over once its lock file has not been refreshed for {STALE_AFTER_S:.0f} s, or at once "
-            f"after you delete {folder / LOCK_NAME}.")
+            f"after you delete {lock_path(folder)}.")
 
 
 def _read(fd: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightalign.run_lock import LOCK_NAME, RunInUseError, RunLock
+from lightalign.run_lock import RunInUseError, RunLock
 from lightalign.runs import (CHECKPOINT_FACTS_KEY, checkpoint_facts, folder_logger, new_run_folder, pin_version,
                              runs_root, version_of)
 
@@ -41,7 +41,8 @@ class RunFolder(L.Callback):
         it, or it holds files already (another run took the number meanwhile), the next ``version_N`` is claimed and
         the logger pinned to it. Refused: raises ``RunInUseError``, or, where the other ranks were started apart from
         this process (torchrun, SLURM, one command per node) and wait for it, keeps the refusal for ``setup`` to
-        raise on every rank, drops the loggers (nothing is written) and returns False."""
+        raise on every rank, drops the loggers (nothing is written) and returns False; where they are yet to be
+        started by this process (one node: Lightning starts them in ``fit``) there is none to tell."""
         if trainer.global_rank != 0 or self.lock is not None:
             return True
         while True:
@@ -51,13 +52,14 @@ class RunFolder(L.Callback):
                 if numbered:
                     folder = self._next_version(trainer, folder)
                     continue
-                environment = getattr(trainer.strategy, "cluster_environment", None)
-                if trainer.world_size > 1 and getattr(environment, "creates_processes_externally", False):
+                environment = getattr(trainer.strategy, "cluster_environment", None)  # other nodes: started apart
+                if trainer.world_size > 1 and (trainer.num_nodes > 1 or
+                                               getattr(environment, "creates_processes_externally", False)):
                     self.refusal = str(err)
                     trainer.loggers = []
                     return False
                 raise
-            if numbered and any(p.name != LOCK_NAME for p in folder.iterdir()):
+            if numbered and folder.is_dir() and any(folder.iterdir()):
                 lock.release()
                 folder = self._next_version(trainer, folder)
                 continue

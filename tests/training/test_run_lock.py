@@ -28,7 +28,6 @@ from helpers.run_gate import gate_config, wait_reached
 pytestmark = pytest.mark.slow
 LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console script
 TESTS = Path(__file__).resolve().parents[1]
-LOCK = ".lightalign-run.lock"
 
 
 def quickstart(save_dir: Path, *extra: str, steps: int = 4) -> list[str]:
@@ -72,9 +71,9 @@ def metric_steps(run_dir: Path, key: str = "train/loss") -> list[int]:
 
 
 def files_of(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file under ``folder`` (but the lock file, refreshed while its owner lives) with its size and mtime."""
+    """Every file under ``folder`` with its size and mtime."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
-            if p.is_file() and p.name != LOCK}
+            if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +109,14 @@ def test_a_second_run_on_an_explicit_version_in_use_is_refused_and_the_first_kee
         assert "Traceback" not in out
         assert files_of(run) == before  # nothing written into the owner's folder
         (gate / "release").touch()
-        finish(first, log)
+        # the claim wrote nothing into the new folder: Lightning's CSV logger found it empty, no warning
+        assert "exists and is not empty" not in finish(first, log)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     assert metric_steps(run) == list(range(8))  # every step once: nothing replaced, nothing doubled
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]["learning_rate"] == 3e-3
-    assert not (run / LOCK).exists()  # given back at the end
-    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]  # the lock file is gone: given back
 
 
 def test_two_resumes_of_one_run_one_continues_the_other_is_refused(repo, finished_run, tmp_path):
@@ -157,14 +156,14 @@ def test_a_folder_whose_owner_was_killed_is_taken_over_by_the_next_resume(repo, 
     finally:
         os.killpg(first.pid, signal.SIGKILL)
     finish(first, log, -signal.SIGKILL)
-    assert (run / LOCK).is_file()
+    assert (run.parent / ".version_0.lock").is_file()
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 4
     out = run_to_end(repo, *quickstart(tmp_path, "--ckpt_path", "last", steps=8))
     assert (f"Run folder {run}: taking it over from pid {first.pid} on host {socket.gethostname()} since " in out
             and "which is gone" in out), out[-3000:]
     assert f"Continuing run {run} from step 4" in out
     assert metric_steps(run) == list(range(8))
-    assert not (run / LOCK).exists()
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
 
 
 def test_ckpt_path_names_a_folder(repo, finished_run, tmp_path):
@@ -204,3 +203,36 @@ def test_a_leftover_folder_holding_only_a_config_is_not_taken_for_a_run(repo, fi
     assert latest_export(run.parent) == run / "hf_model"
     run_to_end(repo, *quickstart(tmp_path, steps=2))
     assert (run.with_name("version_2") / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_refusal_reaches_every_node_of_a_multi_node_run(repo, tmp_path):
+    """A two-node run (one process per node, started apart as on a cluster: NODE_RANK 0 and 1, gloo on CPU) aimed at a
+    folder another run owns: rank 0 is refused, the refusal is broadcast at the first point both ranks meet, and both
+    exit 1 with the same line, none waiting for the other (mutation: rank 0 raises at once -> rank 1 waits for it at
+    the process group and the test times out)."""
+    from lightalign.run_lock import RunLock
+
+    run = tmp_path / "X" / "version_0"
+    holder = RunLock.acquire(run)  # this test process owns the folder
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = quickstart(tmp_path, "--trainer.logger.init_args.name", "X", "--trainer.logger.init_args.version", "0",
+                      "--trainer.num_nodes", "2", "--trainer.strategy", "ddp", steps=2)
+    procs = []
+    try:
+        for node in (0, 1):
+            env = console_script.standard_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
+            procs.append(subprocess.Popen([str(LIGHTALIGN), *args], cwd=repo, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        outs = [proc.communicate(timeout=240)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        holder.release()
+    for node, (proc, out) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 1, f"node {node}: exit {proc.returncode}\n{out[-4000:]}"
+        assert error_line(out).startswith(f"lightalign: error: Run folder {run} is in use by another run: pid "
+                                          f"{os.getpid()} on host {socket.gethostname()} since "), out[-3000:]
+    assert not run.exists()  # nothing written
