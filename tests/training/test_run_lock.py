@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,33 @@ def test_a_refusal_reaches_every_node_of_a_multi_node_run(repo, tmp_path):
         assert error_line(out).startswith(f"lightalign: error: Run folder {run} is in use by another run: pid "
                                           f"{os.getpid()} on host {socket.gethostname()} since "), out[-3000:]
     assert not run.exists()  # nothing written
+
+
+def test_another_hosts_lock_file_is_live_while_refreshed_and_stale_after(tmp_path, monkeypatch):
+    """The rule for a lock file naming another host (flock may not span hosts): its owner is alive while the file's
+    mtime advances, gone once it was not refreshed for STALE_AFTER_S (mutation: the age not checked -> the fresh
+    record is taken over)."""
+    import json
+
+    from lightalign import run_lock
+
+    monkeypatch.setattr(run_lock, "STALE_AFTER_S", 5.0)
+    run = tmp_path / "version_0"
+    record = {"pid": 1, "host": "another-node", "since": "2025-01-01T00:00:00+00:00"}
+    run_lock.lock_path(run).write_text(json.dumps(record))
+    waits = []
+
+    def refreshed(seconds):  # the other host's owner refreshes its file while the claim watches
+        waits.append(seconds)
+        os.utime(run_lock.lock_path(run))
+
+    with pytest.raises(run_lock.RunInUseError, match="pid 1 on host another-node since 2025-01-01"):
+        run_lock.RunLock.acquire(run, wait=refreshed)
+    assert waits and json.loads(run_lock.lock_path(run).read_text()) == record  # the live owner's record kept
+    old = time.time() - 6
+    os.utime(run_lock.lock_path(run), (old, old))
+    said = []
+    lock = run_lock.RunLock.acquire(run, wait=lambda s: pytest.fail("no wait for a stale record"), info=said.append)
+    assert lock.previous == record and "taking it over from pid 1 on host another-node" in said[-1]
+    lock.release()
+    assert not run_lock.lock_path(run).exists()
