@@ -13,7 +13,9 @@ Every run of the CLI writes everything it produces (metrics, ``config.yaml``, ``
 checkpoint path inside one of those run folders continues that folder. Both are checked against the config first
 (``check_resume``): another method, model or tokenizer, another batch layout or a ``max_steps`` already reached
 is refused with a message naming both sides; another data file is a warning. ``fit_run`` is that fit, for the
-console script (``LightalignCLI.fit``) and ``lightalign.Trainer.fit(..., ckpt_path="last")`` alike.
+console script (``LightalignCLI.fit``) and ``lightalign.Trainer.fit(..., ckpt_path="last")`` alike. A run folder has
+one owner: the run claims it before writing into it and a second run targeting it meanwhile is refused, naming the
+holder (``lightalign.run_lock``; ``RunFolder.take``). ``--ckpt_path`` may name a run folder: its ``last.ckpt``.
 """
 
 from __future__ import annotations
@@ -219,20 +221,32 @@ def fit_run(trainer: L.Trainer, fit: Callable[..., None], module: L.LightningMod
             ckpt_path: str | os.PathLike | None, **kwargs: Any) -> None:
     """``fit(module, datamodule=..., ckpt_path=..., **kwargs)`` (a Trainer's own ``fit``) as a run of a run folder:
     a ``ckpt_path`` other than Lightning's ``best``/``hpc``/``registry`` is resolved and checked by
-    ``prepare_resume`` first; a new run refused before writing anything leaves no empty ``version_N``
-    (``discard_empty_run_folder``)."""
-    if ckpt_path is not None and str(ckpt_path) not in ("best", "hpc", "registry"):
-        ckpt_path = prepare_resume(trainer, str(ckpt_path), module, datamodule)
-    try:
-        with exact_resume_quiet(datamodule):  # Lightning's "dataloader not resumable": false for lightalign's data
-            fit(module, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
-    except Exception:
-        from lightalign.callbacks import RunFolder  # not at the top: the callbacks import this module
+    ``prepare_resume`` first; the run folder is claimed for this run before anything is written into it
+    (``RunFolder.take``: a folder another live run owns is refused) and given back when the fit ends; a new run
+    refused before writing anything leaves no empty ``version_N`` (``discard_empty_run_folder``)."""
+    from lightalign.callbacks import RunFolder  # not at the top: the callbacks import this module
 
-        folder = callback_of(trainer, RunFolder)
-        if folder is None or folder.resume is None:  # a refusal while the data was read leaves no empty version_N
-            discard_empty_run_folder(trainer)
-        raise
+    folder = callback_of(trainer, RunFolder)
+    logger = folder_logger(trainer)
+    versioned = isinstance(logger, (CSVLogger, TensorBoardLogger))
+    numbered = versioned and logger._version is None  # the logger picks the next version_N itself
+    try:
+        if ckpt_path is not None and str(ckpt_path) not in ("best", "hpc", "registry"):
+            ckpt_path = prepare_resume(trainer, str(ckpt_path), module, datamodule)  # claims the run it continues
+        if folder is not None and folder.resume is None and folder.refusal is None and versioned:
+            folder.take(trainer, Path(logger.log_dir), numbered)  # before the logger's first write
+        try:
+            with exact_resume_quiet(datamodule):  # Lightning's "dataloader not resumable": false for lightalign's data
+                fit(module, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+        except Exception:
+            if folder is None or (folder.resume is None and folder.refusal is None):
+                if folder is not None:
+                    folder.release()  # the lock file first: then an empty version_N is removed
+                discard_empty_run_folder(trainer)
+            raise
+    finally:
+        if folder is not None:
+            folder.release()
 
 
 def prepare_resume(trainer: L.Trainer, ckpt_path: str, module: L.LightningModule, datamodule: Any) -> str | None:
@@ -253,8 +267,11 @@ def prepare_resume(trainer: L.Trainer, ckpt_path: str, module: L.LightningModule
             return None
         path = run / "checkpoints" / "last.ckpt"
     else:
-        path = Path(ckpt_path)
+        path = checkpoint_in(Path(ckpt_path))
         run = run_of_checkpoint(path, root) if path.is_file() else None
+    folder = callback_of(trainer, RunFolder)
+    if run is not None and folder is not None and not folder.take(trainer, run):
+        return None  # refused while the other ranks already run: raised on every rank at setup, nothing loaded
     checkpoint = read_checkpoint(path)
     for warning in check_resume(checkpoint, path, trainer, module, datamodule):
         rank_zero_warn(warning)
@@ -272,7 +289,6 @@ def prepare_resume(trainer: L.Trainer, ckpt_path: str, module: L.LightningModule
     del checkpoint
     if run is not None:
         pin_version(trainer, version_of(run))
-        folder = callback_of(trainer, RunFolder)
         if folder is not None:
             folder.resume = run
         dropped = continue_logs(trainer, step) if rank_zero_only.rank == 0 else 0
@@ -304,6 +320,21 @@ def checkpoint_facts(trainer: L.Trainer, module: L.LightningModule, datamodule: 
         "world_size": trainer.world_size,
         "run_dir": str(run_dir) if run_dir is not None else None,
     }
+
+
+def checkpoint_in(path: Path) -> Path:
+    """The checkpoint ``--ckpt_path PATH`` names: a file as given; a run folder (or its ``checkpoints/``) its
+    ``last.ckpt``, said in the log; another folder is refused, naming the checkpoints it holds."""
+    if not path.is_dir():
+        return path
+    for last in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
+        if last.is_file():
+            rank_zero_info(f"--ckpt_path {path} is a folder: resuming from its {last.relative_to(path)}.")
+            return last
+    held = sorted(str(p.relative_to(path)) for p in (*path.glob("*.ckpt"), *path.glob("checkpoints/*.ckpt")))
+    raise CheckpointError(f"--ckpt_path '{path}' is a folder, not a checkpoint file, and it holds no "
+                          f"checkpoints/last.ckpt. " + (f"Pass one of its checkpoints: {', '.join(held)}." if held else
+                          "Pass a .ckpt file, a run folder holding checkpoints/last.ckpt, or --ckpt_path last."))
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

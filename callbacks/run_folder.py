@@ -1,4 +1,4 @@
-"""``RunFolder``: the one folder a CLI run writes everything into (rules in ``lightalign.runs``)."""
+"""``RunFolder``: the one folder a CLI run writes everything into (rules in ``lightalign.runs``), and its owner."""
 
 from __future__ import annotations
 
@@ -8,14 +8,22 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 
-from lightalign.runs import CHECKPOINT_FACTS_KEY, checkpoint_facts, folder_logger, new_run_folder, runs_root
+from lightalign.run_lock import RunInUseError, RunLock
+from lightalign.runs import (CHECKPOINT_FACTS_KEY, checkpoint_facts, folder_logger, new_run_folder, pin_version,
+                             runs_root, version_of)
 
 
 class RunFolder(L.Callback):
     """Decide the run folder at setup (every rank: it is broadcast from rank 0) and point the checkpoints there;
-    ``resume`` (set by the CLI) is the folder a resumed run continues. Each checkpoint records the facts a resume
-    is checked against (``lightalign.runs.check_resume``).
+    ``resume`` (set by ``lightalign.runs.prepare_resume``) is the folder a resumed run continues. Each checkpoint
+    records the facts a resume is checked against (``lightalign.runs.check_resume``).
+
+    The run owns its folder (``lightalign.run_lock``): rank 0 claims it (``take``) before anything is written into it
+    — ``fit_run`` does, before the logger starts, for a folder known then (a resume, a CSV/TensorBoard logger's
+    ``version_N``); ``setup`` does for the others — and ``release`` gives it back at the end of the run. A refusal
+    reaches every rank: it is broadcast at ``setup`` and raised there on each.
 
     The other callbacks find the folder with ``run_dir_of(trainer)``.
     """
@@ -23,24 +31,80 @@ class RunFolder(L.Callback):
     def __init__(self) -> None:
         self.path: Path | None = None
         self.resume: Path | None = None
+        self.lock: RunLock | None = None
+        self.refusal: str | None = None  # rank 0 was refused while the other ranks already ran: raised at setup
+
+    def take(self, trainer: L.Trainer, folder: Path, numbered: bool = False) -> bool:
+        """Claim ``folder`` for this run on rank 0 (the other ranks belong to the run rank 0 claims for: True).
+
+        ``numbered``: a new run's ``version_N`` that the CSV/TensorBoard logger numbered itself; if another run holds
+        it, or it holds files already (another run took the number meanwhile), the next ``version_N`` is claimed and
+        the logger pinned to it. Refused: raises ``RunInUseError``, or, where the other ranks were started apart from
+        this process (torchrun, SLURM, one command per node) and wait for it, keeps the refusal for ``setup`` to
+        raise on every rank, drops the loggers (nothing is written) and returns False; where they are yet to be
+        started by this process (one node: Lightning starts them in ``fit``) there is none to tell."""
+        if trainer.global_rank != 0 or self.lock is not None:
+            return True
+        while True:
+            try:
+                lock = RunLock.acquire(folder, info=rank_zero_info)
+            except RunInUseError as err:
+                if numbered:
+                    folder = self._next_version(trainer, folder)
+                    continue
+                environment = getattr(trainer.strategy, "cluster_environment", None)  # other nodes: started apart
+                if trainer.world_size > 1 and (trainer.num_nodes > 1 or
+                                               getattr(environment, "creates_processes_externally", False)):
+                    self.refusal = str(err)
+                    trainer.loggers = []
+                    return False
+                raise
+            if numbered and folder.is_dir() and any(folder.iterdir()):
+                lock.release()
+                folder = self._next_version(trainer, folder)
+                continue
+            self.lock = lock
+            return True
+
+    @staticmethod
+    def _next_version(trainer: L.Trainer, folder: Path) -> Path:
+        version = version_of(folder) + 1
+        pin_version(trainer, version)
+        return folder.with_name(f"version_{version}")
+
+    def release(self) -> None:
+        """Give the run folder back (at the end of the run, also after an error); idempotent."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.path is not None:
             return
         logger = folder_logger(trainer)
-        if isinstance(logger, (CSVLogger, TensorBoardLogger)):
-            path = trainer.strategy.broadcast(logger.log_dir)  # the logger numbers its versions (pinned on resume)
-        else:
-            path = None
-            if trainer.is_global_zero:
+        path, refusal = None, self.refusal
+        if trainer.is_global_zero and refusal is None:
+            if isinstance(logger, (CSVLogger, TensorBoardLogger)):
+                path = logger.log_dir  # the logger numbers its versions (pinned on resume)
+            else:
                 path = str(self.resume) if self.resume is not None else str(new_run_folder(runs_root(trainer)))
-            path = trainer.strategy.broadcast(path)
+            try:
+                self.take(trainer, Path(path))  # claimed already by fit_run, except a folder decided here
+            except RunInUseError as err:
+                refusal = str(err)
+        path, refusal = trainer.strategy.broadcast((path, refusal))
+        if refusal is not None:
+            raise RunInUseError(refusal, {})
         self.path = Path(path)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(self.path / "checkpoints")
         if trainer.is_global_zero:
             self.path.mkdir(parents=True, exist_ok=True)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":  # validate/test (no fit_run, which releases a fit's claim once everything is written)
+            self.release()
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_FACTS_KEY] = checkpoint_facts(trainer, pl_module, trainer.datamodule, self.path)
