@@ -234,7 +234,7 @@ def fit_run(trainer: L.Trainer, fit: Callable[..., None], module: L.LightningMod
         if ckpt_path is not None and str(ckpt_path) not in ("best", "hpc", "registry"):
             ckpt_path = prepare_resume(trainer, str(ckpt_path), module, datamodule)  # claims the run it continues
         if folder is not None and folder.resume is None and folder.refusal is None and versioned:
-            folder.take(trainer, Path(logger.log_dir), numbered)  # before the logger's first write
+            folder.take(trainer, Path(logger.log_dir), numbered, new_run=True)  # before the logger's first write
         try:
             with exact_resume_quiet(datamodule):  # Lightning's "dataloader not resumable": false for lightalign's data
                 fit(module, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)

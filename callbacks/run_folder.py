@@ -11,8 +11,11 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightalign.run_lock import RunInUseError, RunLock
-from lightalign.runs import (CHECKPOINT_FACTS_KEY, checkpoint_facts, folder_logger, new_run_folder, pin_version,
-                             runs_root, version_of)
+from lightalign.runs import (CHECKPOINT_FACTS_KEY, RunError, checkpoint_facts, folder_logger, new_run_folder,
+                             pin_version, runs_root, version_of)
+
+#: What a run writes into its folder (metrics, checkpoints, export); a folder holding one of them holds a run.
+RUN_OUTPUTS = ("metrics.csv", "checkpoints", "hf_model")
 
 
 class RunFolder(L.Callback):
@@ -34,12 +37,13 @@ class RunFolder(L.Callback):
         self.lock: RunLock | None = None
         self.refusal: str | None = None  # rank 0 was refused while the other ranks already ran: raised at setup
 
-    def take(self, trainer: L.Trainer, folder: Path, numbered: bool = False) -> bool:
+    def take(self, trainer: L.Trainer, folder: Path, numbered: bool = False, new_run: bool = False) -> bool:
         """Claim ``folder`` for this run on rank 0 (the other ranks belong to the run rank 0 claims for: True).
 
         ``numbered``: a new run's ``version_N`` that the CSV/TensorBoard logger numbered itself; if another run holds
         it, or it holds files already (another run took the number meanwhile), the next ``version_N`` is claimed and
-        the logger pinned to it. Refused: raises ``RunInUseError``, or, where the other ranks were started apart from
+        the logger pinned to it. ``new_run`` (not a resume) in a folder named explicitly that holds a run's outputs
+        (``RUN_OUTPUTS``): refused, the logger would delete that run's metrics. Refused: raises ``RunInUseError``, or, where the other ranks were started apart from
         this process (torchrun, SLURM, one command per node) and wait for it, keeps the refusal for ``setup`` to
         raise on every rank, drops the loggers (nothing is written) and returns False; where they are yet to be
         started by this process (one node: Lightning starts them in ``fit``) there is none to tell."""
@@ -63,6 +67,12 @@ class RunFolder(L.Callback):
                 lock.release()
                 folder = self._next_version(trainer, folder)
                 continue
+            held = [name for name in RUN_OUTPUTS if (folder / name).exists()] if new_run and not numbered else []
+            if held:  # an explicit version_N of a finished or killed run: the logger would delete its metrics
+                lock.release()
+                raise RunError(f"{folder} holds a run already ({', '.join(held)}): a new run in it would replace "
+                               "its metrics. Continue that run with --ckpt_path last, or leave "
+                               "--trainer.logger.init_args.version unset (a new version_N) or name another one.")
             self.lock = lock
             return True
 

@@ -267,3 +267,18 @@ def test_another_hosts_lock_file_is_live_while_refreshed_and_stale_after(tmp_pat
     assert lock.previous == record and "taking it over from pid 1 on host another-node" in said[-1]
     lock.release()
     assert not run_lock.lock_path(run).exists()
+
+
+def test_a_new_run_on_an_explicit_version_of_a_finished_run_is_refused(repo, finished_run, tmp_path):
+    """No run holds the folder any more, but it holds a run: a new run with its explicit version (Lightning's CSV
+    logger would delete its metrics.csv) is refused before anything is written; the same version with
+    ``--ckpt_path last`` continues it (mutation: the outputs check dropped -> the finished run's metrics replaced)."""
+    run = copy_run(finished_run, tmp_path)
+    before = files_of(run)
+    explicit = ["--trainer.logger.init_args.version", "0"]
+    line = error_line(run_to_end(repo, *quickstart(tmp_path, *explicit, "--model.learning_rate", "1e-3"), status=1))
+    assert line.startswith(f"lightalign: error: {run} holds a run already (metrics.csv, checkpoints, hf_model)"), line
+    assert "--ckpt_path last" in line
+    assert files_of(run) == before and sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    out = run_to_end(repo, *quickstart(tmp_path, *explicit, "--ckpt_path", "last", steps=6))
+    assert f"Continuing run {run} from step 4" in out and metric_steps(run) == list(range(6))
