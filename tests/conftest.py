@@ -27,6 +27,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("LIGHTALIGN_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"lightalign-test-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
 
+# Inductor's on-disk cache (torch.compile: the static backend's decode step) is not keyed on the kernels torch was
+# restricted to: a kernel cached by a run on the machine's AVX-512 crashed (SIGSEGV) a run under
+# ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (make test-portable). Such a run gets a cache of its own.
+_kernels = [os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]
+if any(_kernels):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor-{os.getuid()}-" + "-".join(k or "default" for k in _kernels).lower()))
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: `from helpers import ...` in every folder
 from helpers import console_script  # noqa: E402  (snapshots the environment above for the console-script tests)
 

@@ -113,7 +113,7 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
                 la.SFTDataModule(str(data / "arithmetic_sft.jsonl"), tokenizer=m, max_length=32, batch_size=4))
     run = Path(trainer.run_dir)
     assert (run / "metrics.csv").is_file() and (run / "hf_model" / "config.json").is_file(), sorted(run.iterdir())
-    print(f"ok: lightalign.Trainer wrote the run folder ({run.relative_to(work)}: metrics.csv, hf_model/)", flush=True)
+    print(f"ok: lightalign.Trainer wrote the run folder ({run}: metrics.csv, hf_model/)", flush=True)
     la.SFTModule(m).export_hf(work / "export", tokenizer=str(model))
     assert (work / "export" / "config.json").is_file()
     print("ok: export_hf wrote a Hugging Face folder")
