@@ -9,7 +9,6 @@ from the console server (tests/helpers/console_script.py).
 
 from __future__ import annotations
 
-import csv
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ import torch
 import yaml
 
 from helpers import console_script
+from helpers.run_folders import copy_run, finished_quickstart, metric_steps, quickstart, run_to_end
 from helpers.run_gate import gate_config, wait_reached
 
 pytestmark = pytest.mark.slow
@@ -31,10 +31,6 @@ LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console 
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def quickstart(save_dir: Path, *extra: str, steps: int = 4) -> list[str]:
-    return ["fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", str(steps),
-            "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--checkpoint.every_n_train_steps",
-            "2", "--trainer.logger.init_args.save_dir", str(save_dir), "--plot.enabled", "false", *extra]
 
 
 def gated(repo: Path, log: Path, *args: str) -> subprocess.Popen:
@@ -52,11 +48,6 @@ def finish(proc: subprocess.Popen, log: Path, status: int = 0) -> str:
     return out
 
 
-def run_to_end(repo: Path, *args: str, status: int = 0) -> str:
-    proc = console_script.run(repo, *args)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
-    return out
 
 
 def error_line(out: str) -> str:
@@ -66,9 +57,6 @@ def error_line(out: str) -> str:
     return lines[0]
 
 
-def metric_steps(run_dir: Path, key: str = "train/loss") -> list[int]:
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return [int(row["step"]) for row in csv.DictReader(f) if row.get(key)]
 
 
 def files_of(folder: Path) -> dict[str, tuple[int, int]]:
@@ -79,16 +67,9 @@ def files_of(folder: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def finished_run(repo, tmp_path_factory) -> Path:
-    """A finished 4-step quickstart run (checkpoint at step 4, export written): quickstart/version_0."""
-    save_dir = tmp_path_factory.mktemp("finished")
-    run_to_end(repo, *quickstart(save_dir))
-    return save_dir / "quickstart" / "version_0"
+    return finished_quickstart(repo, tmp_path_factory.mktemp("finished"))
 
 
-def copy_run(run: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "quickstart" / "version_0"
-    shutil.copytree(run, target)
-    return target
 
 
 def test_a_second_run_on_an_explicit_version_in_use_is_refused_and_the_first_keeps_everything(repo, tmp_path):

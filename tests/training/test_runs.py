@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers import console_script
+from helpers.run_folders import copy_run, finished_quickstart, metric_steps, quickstart, run_to_end
 
 pytestmark = pytest.mark.slow
 LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console script
@@ -35,12 +36,6 @@ def lightalign(repo: Path, *args: str, extra_env: dict | None = None) -> subproc
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def run_to_end(repo: Path, *args: str, status: int = 0, extra_env: dict | None = None) -> str:
-    """Run the console script to its end (tests/helpers/console_script.py) and return its output."""
-    proc = console_script.run(repo, *args, env=console_script.standard_env(**(extra_env or {})))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
-    return out
 
 
 def finish(proc: subprocess.Popen, status: int = 0) -> str:
@@ -49,30 +44,15 @@ def finish(proc: subprocess.Popen, status: int = 0) -> str:
     return out
 
 
-def quickstart(save_dir: Path, *extra: str, steps: int = 4) -> list[str]:
-    return ["fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", str(steps),
-            "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--checkpoint.every_n_train_steps",
-            "2", "--trainer.logger.init_args.save_dir", str(save_dir), "--plot.enabled", "false", *extra]
 
 
-def metric_steps(run_dir: Path, key: str = "train/loss") -> list[int]:
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return [int(row["step"]) for row in csv.DictReader(f) if row.get(key)]
 
 
 @pytest.fixture(scope="module")
 def finished_run(repo, tmp_path_factory) -> Path:
-    """A finished 4-step quickstart run (checkpoint at step 4, export written): runs/quickstart/version_0."""
-    save_dir = tmp_path_factory.mktemp("finished")
-    run_to_end(repo, *quickstart(save_dir))
-    return save_dir / "quickstart" / "version_0"
+    return finished_quickstart(repo, tmp_path_factory.mktemp("finished"))
 
 
-def copy_run(run: Path, tmp_path: Path) -> Path:
-    """A copy of a run folder under tmp_path/quickstart/version_0 (tests that continue it leave the original)."""
-    target = tmp_path / "quickstart" / "version_0"
-    shutil.copytree(run, target)
-    return target
 
 
 def test_killed_run_continues_in_its_folder_without_lost_or_repeated_rows(repo, tmp_path):
