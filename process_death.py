@@ -41,6 +41,10 @@ def how_it_ended(exitcode: int | None) -> str:
 
 
 def died(what: str, pid: int | None, exitcode: int | None, while_doing: str) -> str:
-    """The one-line message: ``{what} (pid N) was killed by SIGKILL while {while_doing}. {RESUME}``."""
+    """The one-line message: ``{what} (pid N) was killed by SIGKILL while {while_doing}. {RESUME}``. A process that
+    exited with a code of its own (> 0) ended on an error it printed itself: the message points there instead of
+    advising a resume that would meet the same error."""
     at = f" (pid {pid})" if pid is not None else ""
+    if exitcode is not None and exitcode > 0:
+        return f"{what}{at} {how_it_ended(exitcode)} while {while_doing}: its own error, printed above, ended the run."
     return f"{what}{at} {how_it_ended(exitcode)} while {while_doing}. {RESUME}"

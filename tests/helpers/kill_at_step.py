@@ -3,7 +3,9 @@ test of what the run says about a dead process needs no timing guess (no sleeps,
 
 ``KillSampler(step)``: SIGKILLs the sampling process of asynchronous rollouts (``max_staleness > 0``) after optimizer
 step ``step``; the run then waits for a rollout that never comes. ``KillRank(step, rank)``: rank ``rank`` of a DDP
-run SIGKILLs itself after optimizer step ``step`` (its peers meet the death at their next collective). A test names
+run SIGKILLs itself after optimizer step ``step`` (its peers meet the death at their next collective).
+``FailOnRank(step, rank)``: rank ``rank`` raises ``RuntimeError("FailOnRank: ...")`` there instead (a real error, every
+rank alive). A test names
 one in a YAML passed as a second ``--config`` (``kill_config``), with tests/ on PYTHONPATH.
 """
 
@@ -34,6 +36,12 @@ class KillRank(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FailOnRank(KillRank):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            raise RuntimeError(f"FailOnRank: rank {self.rank} fails after step {self.step}")
 
 
 def kill_config(folder: Path, class_name: str, **init_args: int) -> Path:
