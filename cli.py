@@ -36,6 +36,7 @@ from lightalign.modules.training.policy import PolicyModule
 from lightalign.quiet import ReleaseHeldLines
 from lightalign.runs import RunError, callback_of, fit_run
 from lightalign.strategies.launch import check_multinode_env, cpu_processes_note
+from lightalign.strategies.rank_death import rank_death, watch_ranks
 from lightalign.trainer import RUN_CALLBACKS, TRAINER_DEFAULTS, run_callbacks
 
 
@@ -138,6 +139,7 @@ class LightalignCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_multinode_env(self.trainer.num_nodes)  # before any process group: a missing variable would hang
+        watch_ranks(self.trainer)  # a child rank that dies: one line naming it (strategies/rank_death.py)
         check_trainer_can_run(self.trainer)  # DeepSpeed on CPU, an unwritable logger folder
         note = cpu_processes_note(type(self.trainer.accelerator).__name__.replace("Accelerator", "").lower(),
                                   self.trainer.num_devices)
@@ -153,7 +155,13 @@ class LightalignCLI(LightningCLI):
 
     def fit(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
             ckpt_path: str | None = None, **kwargs) -> None:
-        fit_run(self.trainer, self.trainer.fit, model, datamodule, ckpt_path, **kwargs)  # --ckpt_path last: runs.py
+        try:
+            fit_run(self.trainer, self.trainer.fit, model, datamodule, ckpt_path, **kwargs)  # --ckpt_path last: runs.py
+        except Exception as err:
+            death = rank_death(self.trainer, err)  # None unless a rank this process started died
+            if death is None:
+                raise
+            raise death from err
 
 
 def main(args: list[str] | None = None) -> int:

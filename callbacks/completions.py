@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning as L
 
+from lightalign.callbacks.knob_range import check_at_least
 from lightalign.runs import row_step, write_csv_atomically
 
 
@@ -20,8 +21,8 @@ class CompletionSamples(L.Callback):
     """
 
     def __init__(self, every_n_steps: int = 10, max_rows: int = 8, filename: str = "completions.csv") -> None:
-        if every_n_steps < 1 or max_rows < 1:
-            raise ValueError("every_n_steps and max_rows must be >= 1.")
+        check_at_least("completions", "every_n_steps", every_n_steps, 1, "the optimizer steps between two tables")
+        check_at_least("completions", "max_rows", max_rows, 1, "the rows of each table")
         self.every_n_steps, self.max_rows, self.filename = every_n_steps, max_rows, filename
         self._last_step = -1
         self._log_dir: str | None = None

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightalign.callbacks.knob_range import check_at_least
 from lightalign.callbacks.run_folder import run_dir_of
 from lightalign.runs import RunError, check_writable
 
@@ -33,6 +34,8 @@ class HFExport(L.Callback):
         merge_lora: bool = False,
         enabled: bool = True,
     ) -> None:
+        check_at_least("export", "every_n_train_steps", every_n_train_steps, 0, "the optimizer steps between two "
+                       "exports during training (0: only at the end)")
         self.output_dir = output_dir
         self.every_n_train_steps = every_n_train_steps
         self.merge_lora = merge_lora

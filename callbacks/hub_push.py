@@ -41,6 +41,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightalign.callbacks.knob_range import check_at_least
+
 STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 STAGING = ".hub-staging"  # in the run folder: the snapshots being uploaded (removed once uploaded)
 
@@ -100,10 +102,8 @@ class HubPush(L.Callback):
     ) -> None:
         if hub_strategy not in STRATEGIES:
             raise ValueError(f"hub_strategy='{hub_strategy}' is unknown; use one of {', '.join(STRATEGIES)}.")
-        if upload_retries < 1:
-            raise ValueError(f"upload_retries must be at least 1 (the first attempt), got {upload_retries}.")
-        if retry_backoff < 0:
-            raise ValueError(f"retry_backoff must be >= 0 seconds, got {retry_backoff}.")
+        check_at_least("hub", "upload_retries", upload_retries, 1, "the attempts per upload, the first included")
+        check_at_least("hub", "retry_backoff", retry_backoff, 0.0, "the seconds before the second attempt")
         self.push_to_hub = push_to_hub
         self.hub_model_id = hub_model_id
         self.hub_strategy = hub_strategy

@@ -10,6 +10,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from lightalign.callbacks.knob_range import check_at_least
+
 
 class StepProgressBar(TQDMProgressBar):
     """The progress bar shows what the module puts there (loss, tokens/s, GRPO's reward mean) plus ``lr``.
@@ -26,9 +28,11 @@ class StepProgressBar(TQDMProgressBar):
 
     def __init__(self, refresh_rate: int = 1, log_every_n_steps: int | None = None,
                  interactive: bool | None = None) -> None:
+        check_at_least("progress_bar", "refresh_rate", refresh_rate, 0, "the batches between two redraws of the bar "
+                       "(0: no bar)")
+        check_at_least("progress_bar", "log_every_n_steps", log_every_n_steps, 1, "the optimizer steps between two "
+                       "progress lines in a log file (unset: max_steps / 20)", optional=True)
         super().__init__(refresh_rate=refresh_rate)
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1 (got {log_every_n_steps}).")
         self.log_every_n_steps = log_every_n_steps
         self.interactive = interactive
         self._lines = False

@@ -25,12 +25,26 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightalign.callbacks.knob_range import check_at_least
+
+#: ModelCheckpoint's numeric knobs and their ranges (as Lightning checks them), with what each means.
+RANGES = (("every_n_train_steps", 0, "the optimizer steps between two checkpoints (0: none by steps)"),
+          ("every_n_epochs", 0, "the epochs between two checkpoints (0: none by epochs)"),
+          ("save_top_k", -1, "the best checkpoints kept (-1: all, 0: only last.ckpt)"))
+
 
 class RunCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) that also saves ``last`` (``save_last``) after the final step, and saves
     a step that is followed by a validation after it."""
 
     _after_validation: tuple[Any, ...] | None = None  # the batch-end arguments of a step whose save waits
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # ModelCheckpoint's own range checks raise a MisconfigurationException from inside Lightning, which the
+        # console prints as a traceback; these name the console option (--checkpoint.*) in one line first
+        for knob, minimum, meaning in RANGES:
+            check_at_least("checkpoint", knob, kwargs.get(knob), minimum, meaning, optional=True)
+        super().__init__(*args, **kwargs)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         if validation_follows(trainer):

@@ -48,8 +48,9 @@ class TokenThroughput(L.Callback):
     """
 
     def __init__(self, prog_bar: bool = True, peak_flops: float | None = None, show_lr: bool = True) -> None:
-        if peak_flops is not None and peak_flops <= 0:
-            raise ValueError(f"TokenThroughput(peak_flops={peak_flops}): give the device's peak FLOP/s, > 0.")
+        if peak_flops is not None and not peak_flops > 0:
+            raise ValueError(f"--throughput.peak_flops {peak_flops}: must be a number > 0 (or unset); it is one "
+                             "device's peak FLOP/s at the training precision (e.g. 989e12 for an H100 in bf16).")
         self.prog_bar = prog_bar
         self.peak_flops = peak_flops
         self.show_lr = show_lr

@@ -26,7 +26,8 @@ from typing import Any, Iterator
 import torch
 
 from lightalign.modules.generation.vllm import vllm_weights
-from lightalign.modules.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessError
+from lightalign.process_death import died
+from lightalign.modules.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessDied, SamplerProcessError
 from lightalign.modules.offpolicy.worker import ModelSpec, Probe, Reply, Request, serve
 
 START_TIMEOUT = 600.0  # seconds the sampling process may take to import and report ready
@@ -161,8 +162,8 @@ class AheadSampler(RolloutsAhead):
             except (EOFError, OSError):  # a reply cut off by the process's death (connection reset, EOF)
                 self.process.join(timeout=5.0)
             if not self.process.is_alive():
-                raise SamplerProcessError(f"The sampling process exited (code {self.process.exitcode}) while the run "
-                                          f"waited for its {waiting_for}.")
+                raise SamplerProcessDied(died("The sampling process of the asynchronous rollouts", self.process.pid,
+                                              self.process.exitcode, f"the run waited for its {waiting_for}"))
             if deadline is not None and time.monotonic() > deadline:
                 raise SamplerProcessError(f"The sampling process did not answer within {timeout:.0f} s (waiting for "
                                           f"its {waiting_for}).")

@@ -8,9 +8,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from lightalign.process_death import ProcessDiedError
+
 
 class SamplerProcessError(RuntimeError):
     """The sampler ahead failed or exited; the message carries its traceback, exit code or error."""
+
+
+class SamplerProcessDied(SamplerProcessError, ProcessDiedError):
+    """The sampling process ended while the run waited for it (killed, or exited without a reply): one line naming
+    it, its pid and its signal or exit code, and that ``--ckpt_path last`` resumes (``lightalign.process_death``)."""
 
 
 class RolloutsAhead:

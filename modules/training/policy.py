@@ -11,7 +11,7 @@ from typing import Any, Callable, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
@@ -345,7 +345,8 @@ class PolicyModule(L.LightningModule):
 
     def check_train_determinism(self) -> str:
         """With ``disable_dropout``: two train-mode forwards of the model's probe must agree (measured, cached).
-        Randomness the model keeps by design (``DropoutReport.kept``) is said with its size; any other is refused."""
+        Randomness the model keeps by design (``DropoutReport.kept``) is warned about with its size; any other is
+        refused."""
         from lightalign.modules.adaptations import describe_decision
         from lightalign.modules.adaptations.probe import TRAIN_DETERMINISM
         from lightalign.modules.adaptations.support import measured, model_traits
@@ -353,8 +354,9 @@ class PolicyModule(L.LightningModule):
         verdict = measured(self.model, TRAIN_DETERMINISM)
         if verdict.exact:
             return f"; train-mode forward deterministic ({describe_decision(verdict)})"
-        if self.dropout_report.kept and verdict.error is None:
-            return f"; train-mode forwards still differ by up to {verdict.difference:.1e} (measured)"
+        if self.dropout_report.kept and verdict.error is None:  # a warning: an info line alone went unnoticed
+            rank_zero_warn(self.dropout_report.kept_warning(model_traits(self.model).name, verdict.difference))
+            return f"; train-mode forwards still differ by up to {verdict.difference:.1e} (measured; see the warning)"
         raise ValueError(
             f"disable_dropout is on, but {model_traits(self.model).name} is still random in train mode: two "
             f"train-mode forwards of its probe differ ({verdict.describe()}; zeroed: "

@@ -177,3 +177,34 @@ def test_reward_model_export_keeps_the_users_dropout_values(tmp_path):
     assert module.model.config.attention_dropout == 0.0
     written = json.loads((module.export_hf(tmp_path / "rm") / "config.json").read_text())
     assert written["attention_dropout"] == 0.1 and module.model.config.attention_dropout == 0.0
+
+
+@pytest.mark.slow
+def test_the_console_warns_that_phimoe_samples_its_experts_with_the_measured_size(repo, tmp_path):
+    """Issue 48: a new user's PhiMoE run said only in the fit-start info line that two train-mode forwards differ
+    (2e-3 to 2e-2 there); it is a warning now, naming the model, the cause and the measured size (a number > 0).
+    Mutation: drop the rank_zero_warn from PolicyModule.check_train_determinism -> fails."""
+    import re
+    import shutil
+
+    from transformers import AutoConfig
+
+    from helpers import console_script
+
+    folder = tmp_path / "phimoe"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(repo / "assets" / "models" / "tiny" / name, folder / name)
+    config = AutoConfig.for_model("phimoe", **dict(_MOE, max_position_embeddings=256, router_jitter_noise=0.5))
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
+    config.save_pretrained(folder)
+    out = console_script.expect(repo, "fit", "--config", "configs/quickstart.yaml", "--model.model_name_or_path",
+                                str(folder), "--model.disable_dropout", "true", "--trainer.max_steps", "1",
+                                "--trainer.limit_val_batches", "0", "--trainer.logger.init_args.save_dir",
+                                str(tmp_path / "runs"), "--export.enabled", "false", "--plot.enabled", "false")
+    warned = [line for line in out.splitlines() if line.startswith(
+        "UserWarning: disable_dropout is on, but PhimoeForCausalLM (model_type 'phimoe') stays random in train mode: "
+        "PhiMoE samples its experts in train mode (sparsemixer")]
+    assert len(warned) == 1, out[-4000:]
+    size = re.search(r"Two train-mode forwards of the same tokens differ by up to (\S+) in the logits", warned[0])
+    assert size is not None and float(size.group(1)) > 0, warned[0]
