@@ -102,11 +102,7 @@ def test_invalid_json_names_the_line_and_column_where_it_goes_wrong(tmp_path, na
 
 
 # --------------------------------------------------------------------------------------------- console
-def console_error_line(repo: Path, *args: str) -> str:
-    out = console_script.expect(repo, *args, status=1)
-    lines = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
-    assert len(lines) == 1 and "Traceback" not in out and "Tokenizing" not in out, out[-4000:]
-    return lines[0]
+console_error_line = console_script.data_refusal
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ on timing. Each run is a subprocess of its own with tests/ on PYTHONPATH (the ki
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,23 +20,19 @@ from helpers.kill_at_step import kill_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console script
-TESTS = Path(__file__).resolve().parents[1]
 RESUME = "The checkpoints written so far are intact: the same command with --ckpt_path last continues the run."
 
 
 def lightalign(repo: Path, *args: str, status: int) -> str:
     """The console script with tests/ importable (the kill callbacks); its output, the exit status checked."""
-    env = console_script.standard_env(PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    env = console_script.tests_env()
     proc = subprocess.run([str(LIGHTALIGN), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
     return out
 
 
-def error_line(out: str) -> str:
-    lines = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
-    assert lines, out[-4000:]
-    return lines[0]
+error_line = console_script.error_line
 
 
 def async_run(save_dir: Path, *extra: str) -> list[str]:

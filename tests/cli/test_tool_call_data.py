@@ -186,12 +186,7 @@ def test_tool_messages_answering_their_calls_are_accepted_and_counted_across_pro
 
 
 # --------------------------------------------------------------------------------------------- console
-def console_refusal(repo: Path, *args: str) -> str:
-    """The one error line of a refused ``lightalign`` run (exit 1, no traceback); the run never tokenized."""
-    out = console_script.expect(repo, *args, status=1)
-    lines = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
-    assert len(lines) == 1 and "Traceback" not in out and "Tokenizing" not in out, out[-4000:]
-    return lines[0]
+console_refusal = console_script.data_refusal
 
 
 @pytest.mark.slow

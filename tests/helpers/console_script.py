@@ -310,3 +310,25 @@ def expect(repo, *args: str, status: int = 0, **extra_env: str) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
     return out
+
+
+def tests_env() -> dict[str, str]:
+    """``standard_env()`` with tests/ importable: a run that loads a test callback (tests/helpers/) by import path."""
+    tests = str(Path(__file__).resolve().parents[1])
+    return standard_env(PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+
+
+def error_line(out: str) -> str:
+    """The one-line error the console script printed (the first line starting ``lightalign: error:``)."""
+    lines = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
+    assert lines, out[-4000:]
+    return lines[0]
+
+
+def data_refusal(repo, *args: str) -> str:
+    """The one error line of a run refused before it tokenized anything (exit 1, one ``lightalign: error:`` line,
+    no traceback)."""
+    out = expect(repo, *args, status=1)
+    lines = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
+    assert len(lines) == 1 and "Traceback" not in out and "Tokenizing" not in out, out[-4000:]
+    return lines[0]

@@ -28,14 +28,13 @@ from helpers.run_gate import gate_config, wait_reached
 
 pytestmark = pytest.mark.slow
 LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console script
-TESTS = Path(__file__).resolve().parents[1]
 
 
 
 
 def gated(repo: Path, log: Path, *args: str) -> subprocess.Popen:
     """The console script in a process group of its own, tests/ importable (the gate), output to ``log``."""
-    env = console_script.standard_env(PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    env = console_script.tests_env()
     with open(log, "w") as out:
         return subprocess.Popen([str(LIGHTALIGN), *args], cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -50,11 +49,7 @@ def finish(proc: subprocess.Popen, log: Path, status: int = 0) -> str:
 
 
 
-def error_line(out: str) -> str:
-    """The one-line error the console script printed (the first line starting ``lightalign: error:``)."""
-    lines = [line for line in out.splitlines() if line.startswith("lightalign: error:")]
-    assert lines, out[-3000:]
-    return lines[0]
+error_line = console_script.error_line
 
 
 
