@@ -84,6 +84,17 @@ def prepare_quantized_base(model: torch.nn.Module) -> bool:
     return True
 
 
+def drop_quantization_state(module: torch.nn.Module, state_dict: dict[str, Any]) -> None:
+    """Resume of a QLoRA run: remove from a checkpoint's ``state_dict`` the quantization state bitsandbytes writes
+    beside each 4-bit weight (``<weight>.absmax``, ``.quant_map``, ``.quant_state.bitsandbytes__nf4`` …), which
+    ``load_state_dict`` rejects as unexpected keys. The frozen base it describes was quantized again, identically,
+    from ``model_name_or_path`` when the resumed run built its model; the packed weights themselves still load."""
+    prefixes = tuple(f"{name}." for name, param in module.named_parameters() if hasattr(param, "quant_state"))
+    if prefixes:
+        for key in [k for k in state_dict if k.startswith(prefixes)]:
+            del state_dict[key]
+
+
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Non-reentrant activation (gradient) checkpointing; transformers 5 renamed the method."""
     kwargs = {"use_reentrant": False}

@@ -18,7 +18,8 @@ from torchmetrics import Metric
 from lightalign.hub import load_causal_lm, normalize_init_kwargs
 from lightalign.modules.training.export import export_hf
 from lightalign.modules.training.lora import (  # noqa: F401
-    apply_peft, check_quantized_policy, enable_activation_checkpointing, is_peft_model, prepare_quantized_base)
+    apply_peft, check_quantized_policy, drop_quantization_state, enable_activation_checkpointing, is_peft_model,
+    prepare_quantized_base)
 from lightalign.modules.adaptations import AdaptationReport, adapt_model
 from lightalign.modules.training.optimizers import (  # noqa: F401  (re-exported: the schedule and groups were defined here)
     ScheduleType,
@@ -422,6 +423,7 @@ class PolicyModule(L.LightningModule):
                 "of that run) and pass the folder as model_name_or_path, without ckpt_path."
             )
         check_state_dict_matches(checkpoint.get("state_dict", {}), self.state_dict())
+        drop_quantization_state(self, checkpoint.get("state_dict", {}))  # QLoRA (lora.py)
         self._pending_rng_states = checkpoint.get("lightalign_rng")
 
     # ----------------------------------------------------------------------------------------- non-finite guard

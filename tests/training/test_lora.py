@@ -36,17 +36,19 @@ def tiny_folder(tmp_path, tiny_dir, tiny_model) -> Path:
 
 
 @pytest.mark.slow
-def test_qlora_console_sft_trains_and_the_adapter_is_all_it_changed(repo, tmp_path, tiny_folder):
+def test_qlora_console_sft_trains_resumes_and_the_adapter_is_all_it_changed(repo, tmp_path, tiny_folder):
     # validation before and between the training steps: bitsandbytes repacked the 4-bit weights into its inference
     # layout at the first eval forward on AVX512-BF16 CPUs, and the next training step then failed (the issue)
-    proc = console_script.run(
-        repo, "fit", "--config", "configs/quickstart.yaml", "--model.from_config", "false",
-        "--model.model_name_or_path", str(tiny_folder),
-        "--model.model_init_kwargs", "{quantization_config: {load_in_4bit: true, bnb_4bit_compute_dtype: float32}}",
-        "--model.peft_config", "{r: 8, lora_alpha: 16, target_modules: all-linear}",
-        "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-        "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--plot.enabled", "false", timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    args = ["fit", "--config", "configs/quickstart.yaml", "--model.from_config", "false",
+            "--model.model_name_or_path", str(tiny_folder),
+            "--model.model_init_kwargs", "{quantization_config: {load_in_4bit: true, bnb_4bit_compute_dtype: float32}}",
+            "--model.peft_config", "{r: 8, lora_alpha: 16, target_modules: all-linear}",
+            "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--plot.enabled", "false"]
+    # two steps, then the run resumed from its checkpoint (the 4-bit base's quantization state in last.ckpt) to four
+    for more in (["--trainer.max_steps", "2"], ["--trainer.max_steps", "4", "--ckpt_path", "last"]):
+        proc = console_script.run(repo, *args, *more, timeout=600)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     run = tmp_path / "runs" / "quickstart" / "version_0"
     with open(run / "metrics.csv") as f:
         losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
