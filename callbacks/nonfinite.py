@@ -48,6 +48,13 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf")))).all())
 
 
+def holds_numbers(param: torch.Tensor) -> bool:
+    """Whether a parameter's elements are numbers that can be NaN/inf: not bitsandbytes' packed 8-bit/4-bit storage
+    (``Params4bit`` of a QLoRA base: its bytes, whatever dtype holds them, are codes, frozen, never updated) nor
+    integer tensors (8-bit ``Int8Params``)."""
+    return (param.is_floating_point() or param.is_complex()) and not hasattr(param, "quant_state")
+
+
 class NonFiniteGuard(L.Callback):
     """Guards training against NaN/inf.
 
@@ -141,10 +148,11 @@ class NonFiniteGuard(L.Callback):
 
     def check_weights(self, trainer: L.Trainer, pl_module: L.LightningModule, where: str, explanation: str = "") -> None:
         """Stop with an error naming the parameter if any weight (this rank's shard, any rank) is NaN/inf."""
-        bad = not all_finite([p.detach() for p in pl_module.parameters()])
+        bad = not all_finite([p.detach() for p in pl_module.parameters() if holds_numbers(p)])
         if not _on_any_rank(trainer, pl_module, bad):
             return
-        name = first_nonfinite((n, p.detach()) for n, p in pl_module.named_parameters()) or "(on another rank's shard)"
+        name = first_nonfinite((n, p.detach()) for n, p in pl_module.named_parameters() if holds_numbers(p)) \
+            or "(on another rank's shard)"
         raise FloatingPointError(
             f"Non-finite weights {where}: parameter '{name}' holds NaN/inf. {explanation}Lower the learning rate, "
             "then resume from the last checkpoint (its weights are finite) or start over."

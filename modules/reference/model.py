@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lightalign.modules.training.lora import disable_cpu_4bit_repacking  # noqa: F401  (was defined here)
+
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer|decoder\.layers)\.(\d+)\.")
 
 
@@ -100,14 +102,6 @@ def quantization_kwargs(init_kwargs: dict[str, Any] | None) -> dict[str, Any]:
                 qc[key] = getattr(torch, qc[key].removeprefix("torch."))
         kwargs["quantization_config"] = BitsAndBytesConfig(**qc)
     return kwargs
-
-
-def disable_cpu_4bit_repacking(model: torch.nn.Module) -> None:
-    """On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights in place in an eval forward; a frozen
-    reference gains nothing from it, so turn it off (seen with bitsandbytes 0.50)."""
-    for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
 
 
 def build_reference(

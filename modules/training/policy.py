@@ -17,7 +17,9 @@ from torchmetrics import Metric
 
 from lightalign.hub import load_causal_lm, normalize_init_kwargs
 from lightalign.modules.training.export import export_hf
-from lightalign.modules.training.lora import apply_peft, enable_activation_checkpointing, is_peft_model  # noqa: F401
+from lightalign.modules.training.lora import (  # noqa: F401
+    apply_peft, check_quantized_policy, drop_quantization_state, enable_activation_checkpointing, is_peft_model,
+    prepare_quantized_base)
 from lightalign.modules.adaptations import AdaptationReport, adapt_model
 from lightalign.modules.training.optimizers import (  # noqa: F401  (re-exported: the schedule and groups were defined here)
     ScheduleType,
@@ -61,7 +63,7 @@ class PolicyModule(L.LightningModule):
         trust_remote_code: allow code shipped with the model repository (off unless asked).
         gradient_checkpointing: recompute activations in backward (non-reentrant) to save memory.
         peft_config: LoRA settings (``{r: 16, lora_alpha: 32, target_modules: all-linear}``) or a peft config
-            object; only adapter parameters are trained.
+            object; only adapter parameters are trained. With a ``quantization_config``: QLoRA (``lora.py``).
         optimizer: a factory ``params -> Optimizer`` (YAML: ``class_path: torch.optim.SGD``); default AdamW
             built from ``learning_rate``, ``weight_decay``, ``adam_beta1/2``, ``adam_epsilon``.
         optim: a named preset instead (TRL/transformers names): ``adamw_8bit``, ``adam_8bit``,
@@ -208,6 +210,7 @@ class PolicyModule(L.LightningModule):
         if model is None and from_config and model_name_or_path and _has_weights(model_name_or_path):
             warnings.warn(f"from_config: true builds random weights from {model_name_or_path}/config.json and does not "
                           "load the weights in that folder; set from_config: false to train from them.", stacklevel=2)
+        check_quantized_policy(model_init_kwargs if model is None else None, peft_config, from_config)  # QLoRA
         if model is None and not from_config:
             from lightalign.hub import check_weights
 
@@ -292,6 +295,7 @@ class PolicyModule(L.LightningModule):
                                        liger=bool(hp.get("use_liger_kernel")))
         self.lean_mlps = self.adaptations.mlps_switched
         if hp.peft_config is not None and not is_peft_model(self.model):
+            prepare_quantized_base(self.model)  # QLoRA (lora.py)
             self.model = apply_peft(self.model, hp.peft_config)
         if hp.get("torch_compile"):
             from lightalign.modules.training.acceleration import compile_model
@@ -421,6 +425,7 @@ class PolicyModule(L.LightningModule):
                 "of that run) and pass the folder as model_name_or_path, without ckpt_path."
             )
         check_state_dict_matches(checkpoint.get("state_dict", {}), self.state_dict())
+        drop_quantization_state(self, checkpoint.get("state_dict", {}))  # QLoRA (lora.py)
         self._pending_rng_states = checkpoint.get("lightalign_rng")
 
     # ----------------------------------------------------------------------------------------- non-finite guard
