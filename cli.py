@@ -149,9 +149,6 @@ class LightalignCLI(LightningCLI):
         if hub is not None:  # HF_HUB_OFFLINE, no repository name: refused before the data is read or the model loads
             export = callback_of(self.trainer, HFExport)
             hub.check_local(export.output_dir if export is not None and export.enabled else None)
-        if self.trainer.max_steps == 0:
-            raise RunError("--trainer.max_steps is 0: there is nothing to train. Set it to the number of optimizer "
-                           "steps to run (or -1 with --trainer.max_epochs to train by epochs).")
 
     def fit(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
             ckpt_path: str | None = None, **kwargs) -> None:

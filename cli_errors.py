@@ -289,9 +289,10 @@ def trainer_refusal(err: BaseException, config: dict[str, Any]) -> RunError | No
 
     if not isinstance(err, (ValueError, MisconfigurationException)) or not _raised_in(err, "lightning."):
         return None
-    given = [f"--trainer.{k} {config[k]}" for k in ("accelerator", "strategy", "devices", "precision")
-             if isinstance(config.get(k), (str, int)) and config.get(k) not in ("auto",)]
     why = str(err).strip()
+    named = [k for k in config if re.search(rf"\b{re.escape(k)}\b", why)]  # the settings the refusal is about
+    given = [f"--trainer.{k} {config[k]}" for k in (named or ("accelerator", "strategy", "devices", "precision"))
+             if isinstance(config.get(k), (str, int)) and config.get(k) not in ("auto",)]
     if "No supported gpu backend" in why:
         why = "no GPU is visible here (torch.cuda.is_available() is False). Use --trainer.accelerator cpu"
     return RunError(f"Lightning refused the trainer settings ({', '.join(given) or 'see --trainer.*'}): {why}")

@@ -226,6 +226,10 @@ def fit_run(trainer: L.Trainer, fit: Callable[..., None], module: L.LightningMod
     refused before writing anything leaves no empty ``version_N`` (``discard_empty_run_folder``)."""
     from lightalign.callbacks import RunFolder  # not at the top: the callbacks import this module
 
+    if trainer.max_steps == 0:  # Lightning would stop at once and the export write the untrained model
+        raise RunError("--trainer.max_steps is 0 (max_steps=0): there is nothing to train. Set it to the number of "
+                       "optimizer steps to run (or -1 with --trainer.max_epochs to train by epochs).")
+
     folder = callback_of(trainer, RunFolder)
     logger = folder_logger(trainer)
     versioned = isinstance(logger, (CSVLogger, TensorBoardLogger))

@@ -105,7 +105,7 @@ def test_a_reward_model_that_is_missing_or_no_classifier_fails_before_the_policy
 
 def test_max_steps_zero_says_there_is_nothing_to_train(repo, tmp_path):
     out = lightalign(repo, *short_run(tmp_path), "--trainer.max_steps", "0", status=1)
-    assert "--trainer.max_steps is 0: there is nothing to train" in out and "Traceback" not in out
+    assert "--trainer.max_steps is 0 (max_steps=0): there is nothing to train" in out and "Traceback" not in out
     assert not list(tmp_path.rglob("metrics.csv"))
 
 

@@ -231,3 +231,31 @@ def test_a_python_run_resumed_with_ckpt_path_last_continues_its_folder(tmp_path,
     for got, want in zip(table, whole):
         assert {k: v for k, v in got.items() if k not in TIMING} == {k: v for k, v in want.items() if k not in TIMING}
     assert steps_of(table, "train/loss") == [0, 1, 2, 3] and steps_of(table, "val/loss") == [1, 3]
+
+
+def test_max_steps_zero_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Lightning stops at once at max_steps=0 and the export would write the untrained model with a model card:
+    refused in the Python API as on the console (``runs.fit_run``; mutation: the check left in the CLI only -> the
+    Python fit exports random weights)."""
+    from lightalign import SFTDataModule, SFTModule, Trainer
+    from lightalign.runs import RunError
+
+    monkeypatch.chdir(tmp_path)
+    tiny = str(REPO / "assets" / "models" / "tiny")
+    trainer = Trainer(accelerator="cpu", max_steps=0, name="zero")
+    with pytest.raises(RunError, match=r"max_steps is 0 \(max_steps=0\): there is nothing to train"):
+        trainer.fit(SFTModule(tiny, from_config=True),
+                    SFTDataModule(str(REPO / "examples" / "data" / "arithmetic_sft.jsonl"), tokenizer=tiny))
+    assert not list(tmp_path.rglob("hf_model")) and not list(tmp_path.rglob("metrics.csv"))
+
+
+def test_lightnings_refusal_names_the_setting_it_is_about():
+    """``trainer_refusal`` names the ``--trainer.*`` settings the refusal mentions (a negative max_steps), not the
+    accelerator and devices beside them (mutation: the fixed list of accelerator/strategy/devices/precision -> the
+    message names --trainer.accelerator cpu)."""
+    from lightalign.cli_errors import trainer_refusal
+
+    with pytest.raises(Exception) as raised:
+        L.Trainer(accelerator="cpu", devices=1, max_steps=-5, max_epochs=0)
+    refusal = trainer_refusal(raised.value, {"accelerator": "cpu", "devices": 1, "max_steps": -5, "max_epochs": 0})
+    assert str(refusal).startswith("Lightning refused the trainer settings (--trainer.max_steps -5)"), refusal
