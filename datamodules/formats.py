@@ -138,10 +138,11 @@ def validate_messages(messages: Any, row: int, column: str, require_assistant: b
             )
 
 
-def validate_text(value: Any, row: int, column: str) -> None:
+def validate_text(value: Any, row: int, column: str, expected: str = "a string") -> None:
+    """``expected``: what the column may hold, for the message of a missing value."""
     with about_row(row):
         if value is None:  # (a JSONL row without the column reads as None, like an explicit null)
-            raise DataFormatError(f"row {row}, column '{column}': missing or null; every row needs a string there.")
+            raise DataFormatError(f"row {row}, column '{column}': missing or null; every row needs {expected} there.")
         if not isinstance(value, str):
             raise DataFormatError(f"row {row}, column '{column}': expected a string, got {type(value).__name__} {value!r:.80}.")
         if not value.strip():
@@ -155,7 +156,7 @@ def validate_field(value: Any, row: int, column: str, require_assistant: bool = 
         validate_messages(value, row, column, require_assistant=require_assistant,
                           follows=follows if isinstance(follows, list) else ())
     else:
-        validate_text(value, row, column)
+        validate_text(value, row, column, expected="a string or a list of messages")
 
 
 def iter_rows(dataset: Dataset, columns: list[str], numbers: Sequence[int] | None = None, batch_size: int = 1024):

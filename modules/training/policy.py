@@ -574,8 +574,8 @@ class PolicyModule(L.LightningModule):
             scheduler._last_lr = list(new)
             rank_zero_info(f"Resumed at step {step} with max_steps {self.trainer.max_steps}: the learning-rate schedule "
                            f"is rebuilt over {span[0]} steps (warmup {span[1]}), so step {step + 1} runs at lr "
-                           f"{new[0]:.3g} as an uninterrupted run of {span[0]} steps would (the checkpoint's schedule "
-                           f"had {old[0]:.3g}).")
+                           f"{new[0]:.3g} as an uninterrupted run of {span[0]} steps would (the interrupted run's shorter "
+                           f"schedule would give it lr {old[0]:.3g}).")
 
     # ----------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,

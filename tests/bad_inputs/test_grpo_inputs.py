@@ -67,7 +67,7 @@ def test_prompt_data_errors(tiny_dir, write_jsonl):
     dm = PromptDataModule(write_jsonl([{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}]),
                           tokenizer=str(tiny_dir))
     with pytest.raises(DataFormatError, match=r"^train data '.*', line 2: row 1, column 'prompt': missing or null; "
-                                              "every row needs a string"):
+                                              "every row needs a string or a list of messages there"):
         dm.setup("fit")
     talk = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     dm = PromptDataModule(write_jsonl([{"messages": talk}, {"messages": talk}, {"messages": talk[:1]}]),
