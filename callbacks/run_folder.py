@@ -11,8 +11,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightalign.run_lock import RunInUseError, RunLock
-from lightalign.runs import (CHECKPOINT_FACTS_KEY, RunError, checkpoint_facts, folder_logger, new_run_folder,
-                             pin_version, runs_root, version_of)
+from lightalign.runs import (CHECKPOINT_FACTS_KEY, RunError, callback_of, checkpoint_facts, folder_logger,
+                             new_run_folder, pin_version, runs_root, version_of)
 
 #: What a run writes into its folder (metrics, checkpoints, export); a folder holding one of them holds a run.
 RUN_OUTPUTS = ("metrics.csv", "checkpoints", "hf_model")
@@ -122,7 +122,7 @@ class RunFolder(L.Callback):
 
 def run_dir_of(trainer: L.Trainer) -> Path:
     """The run folder: RunFolder's (the CLI), else the trainer's ``log_dir`` (a collective: call it on every rank)."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, RunFolder) and callback.path is not None:
-            return callback.path
+    folder = callback_of(trainer, RunFolder)
+    if folder is not None and folder.path is not None:
+        return folder.path
     return Path(trainer.log_dir or trainer.default_root_dir)

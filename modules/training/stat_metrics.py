@@ -58,9 +58,12 @@ class StatMetrics(torch.nn.ModuleDict):
         for key in sorted(self.keys()) if self.distributed() else list(self.keys()):  # one order on every rank
             metric, name = self[key], self.names[key]
             if key in updated and (only is None or name in only):
-                with warnings.catch_warnings():  # updated on another rank only: its value comes with the sync
-                    warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+                if metric.update_called:
                     value = metric.compute()
+                else:  # updated on another rank only: its value comes with the sync
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+                        value = metric.compute()
                 module.log(f"{stage}/{name}", value, prog_bar=name in prog_bar)
             metric.reset()
 
