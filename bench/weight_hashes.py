@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# every shipped config that runs offline (sft.yaml, dpo.yaml, grpo.yaml and grpo_vllm.yaml name hub models or a GPU)
 CONFIGS = ["quickstart", "dpo_tiny", "kto_tiny", "reward_tiny", "grpo_quickstart", "rloo_quickstart",
-           "ppo_quickstart"]
+           "ppo_quickstart", "online_dpo_quickstart", "distill_quickstart", "tools_sft", "tools_grpo"]
 
 
 def tensor_digest(obj, digest) -> None:
