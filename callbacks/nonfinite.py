@@ -9,17 +9,41 @@ small model's step), and its per-tensor norms are kept for the module's gradient
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightalign.knobs import KnobGroup, knob
+
 POLICIES = ("skip", "stop", "off")
 MAX_SKIPPED_FRACTION = 0.5  # a run that skipped more of its optimizer steps than this did not train: it fails
 
+
+@dataclasses.dataclass(frozen=True)
+class NonfiniteKnobs(KnobGroup):
+    """What a NaN/inf gradient does (``NonFiniteGuard``)."""
+
+    group = "nonfinite"
+    nonfinite: Literal["skip", "stop", "off"] = knob(
+        "skip", "what a NaN/inf gradient does: ``skip`` the optimizer step (warning, ``train/nonfinite_steps`` "
+                "counter; the weights stay finite), ``stop`` with an error naming the step, batch and parameter, or "
+                "``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the gradient check "
+                "stays off. Unless ``off``, NaN/inf weights after a step (an update that overflowed) stop the run with "
+                "an error; non-finite weights are never checkpointed or exported (``NonFiniteGuard``).")
+    max_consecutive_nonfinite_steps: int | None = knob(10, "with ``nonfinite: skip``, stop with an error after this "
+                                                           "many skipped steps in a row; null: never.")
+
+    def check(self) -> None:
+        if self.nonfinite not in POLICIES:
+            raise ValueError(f"nonfinite='{self.nonfinite}' is unknown; use skip, stop or off.")
+        if self.max_consecutive_nonfinite_steps is not None and self.max_consecutive_nonfinite_steps < 1:
+            raise ValueError(f"max_consecutive_nonfinite_steps must be >= 1 or null, got "
+                             f"{self.max_consecutive_nonfinite_steps}.")
 
 class NonFiniteRunError(FloatingPointError, ValueError):
     """A run that ended without having trained (most steps skipped, a non-finite final loss): its message says

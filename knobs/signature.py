@@ -60,7 +60,8 @@ def _signature(cls: type) -> inspect.Signature:
         for name in group.knob_names():
             kind = (inspect.Parameter.POSITIONAL_OR_KEYWORD if name in POSITIONAL
                     else inspect.Parameter.KEYWORD_ONLY)
-            params.append(inspect.Parameter(name, kind, default=group.knob_default(name), annotation=types[name]))
+            default = cls.knob_defaults[name] if name in cls.knob_defaults else group.knob_default(name)
+            params.append(inspect.Parameter(name, kind, default=default, annotation=types[name]))
     params.sort(key=lambda p: p.kind)  # positional first, as Python requires
     return inspect.Signature(params)
 
@@ -76,8 +77,10 @@ def _docstring(cls: type) -> str:
     return "\n".join(lines)
 
 
-def takes_knobs(*groups: type[KnobGroup]) -> Callable[[type], type]:
-    """Class decorator: the class takes its parent's knob groups and ``groups`` (see the module docstring)."""
+def takes_knobs(*groups: type[KnobGroup], defaults: dict[str, Any] | None = None) -> Callable[[type], type]:
+    """Class decorator: the class takes its parent's knob groups and ``groups`` (see the module docstring).
+    ``defaults``: the method's own defaults of knobs its groups define (TRL's per-method defaults, e.g. DPO's
+    ``disable_dropout: True``), shown in its signature and ``--model.help``."""
 
     def decorate(cls: type) -> type:
         inherited = tuple(getattr(cls, "knob_groups", ()))
@@ -85,6 +88,11 @@ def takes_knobs(*groups: type[KnobGroup]) -> Callable[[type], type]:
         _check_unique(cls, all_groups)
         cls.knob_groups = all_groups
         cls.own_knob_groups = tuple(groups)
+        known = {name for group in all_groups for name in group.knob_names()}
+        unknown = sorted(set(defaults or {}) - known)
+        if unknown:
+            raise TypeError(f"{cls.__name__}: defaults for {unknown}, which none of its knob groups defines")
+        cls.knob_defaults = {**getattr(cls, "knob_defaults", {}), **(defaults or {})}
         signature = _signature(cls)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -94,10 +102,12 @@ def takes_knobs(*groups: type[KnobGroup]) -> Callable[[type], type]:
                 refuse({k: v for k, v in kwargs.items() if k not in known})
             given = dict(signature.bind(self, *args, **kwargs).arguments)  # the knobs given; groups default the rest
             given.pop("self")
-            self.construct_from_knobs(given)
+            self.construct_from_knobs({**type(self).knob_defaults, **given})
 
         __init__.__signature__ = signature  # type: ignore[attr-defined]
         __init__.__doc__ = _docstring(cls)
+        # the Args also on the class: a subclass's own __init__ (passing **kwargs on) is described from its bases
+        cls.__doc__ = (cls.__doc__ or cls.__name__).rstrip() + "\n\n" + __init__.__doc__.split("\n\n", 1)[1]
         __init__.__qualname__ = f"{cls.__qualname__}.__init__"
         __init__.__module__ = cls.__module__
         cls.__init__ = __init__

@@ -14,7 +14,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.training.lora import is_peft_model
+from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.adaptations.dpo_batches import (  # noqa: F401  (re-exported: they were defined here)
     completion_lengths,
     completion_token_logps,

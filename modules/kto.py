@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.training.lora import is_peft_model
+from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.losses.kto import LOSS_TYPES, kl_estimate, kto_loss, validate_kto_config  # noqa: F401
 from lightalign.modules.training.logprobs import completion_logps
 from lightalign.modules.reference.component import Reference

@@ -238,7 +238,7 @@ class PPOModule(OnlineRLModule):
             return optimizer
         if self.value_model is not None:
             optimizer.add_param_group({"params": [p for p in self.value_model.parameters() if p.requires_grad]})
-        if self.optimizer_factory is None and self.hparams.get("optim") is None:
+        if self.knobs.optimization.optimizer is None and self.knobs.optimization.optim is None:
             optimizer.add_param_group({"params": [head.weight], "weight_decay": self.hparams.weight_decay})
             optimizer.add_param_group({"params": [head.bias], "weight_decay": 0.0})
         else:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.training.lora import is_peft_model
+from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.training.export import export_hf
 from lightalign.modules.training.stat_hooks import StatHooks
 

@@ -181,7 +181,7 @@ def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     with its active adapters' deltas added (computed apart: the policy's own weights are never merged in place,
     which would round them a little at every push); FSDP2 / ZeRO-3 parameters are gathered, so every rank must
     iterate."""
-    from lightalign.modules.training.policy import is_peft_model
+    from lightalign.modules.training.lora import is_peft_model
     from lightalign.strategies.sharding import generation_context
 
     peft = is_peft_model(model)

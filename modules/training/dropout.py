@@ -42,6 +42,17 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from lightalign.knobs import KnobGroup, knob
+
+@dataclass(frozen=True)
+class DropoutKnobs(KnobGroup):
+    group = "dropout"
+    disable_dropout: bool = knob(
+        False, "set every dropout probability of the policy to 0 (``disable_dropout_in_model``; TRL's default: on for "
+               "DPO, off for GRPO and SFT): ``nn.Dropout`` modules, the rates modules and configs keep (read at forward "
+               "time), layer drop and MoE router jitter. The export's ``config.json`` keeps the user's values.")
+
+
 # model_type -> config fields / module attributes that look like noise by name but also shape the eval-mode forward
 _NOT_NOISE: dict[str, tuple[str, ...]] = {"phimoe": ("router_jitter_noise",)}
 # model_type -> train-mode randomness that is part of the model's training algorithm and is not a rate to zero
