@@ -87,10 +87,10 @@ class DistillModule(SamplingModule):
             (``sdpa_varlen``), logits only where a completion token is predicted. The same loss up to float32
             rounding with fewer tokens through both models (faster the more of the padded tokens are padding: measured,
             see docs/distill.md 'Speed and memory against TRL'). Null (default): the device's measured default
-            (``distill_padding_free`` in ``tuned``'s table: on on the CPU, off elsewhere), and padded rows for a student or teacher measured at fit start not to run it exactly (the
-            fit-start line says which and why). True: asked, refused at fit start on a student or teacher that
-            cannot run it exactly (measured on the model's class). False: padded rows. The name TRL's SFT and DPO
-            use for the idea (TRL's GKD collator pads).
+            (``distill_padding_free`` in ``tuned``'s table: on on the CPU, off elsewhere), and padded rows for a student
+            or teacher measured at fit start not to run it exactly (the fit-start line says which and why). True: asked,
+            refused at fit start on a student or teacher that cannot run it exactly (measured on the model's class).
+            False: padded rows. The name TRL's SFT and DPO use for the idea (TRL's GKD collator pads).
         disable_dropout: set every dropout probability of the student to 0 (TRL GKD's default; the teacher is
             always in eval mode).
         iw_opd_gamma: ``on_policy`` only: IW-OPD's weighting (TRL's ``IWOPDConfig.iw_opd_gamma``): each token's

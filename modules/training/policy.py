@@ -62,8 +62,8 @@ class PolicyModule(L.LightningModule):
             ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``), ``revision``, ``quantization_config`` …
         trust_remote_code: allow code shipped with the model repository (off unless asked).
         gradient_checkpointing: recompute activations in backward (non-reentrant) to save memory.
-        peft_config: LoRA settings (``{r: 16, lora_alpha: 32, target_modules: all-linear}``) or a peft config
-            object; only adapter parameters are trained. With a ``quantization_config``: QLoRA (``prepare_quantized_base``).
+        peft_config: LoRA settings (``{r: 16, lora_alpha: 32, target_modules: all-linear}``) or a peft config object;
+            only adapter parameters are trained. With a ``quantization_config``: QLoRA (``prepare_quantized_base``).
         optimizer: a factory ``params -> Optimizer`` (YAML: ``class_path: torch.optim.SGD``); default AdamW
             built from ``learning_rate``, ``weight_decay``, ``adam_beta1/2``, ``adam_epsilon``.
         optim: a named preset instead (TRL/transformers names): ``adamw_8bit``, ``adam_8bit``,
@@ -94,12 +94,12 @@ class PolicyModule(L.LightningModule):
             own MLP forward. A model passed as ``model`` gets its own forwards back at teardown (and its attention
             implementation: ``sdpa_varlen`` or a GPU's flash attention are the module's choice), and the switch again
             at the next setup.
-        retain_cpu_memory: when training on CPU under glibc, keep freed memory in the process instead of giving
-            it back to the OS after every free, so each step's activations and gradients do not page-fault in
-            again (``retain_freed_cpu_memory``; same peak RSS, faster steps: measured, see docs/performance.md). Process-wide from setup to
-            teardown (also undone when the run raises; what the undo restores: ``release_freed_cpu_memory``);
-            ``False`` leaves the allocator as it is. Applied only on the device type its threshold was measured on
-            (CPU, ``tuned``'s table), never to GPU runs.
+        retain_cpu_memory: when training on CPU under glibc, keep freed memory in the process instead of giving it back
+            to the OS after every free, so each step's activations and gradients do not page-fault in again
+            (``retain_freed_cpu_memory``; same peak RSS, faster steps: measured, see docs/performance.md). Process-wide
+            from setup to teardown (also undone when the run raises; what the undo restores:
+            ``release_freed_cpu_memory``); ``False`` leaves the allocator as it is. Applied only on the device type its
+            threshold was measured on (CPU, ``tuned``'s table), never to GPU runs.
         nonfinite: what a NaN/inf gradient does: ``skip`` the optimizer step (warning, ``train/nonfinite_steps``
             counter; the weights stay finite), ``stop`` with an error naming the step, batch and parameter, or
             ``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the gradient check stays
@@ -289,8 +289,8 @@ class PolicyModule(L.LightningModule):
             self.dropout_report = disable_dropout_in_model(self.model)
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
-        # model adaptations (lightalign.modules.adaptations): Liger or MLP recompute, sdpa -> sdpa_varlen; each is exact where
-        # it is applied, and the layout of the run is checked against the model at fit start (check_model_layout)
+        # model adaptations (adapt_model): Liger or MLP recompute, sdpa -> sdpa_varlen; each is exact where it is
+        # applied, and the layout of the run is checked against the model at fit start (check_model_layout)
         self.adaptations = adapt_model(self.model, recompute_mlp=bool(hp.get("recompute_mlp_activation", True)),
                                        liger=bool(hp.get("use_liger_kernel")))
         self.lean_mlps = self.adaptations.mlps_switched

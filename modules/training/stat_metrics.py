@@ -110,7 +110,7 @@ def loggers_write_this_step(trainer: Any) -> bool:
 
 def read_every_step(trainer: Any, module: Any, stage: str = "train") -> set[str]:
     """The ``stage`` statistics something reads at every optimizer step: the progress bar's
-    (``module.progress_stats``), the run summary's (``callbacks/summary.py``: ``summary_keys``) and any callback's
+    (``module.progress_stats``), the run summary's (``summary_keys``) and any callback's
     ``monitor`` under ``<stage>/``."""
     from lightalign.callbacks.summary import summary_keys
 
