@@ -1,10 +1,9 @@
 """Group relative policy optimisation: ``GRPOModule``, its knobs and objective on the online-RL loop.
 
-The loop (sample -> score -> split -> log-probs -> advantages -> buffer) is ``OnlineRLModule``
-(``modules/rollout/module.py``), TRL's rollout schedule and the training layouts ``CriticFreeModule``
-(``modules/rollout/critic_free.py``). GRPO adds its advantage (group-relative rewards: ``rewards/``), its loss
-(the pure function ``grpo_loss``, ``modules/losses/grpo.py``, re-exported here) and the entropy controls
-(``modules/losses/entropy.py``).
+The loop (sample -> score -> split -> log-probs -> advantages -> buffer) is ``OnlineRLModule``, TRL's rollout
+schedule and the training layouts ``CriticFreeModule``. GRPO adds its advantage (group-relative rewards:
+``scale_advantages``, ``normalize_then_sum``), its loss (the pure function ``grpo_loss``, re-exported here) and the
+entropy controls (``high_entropy_mask``, ``EntropyController``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """GRPO's loss as a pure function of tensors: TRL's loss types (surrogates and token normalisations),
 ``epsilon``/``epsilon_high`` clipping, ``delta``, token- or sequence-level importance sampling, the k3 KL penalty
 ``beta`` (optionally bias-corrected), the off-policy sequence mask, the high-entropy token mask, the entropy bonus
-and the sampler-mismatch importance weight (``modules/offpolicy/correction.py``). GRPOModule calls ``grpo_loss``;
-the per-token terms live in ``grpo_surrogates.py``."""
+and the sampler-mismatch importance weight (``importance_sampling_ratio``). GRPOModule calls ``grpo_loss``;
+the per-token terms are ``clipped_surrogate``, ``cispo_surrogate``, ``sapo_surrogate``, ``vespo_weights`` and
+``off_policy_mask``."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def grpo_loss(
     mean ``base_logp - logp`` exceeds it get 0, ``base_logp`` = ``sampling_per_token_logps`` when given (a NaN
     difference counts as 0), else ``old_logp``), by ``entropy_mask`` (the high-entropy tokens,
     ``top_entropy_quantile``) and by ``rho``, the detached ``importance_sampling_ratio`` ``pi_old / pi_sampler``
-    (``[B, T]`` per token or ``[B, 1]`` per row, from ``modules/offpolicy/correction.py``), except for ``vespo``,
+    (``[B, T]`` per token or ``[B, 1]`` per row, from ``importance_sampling_ratio``), except for ``vespo``,
     where ``sum_t log rho`` (each ``log rho`` clamped to [log 1e-8, 20]) is added to ``log W`` instead, so ``W`` is
     ``pi / pi_sampler``. Then ``beta * k3_t`` is added on every token, ``k3_t = exp(ref - logp) - (ref - logp) - 1``
     (not multiplied by ``rho``), times ``r`` (with its gradient) when ``use_bias_correction_kl``. So per token:

@@ -3,12 +3,12 @@ value losses, the KL coefficient controllers and the score post-processing (``mi
 ``use_score_scaling``, ``use_score_norm``, ``score_clip``).
 
 Sources. TRL 1.16.0 ships no PPO trainer (no ``trl.experimental.ppo``); the formulas are those of TRL's two earlier
-PPO trainers. The original ``PPOTrainer`` of TRL <= 0.11 (``trl/trainer/ppo_trainer.py`` at v0.11.4:
+PPO trainers. The original ``PPOTrainer`` of TRL <= 0.11 (``trl.trainer.ppo_trainer`` at v0.11.4:
 ``compute_rewards``, ``compute_advantages``, ``loss`` and the score scaling of ``step``; ``AdaptiveKLController``,
-``FixedKLController`` and ``RunningMoments`` in ``trl/trainer/utils.py``; ``masked_whiten`` in ``trl/core.py``) gives
+``FixedKLController`` and ``RunningMoments`` in ``trl.trainer.utils``; ``masked_whiten`` in ``trl.core``) gives
 ``token_rewards`` (k1 penalty, score on the last completion token), ``gae``, ``whiten``, both clipped losses, the KL
 controllers and ``ScoreProcessor``'s scaling, normalisation and clipping. Its successor (``PPOv2Trainer`` in
-0.9-0.11, ``trl/trainer/ppo_trainer.py`` in 0.12-0.25, ``trl/experimental/ppo/ppo_trainer.py`` from 0.26, checked
+0.9-0.11, ``trl.trainer.ppo_trainer`` in 0.12-0.25, ``trl.experimental.ppo.ppo_trainer`` from 0.26, checked
 at v1.9.0) keeps the same GAE recursion, whitening and clipped losses and adds ``missing_eos_penalty``.
 
 Tensors are ``[B, T]`` over the completion tokens with a 0/1 ``mask`` (1 on the completion through its EOS). The
@@ -114,7 +114,7 @@ def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages
     ``clipfrac`` (tokens where the clipped branch is the larger).
 
     ``importance_sampling_ratio``: ``rho`` (default 1), the detached ratio ``pi_old / pi_sampler`` of
-    ``modules/offpolicy/correction.py`` for rollouts drawn by another sampler (vLLM): ``[B, T]`` (token modes) or
+    ``importance_sampling_ratio`` for rollouts drawn by another sampler (vLLM): ``[B, T]`` (token modes) or
     ``[B, 1]`` (sequence modes: one weight per completion, the same on each of its tokens). It weights the clipped
     term of each token, as verl's truncated importance sampling weights its PPO policy loss; the value loss and the
     KL penalty (in the rewards) never see it. Its values off the mask are never read."""

@@ -1,8 +1,8 @@
 """The scoring stage: a rollout's completions through the reward functions, with the statistics every online-RL
 method logs (reward mean/std per function and in total, completion lengths, the truncated share, and with
 ``reward_fallback_value`` the substitutions per function) and the sample table of the last rollout
-(``callbacks/completions.py``). Reward functions get TRL's ``trainer_state``, ``log_extra`` and ``log_metric``
-(``rewards/trl_kwargs.py``): their extra columns join the sample table, their metrics the statistics."""
+(``CompletionSamples``). Reward functions get TRL's ``trainer_state``, ``log_extra`` and ``log_metric``
+(``RewardTrainerState``, ``RewardLogs``): their extra columns join the sample table, their metrics the statistics."""
 
 from __future__ import annotations
 

@@ -62,8 +62,8 @@ class PolicyModule(L.LightningModule):
             ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``), ``revision``, ``quantization_config`` …
         trust_remote_code: allow code shipped with the model repository (off unless asked).
         gradient_checkpointing: recompute activations in backward (non-reentrant) to save memory.
-        peft_config: LoRA settings (``{r: 16, lora_alpha: 32, target_modules: all-linear}``) or a peft config
-            object; only adapter parameters are trained. With a ``quantization_config``: QLoRA (``lora.py``).
+        peft_config: LoRA settings (``{r: 16, lora_alpha: 32, target_modules: all-linear}``) or a peft config object;
+            only adapter parameters are trained. With a ``quantization_config``: QLoRA (``prepare_quantized_base``).
         optimizer: a factory ``params -> Optimizer`` (YAML: ``class_path: torch.optim.SGD``); default AdamW
             built from ``learning_rate``, ``weight_decay``, ``adam_beta1/2``, ``adam_epsilon``.
         optim: a named preset instead (TRL/transformers names): ``adamw_8bit``, ``adam_8bit``,
@@ -90,28 +90,28 @@ class PolicyModule(L.LightningModule):
         use_liger_kernel: Liger's fused Triton kernels (needs ``liger-kernel`` and a CUDA GPU).
         recompute_mlp_activation: gated SiLU MLPs (Llama, Qwen, Mistral …) keep ``gate(x)`` and ``up(x)`` for the
             backward pass and recompute ``silu(gate(x))`` there instead of keeping it: a quarter less MLP activation
-            memory, bitwise the same values and gradients (``modules/adaptations/mlp_memory.py``). ``False`` keeps the model's
+            memory, bitwise the same values and gradients (``recompute_mlp_activation``). ``False`` keeps the model's
             own MLP forward. A model passed as ``model`` gets its own forwards back at teardown (and its attention
             implementation: ``sdpa_varlen`` or a GPU's flash attention are the module's choice), and the switch again
             at the next setup.
-        retain_cpu_memory: when training on CPU under glibc, keep freed memory in the process instead of giving
-            it back to the OS after every free, so each step's activations and gradients do not page-fault in
-            again (``modules/training/acceleration.py``; same peak RSS, faster steps). Process-wide from setup to
-            teardown (also undone when the run raises; what the undo restores: ``release_freed_cpu_memory``);
-            ``False`` leaves the allocator as it is. Applied only on the device type its threshold was measured on
-            (CPU, ``modules/training/device_tuning.py``), never to GPU runs.
+        retain_cpu_memory: when training on CPU under glibc, keep freed memory in the process instead of giving it back
+            to the OS after every free, so each step's activations and gradients do not page-fault in again
+            (``retain_freed_cpu_memory``; same peak RSS, faster steps: measured, see docs/performance.md). Process-wide
+            from setup to teardown (also undone when the run raises; what the undo restores:
+            ``release_freed_cpu_memory``); ``False`` leaves the allocator as it is. Applied only on the device type its
+            threshold was measured on (CPU, ``tuned``'s table), never to GPU runs.
         nonfinite: what a NaN/inf gradient does: ``skip`` the optimizer step (warning, ``train/nonfinite_steps``
             counter; the weights stay finite), ``stop`` with an error naming the step, batch and parameter, or
             ``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the gradient check stays
             off. Unless ``off``, NaN/inf weights after a step (an update that overflowed) stop the run with an error;
-            non-finite weights are never checkpointed or exported (``callbacks/nonfinite.py``).
+            non-finite weights are never checkpointed or exported (``NonFiniteGuard``).
         max_consecutive_nonfinite_steps: with ``nonfinite: skip``, stop with an error after this many skipped
             steps in a row; null: never.
-        disable_dropout: set every dropout probability of the policy to 0 (``modules/training/dropout.py``; TRL's default:
+        disable_dropout: set every dropout probability of the policy to 0 (``disable_dropout_in_model``; TRL's default:
             on for DPO, off for GRPO and SFT): ``nn.Dropout`` modules, the rates modules and configs keep (read at
             forward time), layer drop and MoE router jitter. The export's ``config.json`` keeps the user's values.
         router_aux_loss_coef: Mixture-of-Experts policies: weight of the router load-balancing loss added to the
-            training loss (``modules/losses/router_aux.py``); null takes the model config's value, 0 turns it off; an
+            training loss (``attach_router_aux_loss``); null takes the model config's value, 0 turns it off; an
             error on a dense model. Padded layouts only (off, and said so at fit start, in the others).
         activation_offloading: keep activations saved for backward in pinned CPU memory (CUDA; on CPU it has no
             effect, which the fit-start line says).
@@ -129,7 +129,7 @@ class PolicyModule(L.LightningModule):
     switched_knobs: dict[str, tuple[str, ...]] = {"sync_ref_model": ("ref_model_mixup_alpha", "ref_model_sync_steps")}
     # attributes kept out of the module tree (never optimised, checkpointed or wrapped by a strategy)
     _unregistered_attributes: frozenset[str] = frozenset({"ref_model", "side_effects"})
-    ref_model: torch.nn.Module | None = None  # the reference model (reference/component.py), when the method has one
+    ref_model: torch.nn.Module | None = None  # the reference model (``Reference``), when the method has one
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._unregistered_attributes:
@@ -239,7 +239,7 @@ class PolicyModule(L.LightningModule):
         self.lean_mlps = 0  # MLPs switched by recompute_mlp_activation
         self.adaptations = AdaptationReport()
         self.router_aux = None  # the MoE load-balancing loss collector, attached at fit start when in force
-        self.dropout_report = None  # what disable_dropout zeroed (modules/training/dropout.py), said at fit start
+        self.dropout_report = None  # what disable_dropout zeroed (DropoutReport), said at fit start
         if model is not None:
             self._prepare_model()
 
@@ -289,13 +289,13 @@ class PolicyModule(L.LightningModule):
             self.dropout_report = disable_dropout_in_model(self.model)
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
-        # model adaptations (modules/adaptations/): Liger or MLP recompute, sdpa -> sdpa_varlen; each is exact where
-        # it is applied, and the layout of the run is checked against the model at fit start (check_model_layout)
+        # model adaptations (adapt_model): Liger or MLP recompute, sdpa -> sdpa_varlen; each is exact where it is
+        # applied, and the layout of the run is checked against the model at fit start (check_model_layout)
         self.adaptations = adapt_model(self.model, recompute_mlp=bool(hp.get("recompute_mlp_activation", True)),
                                        liger=bool(hp.get("use_liger_kernel")))
         self.lean_mlps = self.adaptations.mlps_switched
         if hp.peft_config is not None and not is_peft_model(self.model):
-            prepare_quantized_base(self.model)  # QLoRA (lora.py)
+            prepare_quantized_base(self.model)  # QLoRA
             self.model = apply_peft(self.model, hp.peft_config)
         if hp.get("torch_compile"):
             from lightalign.modules.training.acceleration import compile_model
@@ -305,8 +305,8 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- scoped side effects
     def setup(self, stage: str) -> None:
         """Before every trainer entry (fit, validate, test, predict): the run's side effects outside the module's own
-        model (``training/side_effects.py``), undone by ``teardown`` or, when the run raises, by
-        ``callbacks/side_effects.py``."""
+        model (``ScopedSideEffects``), undone by ``teardown`` or, when the run raises, by
+        ``UndoSideEffectsOnError``."""
         self.side_effects.apply(self)
 
     def teardown(self, stage: str) -> None:
@@ -425,13 +425,13 @@ class PolicyModule(L.LightningModule):
                 "of that run) and pass the folder as model_name_or_path, without ckpt_path."
             )
         check_state_dict_matches(checkpoint.get("state_dict", {}), self.state_dict())
-        drop_quantization_state(self, checkpoint.get("state_dict", {}))  # QLoRA (lora.py)
+        drop_quantization_state(self, checkpoint.get("state_dict", {}))  # QLoRA
         self._pending_rng_states = checkpoint.get("lightalign_rng")
 
     # ----------------------------------------------------------------------------------------- non-finite guard
     def configure_callbacks(self) -> list[L.Callback]:
-        """The non-finite guard (``callbacks/nonfinite.py``) and the carried training metrics of an exact resume
-        (``carried_metrics.py``), added by the module so the Python API has them too."""
+        """The non-finite guard (``NonFiniteGuard``) and the carried training metrics of an exact resume
+        (``CarriedStepMetrics``), added by the module so the Python API has them too."""
         from lightalign.callbacks.nonfinite import NonFiniteGuard
         from lightalign.callbacks.side_effects import UndoSideEffectsOnError
         from lightalign.modules.training.carried_metrics import CarriedStepMetrics
@@ -580,7 +580,7 @@ class PolicyModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- export
     def export_hf(self, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the policy as a Hugging Face model folder, atomically (``modules/training/export.py``: ``export_hf``).
+        """Write the policy as a Hugging Face model folder, atomically (``export_hf``).
         A module not trained yet builds its model first (``configure_model``), so it exports what it would train."""
         self.configure_model()
         return export_hf(self.model, output_dir, tokenizer=tokenizer, merge_lora=merge_lora, state_dict=state_dict,
