@@ -20,8 +20,9 @@ from lightalign.modules.losses.grpo import (GRPO_LOSS_TYPES, GRPOLossConfig, che
 from lightalign.modules.rollout.buffer import in_rollout_order, scatter_rows
 from lightalign.modules.rollout.critic_free import CriticFreeModule
 from lightalign.modules.rollout.scoring import metric_key
-from lightalign.rewards import (RunningRewardNormalizer, check_reward_weights, clip_rewards, normalize_then_sum,
-                                scale_advantages)
+from lightalign.modules.losses.advantages import (RunningRewardNormalizer, clip_rewards, normalize_then_sum,
+                                                  scale_advantages)
+from lightalign.rewards import check_reward_weights
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPOModule", "grpo_loss"]
 
@@ -45,9 +46,10 @@ class GRPOModule(CriticFreeModule):
             ``accumulate_grad_batches`` TRL 1.16 divides by the rollout's tokens times ``accumulate / steps``
             (an average over the rollout) instead. Deliberately: each step's gradient is then the token mean of
             exactly the tokens it trains on, whatever the lengths in the rollout's other steps.
-        epsilon: lower clipping range: the importance ratio is clipped below at ``1 - epsilon`` (TRL: 0.2).
+        epsilon: lower clipping range: the importance ratio is clipped below at ``1 - epsilon`` (TRL: 0.2); for
+            ``gmpo`` the log-ratio at ``-epsilon`` (TRL's GMPO: 0.4).
         epsilon_high: upper clipping range: clipped above at ``1 + epsilon_high``; None: ``epsilon`` (DAPO's
-            clip-higher uses e.g. 0.28; ``cispo``'s ratio cap, e.g. 5.0).
+            clip-higher uses e.g. 0.28; ``cispo``'s ratio cap, e.g. 5.0; ``gmpo``'s log-ratio bound).
         delta: two-sided clipping (INTELLECT-2): the unclipped branch uses ``min(ratio, delta)``; > 1, e.g. 4.0.
         importance_sampling_level: ``token`` (default) or ``sequence`` (GSPO: each completion's mean log-ratio,
             one ratio per completion).
@@ -264,4 +266,4 @@ def check_reward_shaping(scale_rewards: str, normalize_rewards: bool, reward_cli
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
     if reward_clip is not None and reward_clip <= 0:
-        raise ValueError(f"reward_clip must be > 0 or null, got {reward_clip}.")
+        raise ValueError(f"reward_clip must be a positive number or null, got {reward_clip}.")

@@ -13,7 +13,7 @@ from torchmetrics.aggregation import MeanMetric
 
 import lightalign.modules.grpo as grpo_mod
 from lightalign.modules.losses.entropy import EntropyController, high_entropy_mask
-from lightalign.rewards import normalize_then_sum
+from lightalign.modules.losses.advantages import normalize_then_sum
 
 
 def advantages(module, rollout, stats):
