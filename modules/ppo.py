@@ -8,8 +8,8 @@ PPO runs on the online-RL loop (``OnlineRLModule``), as GRPO and RLOO do:
 ``PromptDataModule`` prompts, the sampler, the reward functions (or reward-model folders), the rollout buffer reused
 across ``training_step`` calls, exact resume and the strategies. Its advantage stage (``rollout_advantages``): score (``missing_eos_penalty``, ``use_score_scaling``/``use_score_norm``,
 ``score_clip``), one no-grad forward for the sampling policy's log-probs and values, the reference's log-probs,
-per-token rewards (``-kl_coef * (logp - ref_logp)`` on every token, the score on the last: ``token_rewards``), GAE
-and whitened advantages (``gae``, ``whiten``). Then ``num_ppo_epochs`` passes over the rollout's ``num_mini_batches``
+per-token rewards (``-kl_coef * (logp - ref_logp)`` on every token, the score on the last), GAE and whitened
+advantages (``token_rewards``, ``gae``, ``whiten``). Then ``num_ppo_epochs`` passes over the rollout's ``num_mini_batches``
 mini-batches (one optimizer step each; with ``accumulate_grad_batches`` = k a mini-batch is k micro-batches, i.e.
 ``training_step`` calls), each with the clipped policy loss plus ``vf_coef`` times the clipped value loss, both
 averaged over the mini-batch's completion tokens. Rollouts sampled by vLLM (``use_vllm``) keep the sampler's
@@ -37,8 +37,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightalign.modules.generation.sampling import eos_token_ids
 from lightalign.modules.losses.entropy import token_entropies
+from lightalign.modules.losses.advantages import gae, masked_mean, token_rewards, whiten
 from lightalign.modules.losses.ppo import (AdaptiveKLController, FixedKLController, ScoreProcessor, clipped_policy_loss,
-                                         clipped_value_loss, explained_variance, gae, masked_mean, token_rewards, whiten)
+                                         clipped_value_loss, explained_variance)
 from lightalign.modules.rollout.buffer import RolloutBuffer, in_rollout_order, reshuffle_rollout, scatter_rows
 from lightalign.modules.rollout.module import OnlineRLModule
 from lightalign.modules.rollout.scoring import metric_key

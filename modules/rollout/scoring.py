@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from lightalign.modules.training.stat_metrics import metric_key
-from lightalign.rewards import FallbackReport, compute_rewards, nanstd
+from lightalign.modules.losses.advantages import nanstd
+from lightalign.rewards import FallbackReport, compute_rewards
 from lightalign.rewards.calling import short_repr
 from lightalign.rewards.trl_kwargs import RewardLogs, RewardTrainerState
 
