@@ -50,7 +50,7 @@ def data_columns(columns: list[str]) -> list[str]:
 def default_padding_free(student: torch.nn.Module, teacher: torch.nn.Module, device: torch.device,
                          longest: int | None) -> tuple[bool, str | None]:
     """DistillModule's ``padding_free`` when it is unset: the device's measured default (``distill_padding_free``
-    in ``training/device_tuning.py``), and padded rows when the student or the teacher does not run the packed layout
+    in ``tuned``'s table), and padded rows when the student or the teacher does not run the packed layout
     exactly (measured on a probe of its class, ``adaptations.check_layout``). Returns (packed, the fit-start note)."""
     from lightalign.modules.adaptations.support import LayoutRefused, check_layout
     from lightalign.modules.training.device_tuning import tuned

@@ -3,7 +3,7 @@ model with one output trained on the pair batches of ``PreferenceDataModule``).
 
 The trained model scores a sequence with the single logit at its last non-padding token, as transformers'
 ``*ForSequenceClassification`` models do; its Hugging Face export is what ``GRPOModule(reward_funcs=[folder])``
-(``rewards/model.py``: ``RewardModel``) loads.
+(through ``RewardModel``) loads.
 """
 
 from __future__ import annotations

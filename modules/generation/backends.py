@@ -1,7 +1,7 @@
 """Which sampler a run uses when ``generation_backend`` is unset: the device's measured default, unless that default
 cannot serve the run (a knob it does not honour, the model, several processes), and then ``generate``.
 
-The decision is made once, at fit start (``rollout/sampling.py``), and said in the fit-start line; the probe then
+The decision is made once, at fit start (``Sampling.backend``), and said in the fit-start line; the probe then
 measures the chosen backend on the user's model class (``adaptations.check_layout``).
 """
 
@@ -13,8 +13,8 @@ from lightalign.modules.generation.samplers import get_sampler, refuse_knobs, se
 from lightalign.modules.training.device_tuning import tuned
 
 def default_backend(device_type: str) -> str:
-    """The default when ``generation_backend`` is unset: measured per device type (``training/device_tuning.py``,
-    entry ``generation_backend``: ``compact`` on the project's 2-core CPU, bench/grpo.py --shape reasoning,
+    """The default when ``generation_backend`` is unset: measured per device type (``tuned``'s
+    ``generation_backend`` entry: ``compact`` on the project's CPU, measured on the reasoning workload,
     docs/performance.md); ``generate`` where nothing was measured."""
     return tuned("generation_backend", device_type)
 

@@ -1,6 +1,6 @@
 """TR-DPO reference updates (TRL's ``sync_ref_model``): every ``ref_model_sync_steps`` optimizer steps the
 reference becomes ``ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference``, parameter by
-parameter (the callback that times it and keeps the mixed weights in checkpoints: ``callbacks/reference_sync.py``).
+parameter (the callback that times it and keeps the mixed weights in checkpoints: ``ReferenceSync``).
 
 Only a reference held as its own full-precision model can be mixed; the other reference modes are refused when
 the module is built (``check_reference_sync``) or at fit start (``check_mixable``).

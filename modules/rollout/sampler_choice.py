@@ -1,6 +1,6 @@
 """Which sampler a run samples with, decided once at fit start and measured on the user's model class.
 
-The asked backend, or the device's default (``generation/backends.py``); a backend other than ``generate`` is
+The asked backend, or the device's default (``effective_backend``); a backend other than ``generate`` is
 measured on a probe of the policy (``adaptations.check_layout``: greedy completions equal ``generate`` on each
 prompt alone). An asked backend, or the shared prefill, that is not exact is refused naming the knob; a default
 that is not exact steps back to ``generate``, and the fit-start line says so and why.

@@ -15,7 +15,7 @@ whose name says ``drop`` or ``jitter``. Zeroing them changes nothing in eval mod
 
 Config values are what an export writes, and the user's exported ``config.json`` must keep the user's values: the
 values replaced are remembered on the model, and ``user_dropout_config(model)`` puts them back for the duration of
-a block; ``modules/training/export.py``'s ``export_hf`` (every lightalign export) writes the config inside it. (A bare
+a block; ``export_hf`` (every lightalign export) writes the config inside it. (A bare
 ``model.save_pretrained`` outside it writes the zeros.)
 
 Left alone, because zeroing would change the model rather than remove noise:

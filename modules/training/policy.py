@@ -59,7 +59,7 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
     switched_knobs: dict[str, tuple[str, ...]] = {"sync_ref_model": ("ref_model_mixup_alpha", "ref_model_sync_steps")}
     # attributes kept out of the module tree (never optimised, checkpointed or wrapped by a strategy)
     _unregistered_attributes: frozenset[str] = frozenset({"ref_model", "side_effects", "knobs"})
-    ref_model: torch.nn.Module | None = None  # the reference model (reference/component.py), when the method has one
+    ref_model: torch.nn.Module | None = None  # the reference model (``Reference.build``), when the method has one
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._unregistered_attributes:
@@ -101,8 +101,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
     # ----------------------------------------------------------------------------------------- scoped side effects
     def setup(self, stage: str) -> None:
         """Before every trainer entry (fit, validate, test, predict): the run's side effects outside the module's own
-        model (``training/side_effects.py``), undone by ``teardown`` or, when the run raises, by
-        ``callbacks/side_effects.py``."""
+        model (``ScopedSideEffects``), undone by ``teardown`` or, when the run raises, by
+        ``UndoSideEffectsOnError``."""
         self.side_effects.apply(self)
 
     def teardown(self, stage: str) -> None:
@@ -196,8 +196,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
 
     # ----------------------------------------------------------------------------------------- non-finite guard
     def configure_callbacks(self) -> list[L.Callback]:
-        """The non-finite guard (``callbacks/nonfinite.py``) and the carried training metrics of an exact resume
-        (``carried_metrics.py``), added by the module so the Python API has them too."""
+        """The non-finite guard (``NonFiniteGuard``) and the carried training metrics of an exact resume
+        (``CarriedStepMetrics``), added by the module so the Python API has them too."""
         from lightalign.callbacks.nonfinite import NonFiniteGuard
         from lightalign.callbacks.side_effects import UndoSideEffectsOnError
         from lightalign.modules.training.carried_metrics import CarriedStepMetrics
