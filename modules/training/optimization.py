@@ -58,9 +58,9 @@ class OptimizationKnobs(KnobGroup):
         if self.weight_decay < 0:  # AdamW would grow the weights by lr * |weight_decay| each step
             raise ValueError(f"weight_decay must be >= 0 (0 turns it off), got {self.weight_decay}.")
         if self.optim is not None:
-            from lightalign.modules.training.optimizers import check_optim_name
+            from lightalign.modules.training.optimizers import check_optim_preset
 
-            check_optim_name(self.optim)
+            check_optim_preset(self.optim, self.optim_target_modules)
             if self.optimizer is not None:
                 raise ValueError("Pass either optim (a named preset) or optimizer (a factory), not both.")
         if self.learning_rate < 0:
