@@ -166,9 +166,6 @@ class DistillModule(SamplingModule):
                              "in Python, teacher_model (a built model).")
         if teacher_model is not None and teacher_model_name_or_path:
             raise ValueError("Pass either teacher_model_name_or_path or teacher_model (a built model), not both.")
-        if kwargs.get("neftune_noise_alpha") is not None:
-            raise ValueError(f"neftune_noise_alpha is not supported by {name}: the student's train-mode forward would "
-                             "carry noise its samples did not; drop it.")
         super().__init__(model_name_or_path, max_completion_length=max_completion_length, temperature=temperature,
                          disable_dropout=disable_dropout, **kwargs)  # the sampling knobs are checked there
         self.save_hyperparameters(ignore=["model", "teacher_model", "optimizer", "lr_scheduler", "eval_metrics"])

@@ -8,14 +8,16 @@ entropy controls (``high_entropy_mask``, ``EntropyController``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightalign.modules.losses.entropy import SENTINEL, EntropyController, check_entropy_control, high_entropy_mask
-from lightalign.modules.losses.grpo import (GRPO_LOSS_TYPES, GRPOLossConfig, check_kl_beta, grpo_loss,
-                                           normalises_by_step_tokens)
+from lightalign.knobs import takes_knobs
+from lightalign.modules.losses.advantages.reward_shaping import RewardShapingKnobs
+from lightalign.modules.losses.entropy import SENTINEL, EntropyController, EntropyKnobs, high_entropy_mask
+from lightalign.modules.losses.grpo import GRPO_LOSS_TYPES, GRPOLossConfig, grpo_loss, normalises_by_step_tokens
+from lightalign.modules.losses.kl_penalty import KLKnobs
 from lightalign.modules.rollout.buffer import in_rollout_order, scatter_rows
 from lightalign.modules.rollout.critic_free import CriticFreeModule
 from lightalign.modules.rollout.scoring import metric_key
@@ -25,64 +27,12 @@ from lightalign.rewards import check_reward_weights
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPOModule", "grpo_loss"]
 
-SCALE_REWARDS = ("group", "batch", "none")
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
-
+@takes_knobs(GRPOLossConfig, KLKnobs, EntropyKnobs, RewardShapingKnobs)
 class GRPOModule(CriticFreeModule):
-    """GRPO on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults).
-
-    Args:
-        multi_objective_aggregation: ``sum_then_normalize`` (default): weighted sum of the rewards, then
-            ``scale_rewards``; ``normalize_then_sum`` (GDPO): each function's rewards are normalised within each
-            group (``(r - mean) / (std + 1e-4)``), weighted and summed, and the sum is normalised over the whole
-            generation batch (every rank's); ``scale_rewards`` is then not used, and ``normalize_rewards`` /
-            ``reward_clip`` (lightalign's, on the summed reward) are refused with it.
-        loss_type: ``dapo`` (default) | ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``cispo`` | ``sapo`` | ``luspo`` |
-            ``vespo`` | ``gmpo`` (formulas: ``grpo_loss``; GMPO: set ``epsilon: 0.4``, TRL's GMPO default). ``cispo`` needs ``epsilon_high`` (the ratio cap, e.g. 5.0);
-            ``luspo`` needs ``importance_sampling_level: sequence``; ``beta > 0`` and ``top_entropy_quantile < 1`` combine with it as in TRL 1.16.0 (each completion's masked token sum, averaged over completions). ``dapo`` divides by the completion
-            tokens of each optimizer step's own micro-batches; when ``steps_per_generation`` exceeds
-            ``accumulate_grad_batches`` TRL 1.16 divides by the rollout's tokens times ``accumulate / steps``
-            (an average over the rollout) instead. Deliberately: each step's gradient is then the token mean of
-            exactly the tokens it trains on, whatever the lengths in the rollout's other steps.
-        epsilon: lower clipping range: the importance ratio is clipped below at ``1 - epsilon`` (TRL: 0.2); for
-            ``gmpo`` the log-ratio at ``-epsilon`` (TRL's GMPO: 0.4).
-        epsilon_high: upper clipping range: clipped above at ``1 + epsilon_high``; None: ``epsilon`` (DAPO's
-            clip-higher uses e.g. 0.28; ``cispo``'s ratio cap, e.g. 5.0; ``gmpo``'s log-ratio bound).
-        delta: two-sided clipping (INTELLECT-2): the unclipped branch uses ``min(ratio, delta)``; > 1, e.g. 4.0.
-        importance_sampling_level: ``token`` (default) or ``sequence`` (GSPO: each completion's mean log-ratio,
-            one ratio per completion).
-        sapo_temperature_pos: SAPO's gate temperature for tokens with a positive advantage (> 0).
-        sapo_temperature_neg: SAPO's gate temperature for the other tokens (> 0).
-        vespo_k_pos: VESPO's Gamma weight ``w^k exp(-lambda w)``: ``k`` for non-negative advantages.
-        vespo_lambda_pos: VESPO's ``lambda`` for non-negative advantages.
-        vespo_k_neg: VESPO's ``k`` for negative advantages.
-        vespo_lambda_neg: VESPO's ``lambda`` for negative advantages.
-        off_policy_mask_threshold: drop completions with a negative advantage whose mean ``log pi_old - log pi``
-            exceeds it (DeepSeek-V3.2). Only acts when the rollout is reused (``num_iterations > 1`` or
-            ``steps_per_generation > accumulate_grad_batches``); otherwise the policy is the sampler.
-        top_entropy_quantile: keep in the policy term only the tokens whose entropy is in the top quantile of the
-            micro-batch's tokens (every rank's); 1.0 keeps all, the paper uses 0.2. The KL term keeps every token.
-        entropy_coef: entropy bonus ``loss -= entropy_coef * mean token entropy`` (of the kept tokens).
-        use_adaptive_entropy: adaptive entropy control (Skywork-OR1): after each optimizer step ``entropy_coef``
-            moves by ``entropy_coef_delta`` (up while the step's mean entropy is <= ``entropy_target``, else down,
-            within [``entropy_coef_min``, ``entropy_coef_max``]) and applies only while the last step's entropy is
-            <= ``entropy_target``. Its state is in the checkpoint.
-        entropy_coef_min: the adaptive coefficient's floor.
-        entropy_coef_max: the adaptive coefficient's ceiling.
-        entropy_coef_delta: the adaptive coefficient's change per optimizer step.
-        entropy_target: the mean token entropy the adaptive control steers towards.
-        beta: KL coefficient (k3 estimator) against a reference model, which is built only when ``beta > 0``.
-        use_bias_correction_kl: multiply the k3 term by the importance ratio (DeepSeek-V3.2's unbiased estimate;
-            on by default, as in TRL 1.16; no effect when ``beta`` is 0).
-        scale_rewards: advantage scaling: ``group`` std, ``batch`` std, or ``none``.
-        normalize_rewards: normalise rewards by their running mean/std before the advantages (statistics of
-            the whole generation batch, every rank's, so all ranks keep the same ones).
-        reward_clip: clip (normalised) rewards to ``[-reward_clip, reward_clip]``.
-        **kwargs: ``CriticFreeModule`` arguments (``steps_per_generation``, ``num_iterations``, the layouts),
-            ``OnlineRLModule`` ones (rewards, ``num_generations``, sampling, reference, vLLM) and ``PolicyModule``
-            ones (model, LoRA, optimizer, schedule).
-    """
+    """GRPO on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults): the loss
+    (``GRPOLossConfig``, a registered policy loss per ``loss_type``), the KL term (``KLKnobs``), the entropy bonus and
+    mask (``EntropyKnobs``) and the rewards' way to advantages (``RewardShapingKnobs``), on the critic-free loop."""
 
     method_name = "GRPO"
     uses_reference_model = True
@@ -90,47 +40,14 @@ class GRPOModule(CriticFreeModule):
                     "vespo/phi_seq_mean")
     _unregistered_attributes = CriticFreeModule._unregistered_attributes | {"entropy_control"}
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo", "gmpo"] = "dapo",
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        delta: float | None = None,
-        importance_sampling_level: Literal["token", "sequence"] = "token",
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        vespo_k_pos: float = 2.0,
-        vespo_lambda_pos: float = 3.0,
-        vespo_k_neg: float = 3.0,
-        vespo_lambda_neg: float = 2.0,
-        off_policy_mask_threshold: float | None = None,
-        top_entropy_quantile: float = 1.0,
-        entropy_coef: float = 0.0,
-        use_adaptive_entropy: bool = False,
-        entropy_coef_min: float = 0.0,
-        entropy_coef_max: float = 1.0,
-        entropy_coef_delta: float = 0.005,
-        entropy_target: float = 0.2,
-        beta: float = 0.0,
-        use_bias_correction_kl: bool = True,
-        scale_rewards: Literal["group", "batch", "none"] = "group",
-        normalize_rewards: bool = False,
-        reward_clip: float | None = None,
-        multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
-        **kwargs: Any,
-    ) -> None:
-        loss_config = GRPOLossConfig.from_values(locals())  # the loss knobs, checked once, here
-        check_kl_beta(beta)
-        check_entropy_control(entropy_coef, use_adaptive_entropy, entropy_coef_min, entropy_coef_max,
-                              entropy_coef_delta, entropy_target, top_entropy_quantile)
-        check_reward_shaping(scale_rewards, normalize_rewards, reward_clip, multi_objective_aggregation)
-        super().__init__(model_name_or_path, **kwargs)
-        self.loss_config = loss_config
-        self.reward_normalizer = RunningRewardNormalizer() if normalize_rewards else None
-        self.entropy_control = EntropyController(entropy_coef, use_adaptive_entropy, entropy_target, entropy_coef_delta,
-                                                 entropy_coef_min, entropy_coef_max)
+    def compose(self) -> None:
+        super().compose()
+        entropy = self.knobs.entropy
+        self.loss_config = self.knobs.loss
+        self.reward_normalizer = RunningRewardNormalizer() if self.knobs.reward_shaping.normalize_rewards else None
+        self.entropy_control = EntropyController(entropy.entropy_coef, entropy.use_adaptive_entropy,
+                                                 entropy.entropy_target, entropy.entropy_coef_delta,
+                                                 entropy.entropy_coef_min, entropy.entropy_coef_max)
 
     @property
     def uses_reference(self) -> bool:
@@ -248,21 +165,3 @@ class GRPOModule(CriticFreeModule):
     def load_rank_state(self, state: dict[str, Any]) -> None:
         if self.reward_normalizer is not None and "reward_normalizer" in state:
             self.reward_normalizer.load_state_dict(state["reward_normalizer"])
-
-
-def check_reward_shaping(scale_rewards: str, normalize_rewards: bool, reward_clip: float | None,
-                         multi_objective_aggregation: str) -> None:
-    """GRPO's reward-to-advantage knobs, checked at construction."""
-    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-        raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} is unknown; use one of "
-                         f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}.")
-    if multi_objective_aggregation == "normalize_then_sum" and (
-            normalize_rewards or reward_clip is not None or scale_rewards == "none"):
-        raise ValueError("multi_objective_aggregation='normalize_then_sum' normalises each reward function per "
-                         "group and the weighted sum over the batch itself: unset normalize_rewards and "
-                         "reward_clip, and leave scale_rewards at 'group' (it is not used; 'none' would be "
-                         "silently ignored).")
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
-    if reward_clip is not None and reward_clip <= 0:
-        raise ValueError(f"reward_clip must be a positive number or null, got {reward_clip}.")

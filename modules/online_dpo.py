@@ -192,9 +192,6 @@ class OnlineDPOModule(SamplingModule):
             raise ValueError(f"missing_eos_penalty must be a positive number subtracted from a reward, got "
                              f"{missing_eos_penalty}" + (" with a judge, which gives no reward to subtract it from; "
                                                          "drop it." if judge is not None else "."))
-        if kwargs.get("neftune_noise_alpha") is not None:
-            raise ValueError(f"neftune_noise_alpha is not supported by {name}: the policy's train-mode forward would "
-                             "carry noise its samples did not; drop it.")
         funcs = [] if reward_funcs is None else resolve_reward_funcs(
             list(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]))
         check_reward_weights(funcs, reward_weights)

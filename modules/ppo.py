@@ -185,6 +185,9 @@ class PPOModule(OnlineRLModule):
         self.value_head = None if hidden is None else ValueHead(hidden)
         self.value_model: torch.nn.Module | None = None
 
+    def shared_layers(self) -> int | None:
+        return self.hparams.num_shared_layers
+
     @property
     def uses_reference(self) -> bool:
         return self.hparams.kl_coef > 0

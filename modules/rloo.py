@@ -12,11 +12,15 @@ schedule and the training layouts ``CriticFreeModule``. RLOO's part is its advan
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from lightalign.knobs import KnobGroup, knob, takes_knobs
+
 from lightalign.modules.losses.advantages import kl_penalized_rewards, rloo_advantages
+from lightalign.modules.losses.kl_penalty import KLKnobs
 from lightalign.modules.losses.rloo import rloo_loss
 from lightalign.modules.rollout.buffer import in_rollout_order, scatter_rows
 from lightalign.modules.rollout.critic_free import CriticFreeModule
@@ -25,59 +29,48 @@ from lightalign.modules.rollout.scoring import metric_key
 __all__ = ["RLOOModule"]
 
 
-class RLOOModule(CriticFreeModule):
-    """RLOO on the prompt batches of ``PromptDataModule`` (TRL 1.16's knob names and defaults).
+@dataclasses.dataclass(frozen=True)
+class RLOOKnobs(KnobGroup):
+    """RLOO's own knobs: the clip of its per-completion ratio, its advantage and reward clamp (TRL 1.16's names)."""
 
-    Args:
-        num_generations: completions per prompt (the group; TRL's RLOO default 2); at least 2, since a
-            completion's baseline is the others' mean. A completion no reward function scores (None from every
-            function) is left out of its siblings' baselines and gets advantage 0.
-        epsilon: lower clipping range of the *sequence* ratio: clipped below at ``1 - epsilon``.
-        epsilon_high: upper clipping range of the sequence ratio: clipped above at ``1 + epsilon_high``; None:
-            ``epsilon``.
-        beta: KL coefficient (TRL's default 0.05). The penalty ``beta * sum_t (logp_old - logp_ref)`` is taken
-            from the reward of each completion before the baselines; a reference model is built when ``beta > 0``
-            (a frozen copy, a separately loaded ``ref_model_name_or_path``, or the base model with LoRA disabled).
-        normalize_advantages: standardise the advantages over the whole generation batch (every rank's).
-        reward_clip_range: ``[low, high]`` to clamp the weighted reward to before the KL penalty; None: no clamp.
-        **kwargs: ``CriticFreeModule`` arguments (``steps_per_generation``, ``num_iterations``, the layouts),
-            ``OnlineRLModule`` ones (rewards, sampling, reference, vLLM) and ``PolicyModule`` ones (model, LoRA,
-            optimizer, schedule).
-    """
+    group = "rloo"
+    epsilon: float = knob(0.2, "lower clipping range of the *sequence* ratio: clipped below at ``1 - epsilon``.")
+    epsilon_high: float | None = knob(None, "upper clipping range of the sequence ratio: clipped above at "
+                                            "``1 + epsilon_high``; None: ``epsilon``.")
+    normalize_advantages: bool = knob(False, "standardise the advantages over the whole generation batch (every "
+                                             "rank's).")
+    reward_clip_range: tuple[float, float] | None = knob(None, "``[low, high]`` to clamp the weighted reward to before "
+                                                               "the KL penalty; None: no clamp.")
+
+    def check(self) -> None:
+        if not self.epsilon > 0:
+            raise ValueError(f"epsilon (lower clipping range, ratio >= 1 - epsilon) must be > 0, got {self.epsilon}.")
+        if self.epsilon_high is not None and not self.epsilon_high > 0:
+            raise ValueError(f"epsilon_high must be > 0 or null (= epsilon), got {self.epsilon_high}.")
+        low_high = self.reward_clip_range
+        if low_high is not None and (len(low_high) != 2 or not float(low_high[0]) < float(low_high[1])):
+            raise ValueError(f"reward_clip_range must be [low, high] with low < high, or null; got {list(low_high)}.")
+
+
+@takes_knobs(KLKnobs, RLOOKnobs, defaults={"num_generations": 2, "beta": 0.05})
+class RLOOModule(CriticFreeModule):
+    """RLOO on the prompt batches of ``PromptDataModule`` (TRL 1.16's knob names and defaults): at least 2
+    completions per prompt, since a completion's baseline is the others' mean; a completion no reward function scores
+    (None from every function) is left out of its siblings' baselines and gets advantage 0. The KL penalty (``beta``)
+    is taken from each completion's reward before the baselines."""
 
     method_name = "RLOO"
     uses_reference_model = True
     group_needs = "a completion's baseline is the mean reward of the other completions of its prompt"
     method_stats = ("clip_ratio", "clip_ratio/low", "clip_ratio/high", "kl")
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        num_generations: int = 2,
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        beta: float = 0.05,
-        normalize_advantages: bool = False,
-        reward_clip_range: tuple[float, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if beta < 0:
-            raise ValueError(f"beta must be >= 0 (the KL penalty's coefficient), got {beta}.")
-        if not epsilon > 0:
-            raise ValueError(f"epsilon (lower clipping range, ratio >= 1 - epsilon) must be > 0, got {epsilon}.")
-        if epsilon_high is not None and not epsilon_high > 0:
-            raise ValueError(f"epsilon_high must be > 0 or null (= epsilon), got {epsilon_high}.")
-        if reward_clip_range is not None:
-            if len(reward_clip_range) != 2 or not float(reward_clip_range[0]) < float(reward_clip_range[1]):
-                raise ValueError(f"reward_clip_range must be [low, high] with low < high, or null; got "
-                                 f"{list(reward_clip_range)}.")
-        mode = self.knob("vllm_importance_sampling_mode", kwargs)
+    def check_knob_combinations(self) -> None:
+        super().check_knob_combinations()
+        mode = self.knobs.importance_sampling.vllm_importance_sampling_mode
         if str(mode).startswith("token_"):
             raise ValueError(f"vllm_importance_sampling_mode={mode!r}: RLOO's loss is one clipped ratio per completion, "
                              "so its importance-sampling weight is per completion too; use 'sequence_mask' or "
                              "'sequence_truncate'.")
-        super().__init__(model_name_or_path, num_generations=num_generations, **kwargs)
 
     @property
     def uses_reference(self) -> bool:

@@ -11,6 +11,10 @@ re-tokenisation), on the run's sampler, so any backend that samples from token i
 
 from __future__ import annotations
 
+import dataclasses
+
+from lightalign.knobs import KnobGroup, knob
+
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +33,39 @@ from lightalign.rewards.deadline import map_with_deadline
 
 TOOL_STATS = ("tools/call_frequency", "tools/failure_frequency")
 
+
+@dataclasses.dataclass(frozen=True)
+class ToolKnobs(KnobGroup):
+    """Multi-turn rollouts: tools the policy may call, or environments that own the tools and the reward."""
+
+    group = "tools"
+    tools: list[str | Callable] | None = knob(
+        None, "tools the policy may call during a rollout: import paths of plain functions (``mypkg.tools:calc``) or "
+              "callables; type hints and a docstring give each its JSON schema, which the chat template renders. "
+              "Calls are parsed from the policy's turns in its template's format (the tokenizer's "
+              "``response_template``); results come back as ``tool`` messages whose tokens are not trained "
+              "(``ToolRollouts``, docs/tools.md).", saved=False)
+    environment_factory: str | Callable | None = knob(
+        None, "an import path (or callable) building one environment per trajectory: ``reset(**row)`` before it (may "
+              "return text appended to the last user message), its public methods are tools, ``get_reward()`` "
+              "(optional) scores the trajectory (a reward source named after the class, weight 1), ``close()`` "
+              "(optional) once the rollout is scored or the run stops.", saved=False)
+    max_tool_calling_iterations: int | None = knob(
+        None, "tool-calling rounds per trajectory at most (None: until the policy answers without a call or "
+              "``max_completion_length``, which counts tool tokens too, is spent).")
+    tool_timeout: float | None = knob(
+        60.0, "seconds one tool call may run; a call that takes longer, raises, names an unknown tool or passes wrong "
+              "arguments becomes an ``error:`` tool message and counts in ``tools/failure_frequency``.")
+    response_template: dict[str, Any] | None = knob(
+        None, "how the tokenizer's assistant turns are parsed into ``content`` and ``tool_calls`` (transformers' "
+              "response-template dict), for a tokenizer that has none.")
+
+    def check(self) -> None:
+        if not self.tools and self.environment_factory is None:
+            for knob_name, value in (("max_tool_calling_iterations", self.max_tool_calling_iterations),
+                                     ("response_template", self.response_template)):
+                if value is not None:
+                    raise ValueError(f"{knob_name} is set but there are no tools: give tools or environment_factory.")
 
 class ToolRollouts:
     """The tool-calling rollout of a method: its tools, its environments, its turn limit.
@@ -68,10 +105,6 @@ class ToolRollouts:
               tool_timeout: float | None, response_template: dict[str, Any] | None) -> "ToolRollouts | None":
         """The component when tools or an environment are given, else None (single-turn rollouts)."""
         if not tools and environment_factory is None:
-            for knob, value in (("max_tool_calling_iterations", max_tool_calling_iterations),
-                                ("response_template", response_template)):
-                if value is not None:
-                    raise ValueError(f"{knob} is set but there are no tools: give tools or environment_factory.")
             return None
         return ToolRollouts(tools, environment_factory, max_tool_calling_iterations, tool_timeout, response_template)
 

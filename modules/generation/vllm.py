@@ -26,12 +26,14 @@ has run against a real engine on this project's CPU machines: see docs/vllm.md f
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Literal
 
 import torch
 
+from lightalign.knobs import KnobGroup, knob
 from lightalign.modules.generation.samplers import Samples
 
 VLLM_MODES = ("colocate", "server")
@@ -76,6 +78,40 @@ class VLLMConfig:
 GENERATION_KWARGS_TO_VLLM = {"min_new_tokens": "min_tokens", "presence_penalty": "presence_penalty",
                              "frequency_penalty": "frequency_penalty"}
 INSTALL_HINT = "pip install 'lightalign[vllm]' (on a machine with a CUDA GPU)"
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMKnobs(KnobGroup):
+    """Sampling with vLLM on a GPU (TRL's names and defaults); checked with the sampling knobs they combine with by
+    ``check_vllm_knobs``."""
+
+    group = "vllm"
+    use_vllm: bool = knob(
+        False, "sample with vLLM on a GPU instead (TRL's names and defaults for every ``vllm_*`` knob; docs/vllm.md): "
+               "the completions of the model being trained (the policy, the student), its weights pushed to the "
+               "engine at fit start and after every optimizer step; a ``seq_kd`` teacher's through an engine of its "
+               "own, given its weights once. Refused without CUDA, and with ``generation_backend``.")
+    vllm_mode: Literal["colocate", "server"] = knob(
+        "colocate", "``colocate`` (a ``vllm.LLM`` inside each training process, on its GPU) or ``server`` (a "
+                    "separate ``vllm serve``).")
+    vllm_server_base_url: str | None = knob(None, "server mode: the server's URL (e.g. ``http://10.0.0.2:8000``); "
+                                                  "default ``http://{vllm_server_host}:{vllm_server_port}``.")
+    vllm_server_host: str = knob("0.0.0.0", "server mode: the server's host.")
+    vllm_server_port: int = knob(8000, "server mode: the server's port.")
+    vllm_server_timeout: float = knob(240.0, "server mode: seconds to wait for each HTTP request.")
+    vllm_weight_sync_timeout: float = knob(
+        1800.0, "server mode: seconds a weight push (and the weight-transfer set-up) may take before the run stops "
+                "with an error naming the server, instead of hanging (TRL's async GRPO: ``weight_sync_timeout``).")
+    vllm_group_port: int = knob(51216, "server mode: the port of the NCCL weight-transfer group.")
+    vllm_gpu_memory_utilization: float | None = knob(
+        None, "colocate mode: the share of the GPU each vLLM engine takes (weights and KV cache). Default (null): the "
+              "method's TRL default, 0.3 (GRPO, RLOO, PPO, distillation) or 0.55 (online DPO).")
+    vllm_tensor_parallel_size: int = knob(1, "colocate mode: only 1 is built; larger: server mode with "
+                                             "``vllm serve --tensor-parallel-size N``.")
+    vllm_max_model_length: int | None = knob(None, "colocate mode: vLLM's ``max_model_len`` (default: the model's).")
+    vllm_enable_sleep_mode: bool = knob(False, "colocate mode: vLLM releases its memory between samplings.")
+    vllm_model_impl: Literal["vllm", "transformers"] = knob("vllm", "colocate mode: ``vllm`` or ``transformers`` "
+                                                                    "model code inside vLLM.")
 
 
 def check_vllm_knobs(use_vllm: bool = False, vllm_mode: str = "colocate", vllm_model_impl: str = "vllm",

@@ -6,6 +6,10 @@ Knob names, defaults and update rule are TRL's (``GRPOConfig``); the code is our
 
 from __future__ import annotations
 
+import dataclasses
+
+from lightalign.knobs import KnobGroup, knob
+
 import math
 from typing import Callable
 
@@ -35,6 +39,31 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: flo
     threshold = torch.quantile(values, 1.0 - quantile)
     return (entropies >= threshold) & mask.bool()
 
+
+@dataclasses.dataclass(frozen=True)
+class EntropyKnobs(KnobGroup):
+    """The entropy bonus, its adaptive controller and the high-entropy token mask."""
+
+    group = "entropy"
+    top_entropy_quantile: float = knob(
+        1.0, "keep in the policy term only the tokens whose entropy is in the top quantile of the micro-batch's tokens "
+             "(every rank's); 1.0 keeps all, the paper uses 0.2. The KL term keeps every token.")
+    entropy_coef: float = knob(0.0, "entropy bonus ``loss -= entropy_coef * mean token entropy`` (of the kept "
+                                    "tokens).")
+    use_adaptive_entropy: bool = knob(
+        False, "adaptive entropy control (Skywork-OR1): after each optimizer step ``entropy_coef`` moves by "
+               "``entropy_coef_delta`` (up while the step's mean entropy is <= ``entropy_target``, else down, within "
+               "[``entropy_coef_min``, ``entropy_coef_max``]) and applies only while the last step's entropy is <= "
+               "``entropy_target``. Its state is in the checkpoint.")
+    entropy_coef_min: float = knob(0.0, "the adaptive coefficient's floor.")
+    entropy_coef_max: float = knob(1.0, "the adaptive coefficient's ceiling.")
+    entropy_coef_delta: float = knob(0.005, "the adaptive coefficient's change per optimizer step.")
+    entropy_target: float = knob(0.2, "the mean token entropy the adaptive control steers towards.")
+
+    def check(self) -> None:
+        check_entropy_control(self.entropy_coef, self.use_adaptive_entropy, self.entropy_coef_min,
+                              self.entropy_coef_max, self.entropy_coef_delta, self.entropy_target,
+                              self.top_entropy_quantile)
 
 def check_entropy_control(entropy_coef: float, use_adaptive_entropy: bool, entropy_coef_min: float,
                           entropy_coef_max: float, entropy_coef_delta: float, entropy_target: float,

@@ -19,7 +19,7 @@ from lightalign.modules.losses.registry import (ENTROPY_MASK, IMPORTANCE_SAMPLIN
                                                 aggregation, normalises_by_step_tokens, policy_loss)
 from lightalign.modules.offpolicy.correction import check_ratio_shape
 
-__all__ = ["GRPOLossConfig", "GRPO_LOSS_TYPES", "check_kl_beta", "grpo_loss", "normalises_by_step_tokens"]
+__all__ = ["GRPOLossConfig", "GRPO_LOSS_TYPES", "grpo_loss", "normalises_by_step_tokens"]
 
 GRPO_LOSS_TYPES: tuple[str, ...] = POLICY_LOSSES.names()  # the built-in ones, registered on import
 
@@ -96,12 +96,6 @@ class GRPOLossConfig(KnobGroup):
         if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
             raise ValueError(f"off_policy_mask_threshold must be > 0 (DeepSeek-V3.2 uses e.g. 0.5) or null, got "
                              f"{self.off_policy_mask_threshold}.")
-
-
-def check_kl_beta(beta: float) -> None:
-    """The KL coefficient of GRPO's k3 term, checked at construction."""
-    if not beta >= 0:
-        raise ValueError(f"beta (KL coefficient) must be >= 0 (0.0 disables the KL term), got {beta}.")
 
 
 def grpo_loss(

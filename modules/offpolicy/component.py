@@ -12,6 +12,10 @@ rollout is sampled by the policy, as in the synchronous loop.
 
 from __future__ import annotations
 
+import dataclasses
+
+from lightalign.knobs import KnobGroup, knob
+
 import os
 from typing import Any
 
@@ -23,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightalign.modules.generation.sampling import eos_token_ids
 from lightalign.modules.generation.vllm_engines import push_weights
 from lightalign.modules.offpolicy.ahead import AheadSampler
-from lightalign.modules.offpolicy.correction import (check_importance_sampling_knobs, importance_sampling_ratio,
+from lightalign.modules.offpolicy.correction import (importance_sampling_ratio,
                                                     sampling_mismatch)
 from lightalign.modules.offpolicy.engine_ahead import EngineAhead
 from lightalign.modules.rollout.scoring import metric_key
@@ -49,6 +53,36 @@ def optimizer_steps_per_rollout(micro_batches: int, passes: int, accumulate: int
     return calls // accumulate if calls % accumulate == 0 else None
 
 
+@dataclasses.dataclass(frozen=True)
+class AsyncRolloutKnobs(KnobGroup):
+    """Rollouts sampled ahead by a sampling process, on weights at most ``max_staleness`` optimizer steps old."""
+
+    group = "async_rollouts"
+    max_staleness: int = knob(
+        0, "asynchronous rollouts: with it > 0 a sampling process samples the next rollouts while the current one "
+           "trains, on a copy of the policy's weights at most ``max_staleness`` optimizer steps old (as many rollouts "
+           "ahead as fit: ``max_staleness`` // optimizer steps per rollout; at least one). Each rollout keeps its "
+           "sampler's log-probs, and the loss is corrected by the importance-sampling ratio "
+           "(``vllm_importance_sampling_*``). 0: each rollout is sampled by the policy that trains on it "
+           "(synchronous). With ``use_vllm`` and ``vllm_mode: server`` the vLLM server samples instead, one rollout "
+           "ahead (it holds one set of weights, pushed between rollouts). Seeded runs are reproducible and resume "
+           "exactly (rollouts in flight are kept in the checkpoint); docs/async.md.")
+    async_sampler_threads: int | None = knob(
+        None, "torch threads of the sampling process (the training process keeps the rest of its threads); default "
+              "half of them. Only with ``max_staleness > 0`` and without vLLM.")
+
+    def check(self) -> None:
+        max_staleness, threads = self.max_staleness, self.async_sampler_threads
+        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an integer >= 0 (optimizer steps the sampler's weights may lag "
+                             f"the policy; 0: synchronous rollouts), got {max_staleness!r}.")
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"async_sampler_threads must be >= 1 or null, got {threads}.")
+            if max_staleness == 0:
+                raise ValueError("async_sampler_threads sets the threads of the sampling process, which runs only "
+                                 "with max_staleness > 0; set max_staleness or drop async_sampler_threads.")
+
 class OffPolicyRollouts:
     """Asynchronous rollouts (``max_staleness``, ``async_sampler_threads``: described in ``CriticFreeModule``'s
     docstring, the methods that sample ahead) and the importance-sampling correction (``vllm_importance_sampling_*``:
@@ -56,16 +90,6 @@ class OffPolicyRollouts:
 
     def __init__(self, max_staleness: int = 0, async_sampler_threads: int | None = None, correction: bool = True,
                  mode: str = "sequence_mask", clip_min: float | None = None, clip_max: float | None = 3.0) -> None:
-        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
-            raise ValueError(f"max_staleness must be an integer >= 0 (optimizer steps the sampler's weights may lag "
-                             f"the policy; 0: synchronous rollouts), got {max_staleness!r}.")
-        if async_sampler_threads is not None:
-            if async_sampler_threads < 1:
-                raise ValueError(f"async_sampler_threads must be >= 1 or null, got {async_sampler_threads}.")
-            if max_staleness == 0:
-                raise ValueError("async_sampler_threads sets the threads of the sampling process, which runs only "
-                                 "with max_staleness > 0; set max_staleness or drop async_sampler_threads.")
-        check_importance_sampling_knobs(correction, mode, clip_min, clip_max)
         self.max_staleness, self.sampler_threads = max_staleness, async_sampler_threads
         self.correction, self.mode, self.clip_min, self.clip_max = correction, mode, clip_min, clip_max
         self.ahead: AheadSampler | None = None

@@ -25,6 +25,11 @@ Knob names and defaults are TRL's: ``vllm_importance_sampling_correction`` (True
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
+from lightalign.knobs import KnobGroup, knob
+
 import math
 
 import torch
@@ -32,6 +37,31 @@ import torch
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SEQUENCE_MODES = ("sequence_truncate", "sequence_mask")  # one ratio per sequence, shape [B, 1]
 
+
+@dataclasses.dataclass(frozen=True)
+class ImportanceSamplingKnobs(KnobGroup):
+    """The correction of rollouts not sampled by the policy being trained (TRL's names and defaults)."""
+
+    group = "importance_sampling"
+    vllm_importance_sampling_correction: bool = knob(
+        True, "when the rollouts are not sampled by the policy being trained (``use_vllm``, or GRPO's and RLOO's "
+              "``max_staleness > 0``), weight the policy term of the loss by the importance-sampling ratio "
+              "``pi_policy / pi_sampler`` of the sampled tokens at rollout time (TRL's name and default): GRPO's "
+              "per-token policy term, PPO's per-token clipped term, RLOO's per-completion term; never a KL term nor "
+              "PPO's value loss. The mismatch itself (``sampling/*``) is logged either way. No effect when the policy "
+              "samples its own rollouts.")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = knob(
+        "sequence_mask", "``token_truncate`` / ``sequence_truncate`` clip the ratio (per token, or one per completion: "
+                         "the product of its tokens' ratios) to [``clip_min``, ``clip_max``]; ``token_mask`` / "
+                         "``sequence_mask`` set ratios outside it to 0 (those tokens or completions get no policy "
+                         "gradient); a completion's ratio weights each of its tokens in GRPO and PPO. RLOO's loss is "
+                         "per completion: ``sequence_*`` only.")
+    vllm_importance_sampling_clip_min: float | None = knob(None, "the ratio's lower bound (None: none).")
+    vllm_importance_sampling_clip_max: float | None = knob(3.0, "the ratio's upper bound (None: none).")
+
+    def check(self) -> None:
+        check_importance_sampling_knobs(self.vllm_importance_sampling_correction, self.vllm_importance_sampling_mode,
+                                        self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
 
 def check_importance_sampling_knobs(correction: bool, mode: str, clip_min: float | None,
                                     clip_max: float | None) -> None:

@@ -10,6 +10,10 @@ Precomputed log-probs (``precompute_reference_logps``) and TR-DPO sync (``mix_in
 
 from __future__ import annotations
 
+import dataclasses
+
+from lightalign.knobs import KnobGroup, knob
+
 import contextlib
 from typing import Any, Iterator
 
@@ -18,6 +22,29 @@ import torch
 from lightalign.modules.reference.model import build_reference, move_reference
 from lightalign.modules.training.lora import is_peft_model
 
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceKnobs(KnobGroup):
+    """Where the reference model comes from (default: a frozen copy of the initial policy, or the base model with
+    LoRA disabled)."""
+
+    group = "reference"
+    ref_model_name_or_path: str | None = knob(
+        None, "a separately loaded reference model (a hub name or folder); default: a frozen copy of the initial "
+              "policy, or the base model with the adapters disabled when the policy is LoRA. Methods with a KL "
+              "coefficient build it only when the coefficient is > 0.")
+    ref_model_init_kwargs: dict[str, Any] | None = knob(
+        None, "``from_pretrained`` arguments of the reference, e.g. ``{quantization_config: {load_in_8bit: true}}`` "
+              "(bitsandbytes) or ``{dtype: bfloat16}``; with them alone the policy's checkpoint is loaded again that "
+              "way.")
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedLayersKnobs(KnobGroup):
+    group = "shared_layers"
+    num_shared_layers: int | None = knob(
+        None, "share the first k decoder layers (and the embeddings) between policy and reference; they are frozen "
+              "in both, the rest of the reference is a frozen copy. Not with a separately loaded reference.")
 
 class Reference:
     def __init__(self, name_or_path: str | None = None, init_kwargs: dict[str, Any] | None = None,

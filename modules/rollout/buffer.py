@@ -9,6 +9,10 @@ statistics) reads it with ``in_rollout_order`` and writes back with ``scatter_ro
 
 from __future__ import annotations
 
+import dataclasses
+
+from lightalign.knobs import KnobGroup, knob
+
 from typing import Any
 
 import torch
@@ -16,6 +20,30 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightalign.modules.training.rng_state import to_cpu
 
+
+@dataclasses.dataclass(frozen=True)
+class RolloutKnobs(KnobGroup):
+    """What one rollout of an online-RL method holds (groups of completions per prompt) and what is kept of it."""
+
+    group = "rollout"
+    num_generations: int = knob(8, "completions per prompt (the group).")
+    num_generations_eval: int | None = knob(None, "completions per validation prompt (default ``num_generations``).")
+    generation_batch_size: int | None = knob(
+        None, "completions per rollout per device; must hold whole groups (a multiple of ``num_generations``) and "
+              "split evenly into the method's micro-batches. Default: ``num_generations`` times the micro-batches "
+              "per rollout.")
+    mask_truncated_completions: bool = knob(False, "completions that hit ``max_completion_length`` without EOS get no "
+                                                   "loss.")
+    log_entropy: bool = knob(True, "log the mean token entropy of the policy on its completions.")
+
+    def check(self) -> None:
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}.")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got "
+                             f"{self.num_generations_eval}.")
+        if self.generation_batch_size is not None:
+            check_generation_arithmetic(self.generation_batch_size, self.num_generations, None)
 
 def check_generation_arithmetic(generation_batch_size: int, num_generations: int, steps: int | None) -> None:
     """``generation_batch_size`` holds whole groups and splits evenly into ``steps`` micro-batches."""

@@ -14,28 +14,31 @@ A method declares its own knobs and objective: ``micro_batches_per_rollout`` and
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable, Literal
+from typing import Any
 
 import torch
 
+from lightalign.knobs import method_knobs, takes_knobs
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
 from lightalign.modules.generation.sampling import sample_completions
+from lightalign.modules.generation.config import RolloutSamplingKnobs, SamplingConfig
 from lightalign.modules.offpolicy.component import OffPolicyRollouts
-from lightalign.modules.reference.component import Reference
-from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout
+from lightalign.modules.offpolicy.correction import ImportanceSamplingKnobs
+from lightalign.modules.reference.component import Reference, ReferenceKnobs
+from lightalign.modules.rollout.buffer import RolloutBuffer, RolloutKnobs, check_generation_arithmetic, split_rollout
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
 from lightalign.modules.rollout.state import load_rollout_state, save_rollout_state
 from lightalign.modules.sampling.module import SamplingModule
 from lightalign.modules.training.stat_metrics import StatMetrics
-from lightalign.rewards import check_reward_call_knobs, check_reward_weights, reward_func_names, resolve_reward_funcs
+from lightalign.rewards import reward_func_names
+from lightalign.rewards.resolve import RewardKnobs
 
 ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
 
 def methods_with_knob(knob: str) -> list[str]:
-    """The public online-RL methods (classes under ``OnlineRLModule``) whose constructor declares ``knob``."""
+    """The public online-RL methods (classes under ``OnlineRLModule``) that take ``knob``."""
     import lightalign.modules as methods
 
     for name in methods.__all__:  # imported on first use: every method, so each one is seen
@@ -44,165 +47,83 @@ def methods_with_knob(knob: str) -> list[str]:
     while todo:
         cls = todo.pop()
         todo += cls.__subclasses__()
-        if not cls.__name__.startswith("_") and cls.__module__.startswith("lightalign.modules.") and any(
-                knob in inspect.signature(c.__init__).parameters for c in cls.__mro__ if c is not OnlineRLModule
-                and issubclass(c, OnlineRLModule)):
+        if not cls.__name__.startswith("_") and cls.__module__.startswith("lightalign.modules.") \
+                and knob in method_knobs(cls) and knob not in method_knobs(OnlineRLModule):
             found.append(cls.__name__)
     return sorted(set(found) - {"CriticFreeModule"})
 
 
+@takes_knobs(RewardKnobs, RolloutKnobs, RolloutSamplingKnobs, ReferenceKnobs, ImportanceSamplingKnobs)
 class OnlineRLModule(SamplingModule):
-    """The online-RL loop on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults).
-
-    Args:
-        reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables,
-            import paths (``lightalign.rewards.accuracy_reward``, ``mypkg.rewards:fn``) or reward-model folders
-            (``RewardModule`` exports). ``None`` marks a completion a function cannot score.
-        reward_weights: one weight per reward function (default 1 each); the reward is their weighted sum.
-        reward_timeout: seconds each reward function call may take (the functions of a rollout are called at once,
-            each once on the whole batch, on threads); a call that has not returned by then stops training with an
-            error naming the function, or scores with ``reward_fallback_value``. None: no limit.
-        reward_fallback_value: the reward of every row of a call that raised or timed out, and of each NaN or
-            infinite value a function returns (None still means "not applicable"). Each substitution is counted in
-            ``reward/<function>/fallbacks`` and the first per function is warned about. None: such a call stops
-            training with an error naming the function (and the failing row, or the limit). A result of the wrong
-            length or a non-numeric value is always an error.
-        num_generations: completions per prompt (the group).
-        temperature: sampling temperature; the training forward divides the logits by it too, so the loss sees
-            the distribution the completions were sampled from.
-        num_generations_eval: completions per validation prompt (default ``num_generations``).
-        generation_batch_size: completions per rollout per device; must hold whole groups (a multiple of
-            ``num_generations``) and split evenly into the method's micro-batches. Default: ``num_generations``
-            times the micro-batches per rollout.
-        max_completion_length: generated tokens at most.
-        cache_implementation: ``generate``'s KV-cache implementation (e.g. ``static``); needs ``share_prefill:
-            false`` and the ``generate`` backend.
-        use_transformers_continuous_batching: TRL's name for ``generation_backend: continuous``.
-        transformers_continuous_batching_config: ``ContinuousBatchingConfig`` fields for ``continuous`` (e.g.
-            ``page_size``, ``num_blocks``; by default the paged cache is sized from the rollout).
-        share_prefill: compute each prompt's prefill once and copy its KV cache to the ``num_generations``
-            completions (same completions as plain ``generate``; refused at fit start on a model where the probe
-            measures it not exact).
-        mask_truncated_completions: completions that hit ``max_completion_length`` without EOS get no loss.
-        ref_model_name_or_path: a separately loaded reference model, used when the method's KL coefficient is
-            > 0; default: a frozen copy of the policy, or the base model with LoRA disabled.
-        ref_model_init_kwargs: ``from_pretrained`` arguments of the reference (e.g. an 8/4-bit
-            ``quantization_config``); with them alone the policy's checkpoint is loaded again that way.
-        log_entropy: log the mean token entropy of the policy on its completions.
-        vllm_importance_sampling_correction: when the rollouts are not sampled by the policy being trained
-            (``use_vllm``, or GRPO's and RLOO's ``max_staleness > 0``), weight the policy term of the loss by the
-            importance-sampling ratio ``pi_policy / pi_sampler`` of the sampled tokens at rollout time (TRL's name
-            and default): GRPO's per-token policy term, PPO's per-token clipped term, RLOO's per-completion term;
-            never a KL term nor PPO's value loss. The mismatch itself (``sampling/*``) is logged either way. No
-            effect when the policy samples its own rollouts.
-        vllm_importance_sampling_mode: ``token_truncate`` / ``sequence_truncate`` clip the ratio (per token, or one
-            per completion: the product of its tokens' ratios) to [``clip_min``, ``clip_max``];
-            ``token_mask`` / ``sequence_mask`` set ratios outside it to 0 (those tokens or completions get no
-            policy gradient); a completion's ratio weights each of its tokens in GRPO and PPO. RLOO's loss is per
-            completion: ``sequence_*`` only.
-        vllm_importance_sampling_clip_min: the ratio's lower bound (None: none).
-        vllm_importance_sampling_clip_max: the ratio's upper bound (None: none; TRL's deprecated name
-            ``vllm_importance_sampling_cap`` is refused, naming this one).
-        **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
-            ``generation_kwargs``, ``generation_backend``, ``use_vllm`` and the ``vllm_*`` engine knobs:
-            ``SamplingModule``) and ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
-    """
+    """The online-RL loop on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults)."""
 
     min_generations = 2  # completions per prompt a method's advantage needs
     knob_equivalents: dict[str, str] = {}  # a sibling method's knob -> this method's knob for the same idea
     method_stats: tuple[str, ...] = ()  # the method's own logged statistics, beside ROLLOUT_STATS
     progress_stats = ("reward/mean",)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"reward_funcs"}
-    tool_rollouts: ToolRollouts | None = None  # multi-turn tool rollouts, set by a method that takes tools
-    # rollouts not sampled by the policy (vLLM, or a sampler ahead) and their correction: built by __init__ from the
-    # vllm_importance_sampling_* knobs and `sampling_ahead`, (max_staleness, async_sampler_threads) of a method that
-    # samples ahead (CriticFreeModule sets it before __init__; 0: synchronous rollouts)
-    off_policy: OffPolicyRollouts
-    sampling_ahead: tuple[int, int | None] = (0, None)
+    tool_rollouts: ToolRollouts | None = None  # multi-turn tool rollouts (``build_tool_rollouts``)
+    off_policy: OffPolicyRollouts  # rollouts not sampled by the policy (vLLM, or a sampler ahead), their correction
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        num_generations: int = 8,
-        temperature: float = 1.0,
-        reward_funcs: list[str | Callable] | str | Callable | None = None,
-        reward_weights: list[float] | None = None,
-        reward_timeout: float | None = 300.0,
-        reward_fallback_value: float | None = None,
-        num_generations_eval: int | None = None,
-        generation_batch_size: int | None = None,
-        max_completion_length: int = 256,
-        cache_implementation: str | None = None,
-        use_transformers_continuous_batching: bool = False,
-        transformers_continuous_batching_config: dict[str, Any] | None = None,
-        share_prefill: bool = True,
-        mask_truncated_completions: bool = False,
-        ref_model_name_or_path: str | None = None,
-        ref_model_init_kwargs: dict[str, Any] | None = None,
-        log_entropy: bool = True,
-        vllm_importance_sampling_correction: bool = True,
-        vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                               "sequence_mask"] = "sequence_mask",
-        vllm_importance_sampling_clip_min: float | None = None,
-        vllm_importance_sampling_clip_max: float | None = 3.0,
-        **kwargs: Any,
-    ) -> None:
-        name = type(self).__name__
-        if "vllm_importance_sampling_cap" in kwargs:
-            raise TypeError("vllm_importance_sampling_cap is TRL's former name of vllm_importance_sampling_clip_max; "
-                            "use that.")
-        self.refuse_unknown_knobs(kwargs)
-        if kwargs.get("neftune_noise_alpha") is not None:
-            raise ValueError(f"neftune_noise_alpha is not supported by {name}: NEFTune adds noise to the policy's "
-                             "embeddings in train-mode forwards only, so the rollout's log-probs (sampling policy, "
-                             "reference) and the training forward would differ by that noise (a KL and a ratio that "
-                             "are not 0 at step 0). It is a regulariser for SFT, DPO and KTO; drop it here.")
-        # read by the stages below (sample, the method's loss) and by the statistics; checks its knobs
-        object.__setattr__(self, "off_policy", OffPolicyRollouts(
-            *self.sampling_ahead, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
-            vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max))
-        # the sampling knobs of online RL beyond the shared ones, checked with them by SamplingModule.__init__
-        object.__setattr__(self, "sampling_extras", dict(
-            cache_implementation=cache_implementation, share_prefill=share_prefill,
-            use_transformers_continuous_batching=use_transformers_continuous_batching,
-            transformers_continuous_batching_config=transformers_continuous_batching_config))
+    def sampling_config(self) -> SamplingConfig:
+        return SamplingConfig.from_groups(self.knobs.sampling, self.knobs.rollout_sampling)
+
+    def check_knob_combinations(self) -> None:
+        super().check_knob_combinations()
+        num_generations = self.knobs.rollout.num_generations
         if num_generations < self.min_generations:
-            raise ValueError(f"{name} needs num_generations >= {self.min_generations} ({self.group_needs}), got "
-                             f"{num_generations}.")
-        if num_generations_eval is not None and num_generations_eval < 1:
-            raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got {num_generations_eval}.")
-        if generation_batch_size is not None:
-            check_generation_arithmetic(generation_batch_size, num_generations, None)
-        sources = self.tool_rollouts.reward_sources(reward_timeout) if self.tool_rollouts is not None else []
-        if reward_funcs is None and not sources:
-            raise ValueError(f"{name} needs reward_funcs: callables or import paths of fn(prompts, completions, "
-                             "**columns) (or an environment_factory whose environments define get_reward).")
-        given = [] if reward_funcs is None else reward_funcs
-        funcs = resolve_reward_funcs(list(given if isinstance(given, (list, tuple)) else [given]))
-        check_reward_weights(funcs, reward_weights)
-        check_reward_call_knobs(reward_timeout, reward_fallback_value)
-        weights = [*(reward_weights or [1.0] * len(funcs)), *([1.0] * len(sources))]  # an environment's: weight 1
-        funcs = [*funcs, *sources]
-        super().__init__(model_name_or_path, max_completion_length=max_completion_length, temperature=temperature,
-                         **kwargs)
-        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs", "tools",
-                                          "environment_factory"])
-        self.reward_funcs = funcs
-        self.reward_weights = weights
-        self.reward_names = reward_func_names(funcs)
-        self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs,
-                                   num_shared_layers=self.hparams.get("num_shared_layers"))
+            raise ValueError(f"{type(self).__name__} needs num_generations >= {self.min_generations} "
+                             f"({self.group_needs}), got {num_generations}.")
+
+    def compose(self) -> None:
+        super().compose()
+        rewards = self.knobs.rewards
+        self.tool_rollouts = self.build_tool_rollouts()
+        sources = self.tool_rollouts.reward_sources(rewards.reward_timeout) if self.tool_rollouts is not None else []
+        if rewards.reward_funcs is None and not sources:
+            raise ValueError(f"{type(self).__name__} needs reward_funcs: callables or import paths of fn(prompts, "
+                             "completions, **columns) (or an environment_factory whose environments define "
+                             "get_reward).")
+        funcs = rewards.resolved()
+        # an environment's reward: weight 1
+        self.reward_weights = [*(rewards.reward_weights or [1.0] * len(funcs)), *([1.0] * len(sources))]
+        self.reward_funcs = [*funcs, *sources]
+        self.reward_names = reward_func_names(self.reward_funcs)
+        correction = self.knobs.importance_sampling
+        self.off_policy = OffPolicyRollouts(
+            *self.sampling_ahead(), correction.vllm_importance_sampling_correction,
+            correction.vllm_importance_sampling_mode, correction.vllm_importance_sampling_clip_min,
+            correction.vllm_importance_sampling_clip_max)
+        reference = self.knobs.reference
+        self.reference = Reference(reference.ref_model_name_or_path, reference.ref_model_init_kwargs,
+                                   num_shared_layers=self.shared_layers())
         self.generation_count = 0
         self.rollout_buffer = RolloutBuffer()
         self.last_samples: list[dict[str, Any]] = []
+        fallback = rewards.reward_fallback_value is not None
         self.stat_names = [*ROLLOUT_STATS, *self.method_stats, *(f"reward/{n}" for n in self.reward_names),
-                           *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None),
+                           *(fallback_stat(n) for n in self.reward_names if fallback),
                            *(TOOL_STATS if self.tool_rollouts is not None else ()),
-                           *self.off_policy.stat_names(self.hparams.use_vllm)]
+                           *self.off_policy.stat_names(self.knobs.vllm.use_vllm)]
         self.reward_fallbacks_warned: set[str] = set()  # functions whose first fallback substitution was warned
         self.train_stats = StatMetrics(self.stat_names, nan_strategy="ignore")
         self.eval_stats = StatMetrics(self.stat_names, nan_strategy="ignore")
+
+    def build_tool_rollouts(self) -> ToolRollouts | None:
+        """Multi-turn tool rollouts, for a method that takes tools (default: single-turn rollouts)."""
+        return None
+
+    def sampling_ahead(self) -> tuple[int, int | None]:
+        """``(max_staleness, async_sampler_threads)`` of a method that samples ahead (default: synchronous)."""
+        return 0, None
+
+    def keeps_groups_whole(self) -> bool:
+        """Whether a micro-batch holds each prompt's completions together (a shared-prompt layout; default no)."""
+        return False
+
+    def shared_layers(self) -> int | None:
+        """The policy layers the reference shares, for a method that takes ``num_shared_layers`` (default: none)."""
+        return None
 
     # ------------------------------------------------------------------------------------- the method's part
     group_needs = "advantages compare completions of a group"
@@ -210,13 +131,6 @@ class OnlineRLModule(SamplingModule):
     @classmethod
     def methods_with_knob(cls, knob: str) -> list[str]:
         return methods_with_knob(knob)
-
-    @classmethod
-    def knob(cls, name: str, given: dict[str, Any]) -> Any:
-        """A shared knob's value before ``__init__`` has run: as given, else its one default (this signature)."""
-        if name in given:
-            return given[name]
-        return inspect.signature(OnlineRLModule.__init__).parameters[name].default
 
     @property
     def uses_reference(self) -> bool:
@@ -403,7 +317,7 @@ class OnlineRLModule(SamplingModule):
         tensors["rewards"], tensors["reward_parts"] = total, per_func.to(total.device)
         tensors["row"] = torch.arange(total.shape[0], device=total.device)  # the rollout order (groups)
         chunks = split_rollout(tensors, lengths, steps, hp.num_generations,  # 3. split, in the training layout
-                               whole_groups=bool(hp.get("prompt_sharing")))
+                               whole_groups=self.keeps_groups_whole())
         for mb in chunks:
             self.micro_batch_layout(mb, mb.pop("lengths"))
         needs_old = self.needs_old_logps()

@@ -78,7 +78,12 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
                  if f.metadata["saved"]}
         self.save_hyperparameters({**subclass_init_args(self, outer), **saved})
         check_reference_sync(self.hparams, self.uses_reference_model, type(self).__name__)
+        self.check_knob_combinations()
         self.compose()
+
+    def check_knob_combinations(self) -> None:
+        """Refuse combinations of knobs from several groups (each group checked its own knobs); a method extends it,
+        calling ``super().check_knob_combinations()`` first. Runs at construction, before ``compose``."""
 
     def compose(self) -> None:
         """Build the module's components from ``self.knobs`` (a subclass extends it, calling ``super().compose()``

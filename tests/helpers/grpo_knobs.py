@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from lightalign.modules.losses.entropy import check_entropy_control
-from lightalign.modules.losses.grpo import GRPOLossConfig, check_kl_beta, grpo_loss
+from lightalign.modules.losses.entropy import EntropyKnobs
+from lightalign.modules.losses.grpo import GRPOLossConfig, grpo_loss
+from lightalign.modules.losses.kl_penalty import KLKnobs
 
 
 def check_grpo_knobs(loss_type: str, epsilon: float, epsilon_high: float | None, beta: float,
@@ -15,8 +16,8 @@ def check_grpo_knobs(loss_type: str, epsilon: float, epsilon_high: float | None,
                      entropy_coef: float = 0.0, **knobs) -> None:
     """Raise the ``ValueError`` a wrong value among these knobs gets."""
     config = GRPOLossConfig(loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, **knobs)
-    check_kl_beta(beta)
-    check_entropy_control(entropy_coef, False, 0.0, 1.0, 0.005, 0.2, top_entropy_quantile)
+    KLKnobs(beta=beta)
+    EntropyKnobs(entropy_coef=entropy_coef, top_entropy_quantile=top_entropy_quantile)
     if loss_type == "dr_grpo":  # the aggregation reads the sampling limit
         ones = torch.zeros(1, 2, requires_grad=True)
         grpo_loss(ones, None, torch.ones(1), torch.ones(1, 2), config=config, max_completion_length=max_completion_length)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightalign.modules.grpo import check_reward_shaping
+from lightalign.modules.losses.advantages.reward_shaping import check_reward_shaping
 from lightalign.modules.losses.advantages import RunningRewardNormalizer, clip_rewards, scale_advantages, zero_std_fraction
 from lightalign.rewards import (
     FormatReward,

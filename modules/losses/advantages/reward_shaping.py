@@ -3,9 +3,15 @@ seen so far, checkpointed)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import math
 
 import torch
+
+from lightalign.modules.losses.advantages.group import SCALE_REWARDS
+from lightalign.knobs import KnobGroup, knob
 
 def clip_rewards(rewards: torch.Tensor, reward_clip: float | None) -> torch.Tensor:
     """Clamp rewards to ``[-reward_clip, reward_clip]``; None leaves them unchanged (NaN stays NaN). ``reward_clip``
@@ -66,3 +72,48 @@ class RunningRewardNormalizer:
         self.count = int(state["count"])
         self.mean, self.m2 = float(state["mean"]), float(state["m2"])
         self.eps = float(state.get("eps", self.eps))
+
+
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardShapingKnobs(KnobGroup):
+    """GRPO's way from rewards to advantages."""
+
+    group = "reward_shaping"
+    scale_rewards: Literal["group", "batch", "none"] = knob("group", "advantage scaling: ``group`` std, ``batch`` "
+                                                                     "std, or ``none``.")
+    normalize_rewards: bool = knob(False, "normalise rewards by their running mean/std before the advantages "
+                                          "(statistics of the whole generation batch, every rank's, so all ranks keep "
+                                          "the same ones).")
+    reward_clip: float | None = knob(None, "clip (normalised) rewards to ``[-reward_clip, reward_clip]``.")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = knob(
+        "sum_then_normalize", "``sum_then_normalize`` (default): weighted sum of the rewards, then ``scale_rewards``; "
+                              "``normalize_then_sum`` (GDPO): each function's rewards are normalised within each group "
+                              "(``(r - mean) / (std + 1e-4)``), weighted and summed, and the sum is normalised over the "
+                              "whole generation batch (every rank's); ``scale_rewards`` is then not used, and "
+                              "``normalize_rewards`` / ``reward_clip`` (lightalign's, on the summed reward) are refused "
+                              "with it.")
+
+    def check(self) -> None:
+        check_reward_shaping(self.scale_rewards, self.normalize_rewards, self.reward_clip,
+                             self.multi_objective_aggregation)
+
+
+def check_reward_shaping(scale_rewards: str, normalize_rewards: bool, reward_clip: float | None,
+                         multi_objective_aggregation: str) -> None:
+    """GRPO's reward-to-advantage knobs, checked at construction."""
+    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} is unknown; use one of "
+                         f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}.")
+    if multi_objective_aggregation == "normalize_then_sum" and (
+            normalize_rewards or reward_clip is not None or scale_rewards == "none"):
+        raise ValueError("multi_objective_aggregation='normalize_then_sum' normalises each reward function per "
+                         "group and the weighted sum over the batch itself: unset normalize_rewards and "
+                         "reward_clip, and leave scale_rewards at 'group' (it is not used; 'none' would be "
+                         "silently ignored).")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
+    if reward_clip is not None and reward_clip <= 0:
+        raise ValueError(f"reward_clip must be a positive number or null, got {reward_clip}.")
