@@ -31,9 +31,9 @@ def max_length(per_token_loss: torch.Tensor, mask: torch.Tensor, *, max_completi
                **_: object) -> torch.Tensor:
     """``S / (B * max_completion_length)``: a constant normaliser, so no length bias (Dr. GRPO, TRL's
     ``dr_grpo``); ``max_completion_length`` is the sampling limit (checked >= 1 where it is configured)."""
-    if max_completion_length is None or not max_completion_length > 0:
-        raise ValueError(f"loss_type 'dr_grpo' divides by batch_size * max_completion_length; pass a positive "
-                         f"max_completion_length (got {max_completion_length}).")
+    if max_completion_length is None:
+        raise ValueError("loss_type 'dr_grpo' divides by batch_size * max_completion_length; pass "
+                         "max_completion_length (the sampling limit).")
     return per_token_loss.sum() / (per_token_loss.size(0) * max_completion_length)
 
 
