@@ -3,10 +3,10 @@
     python docs/knobs/generate.py           # (re)write the tables
     python docs/knobs/generate.py --check   # write nothing; exit 1 naming every stale, missing or extra file
 
-A knob has one definition (the class's ``__init__`` signature), one validation (the class) and one description (the
-class's docstring). The tables are read from the same place the CLI reads them: a ``jsonargparse.ArgumentParser``
-with ``add_class_arguments(cls, "model")``, i.e. the parameters of the class and of every ``**kwargs`` it passes on,
-with the ``Args:`` descriptions of their docstrings. No knob name is written here: a knob added, renamed or removed
+A knob has one definition, one description and one validation: a field of one knob group (``lightalign.knobs``),
+checked by the group's ``check``; a method's constructor signature and ``Args:`` are generated from its groups. The
+tables are read from the same place the CLI reads them: a ``jsonargparse.ArgumentParser`` with
+``add_class_arguments(cls, "model")``, one section per group. No knob name is written here: a knob added, renamed or removed
 in a class shows up in its table at the next run (``tests/cli/test_knob_docs.py`` fails until then).
 """
 
@@ -62,8 +62,14 @@ def _code(text: str) -> str:
 
 
 def _declared_by(cls, name: str) -> str:
-    """The first class in ``cls``'s MRO whose own ``__init__`` names the parameter (the rest arrive via **kwargs)."""
+    """The knob group that defines the knob (``lightalign.knobs``); for a class that still declares a parameter in
+    its own ``__init__``, the first class in its MRO that names it."""
+    from lightalign.knobs import method_knobs
+
     top = name.split(".", 1)[0]
+    group = method_knobs(cls).get(top)
+    if group is not None:
+        return f"{group.__module__}.{group.__qualname__}"
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is not None and top in inspect.signature(init).parameters:
@@ -97,8 +103,8 @@ def render(cls, undocumented: list[str] | None = None) -> str:
     lines = [
         f"# `{cls.__name__}` knobs",
         "",
-        f"> Generated from the docstrings of `{path}` and the classes it extends by `docs/knobs/generate.py`: do not "
-        f"edit by hand. Change the docstring, then run `{COMMAND}` (`tests/cli/test_knob_docs.py` fails until then).",
+        f"> Generated from the knob groups of `{path}` by `docs/knobs/generate.py`: do not "
+        f"edit by hand. Change the group, then run `{COMMAND}` (`tests/cli/test_knob_docs.py` fails until then).",
         "",
     ]
     if title:
@@ -114,7 +120,9 @@ def render(cls, undocumented: list[str] | None = None) -> str:
         groups.setdefault(row["declared_by"], []).append(row)
     for owner, group in groups.items():
         heading = f"Knobs of `{owner}`"
-        if owner != cls.__name__:
+        if "." in owner:  # a knob group: its class, where it is defined and checked
+            heading = f"`{owner.rsplit('.', 1)[1]}` (`{owner.rsplit('.', 1)[0]}`)"
+        elif owner != cls.__name__:
             heading = f"Knobs from `{owner}` (passed through `**kwargs`)"
         lines += [f"## {heading}", "", "| knob | type | default | description |", "|---|---|---|---|"]
         lines += [f"| `{r['name']}` | {_code(r['type'])} | {_code(r['default'])} | {_cell(r['help']) or MISSING} |"
