@@ -83,10 +83,11 @@ class IterativeSFT:
         self.scheduler = self.module.create_lr_scheduler(self.optimizer, total_steps=total_steps)
         self.global_step = 0
         self.cache_cleanups = 0
-        if self.module.hparams.get("neftune_noise_alpha"):
+        alpha = self.module.knobs.neftune.neftune_noise_alpha
+        if alpha:
             from lightalign.modules.training.neftune import NEFTune
 
-            self.module.neftune = NEFTune(self.module.model, self.module.hparams.neftune_noise_alpha).attach()
+            self.module.neftune = NEFTune(self.module.model, alpha).attach()
 
     @property
     def model(self) -> torch.nn.Module:

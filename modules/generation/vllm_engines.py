@@ -315,7 +315,7 @@ def build_engine(module: Any, trainer: L.Trainer, who: str = "policy", model_pat
                            max_model_length=config.vllm_max_model_length,
                            enable_sleep_mode=config.vllm_enable_sleep_mode, model_impl=config.vllm_model_impl,
                            seed=trainer.global_rank, dtype=dtype,
-                           trust_remote_code=bool(module.hparams.get("trust_remote_code", False)),
+                           trust_remote_code=module.knobs.model.trust_remote_code,
                            distributed=trainer.world_size > 1)
 
 
@@ -345,7 +345,7 @@ class VLLMRollouts(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
         factory = self.engine_factory or build_engine
-        mode = module.hparams.get("vllm_mode", "colocate")
+        mode = module.knobs.vllm.vllm_mode
         self.followers = []
         for who, model, path, follows in module.vllm_models():
             sampler = VLLMSampler(factory(module, trainer, who, path))

@@ -38,7 +38,7 @@ class ScopedSideEffects:
         if self.user_model_restored:
             self.readapt_user_model(module)
         limit = tuned("retain_freed_cpu_memory_bytes", module.trainer.strategy.root_device)
-        if module.hparams.get("retain_cpu_memory") and limit is not None and not self.holds_cpu_memory:
+        if module.knobs.cpu_memory.retain_cpu_memory and limit is not None and not self.holds_cpu_memory:
             from lightalign.modules.training.acceleration import retain_freed_cpu_memory
 
             module.cpu_memory_retained = self.holds_cpu_memory = retain_freed_cpu_memory(limit)
@@ -64,8 +64,8 @@ class ScopedSideEffects:
         from lightalign.modules.adaptations.attention import use_varlen_sdpa
         from lightalign.modules.adaptations.mlp_memory import recompute_mlp_activation
 
-        hp = module.hparams
-        if hp.get("recompute_mlp_activation", True) and not hp.get("use_liger_kernel"):
+        compute = module.knobs.compute
+        if compute.recompute_mlp_activation and not compute.use_liger_kernel:
             recompute_mlp_activation(module.model)
         use_varlen_sdpa(module.model)
         self.user_model_restored = False
