@@ -61,6 +61,14 @@ class ToolKnobs(KnobGroup):
               "response-template dict), for a tokenizer that has none.")
 
     def check(self) -> None:
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
+            raise ValueError(f"max_tool_calling_iterations must be >= 1 or null (no limit), got "
+                             f"{self.max_tool_calling_iterations}.")
+        if self.tool_timeout is not None and not self.tool_timeout > 0:
+            raise ValueError(f"tool_timeout must be > 0 seconds or null (no limit), got {self.tool_timeout}.")
+        if self.response_template is not None and not isinstance(self.response_template, dict):
+            raise ValueError(f"response_template must be a mapping (transformers' response template format), got "
+                             f"{type(self.response_template).__name__}.")
         if not self.tools and self.environment_factory is None:
             for knob_name, value in (("max_tool_calling_iterations", self.max_tool_calling_iterations),
                                      ("response_template", self.response_template)):
@@ -81,14 +89,6 @@ class ToolRollouts:
     def __init__(self, tools: Sequence[str | Callable] | None, environment_factory: str | Callable | None,
                  max_tool_calling_iterations: int | None, tool_timeout: float | None,
                  response_template: dict[str, Any] | None) -> None:
-        if max_tool_calling_iterations is not None and max_tool_calling_iterations < 1:
-            raise ValueError(f"max_tool_calling_iterations must be >= 1 or null (no limit), got "
-                             f"{max_tool_calling_iterations}.")
-        if tool_timeout is not None and not tool_timeout > 0:
-            raise ValueError(f"tool_timeout must be > 0 seconds or null (no limit), got {tool_timeout}.")
-        if response_template is not None and not isinstance(response_template, dict):
-            raise ValueError(f"response_template must be a mapping (transformers' response template format), got "
-                             f"{type(response_template).__name__}.")
         self.tools = resolve_tools(tools)
         self.environments = None if environment_factory is None else EnvironmentFactory(environment_factory)
         if self.environments is not None:

@@ -174,12 +174,16 @@ class SamplingConfig:
 
 def resolve_backend(generation_backend: str | None, use_transformers_continuous_batching: bool) -> str | None:
     """The backend the knobs ask for (``None``: the device's default, decided at fit start)."""
-    if use_transformers_continuous_batching:
-        if generation_backend not in (None, "continuous"):
-            raise ValueError(f"use_transformers_continuous_batching=True asks for generation_backend 'continuous' but "
-                             f"generation_backend is {generation_backend!r}; set only one of them.")
-        return "continuous"
-    return generation_backend
+    check_backend_knobs(generation_backend, use_transformers_continuous_batching)
+    return "continuous" if use_transformers_continuous_batching else generation_backend
+
+
+def check_backend_knobs(generation_backend: str | None, use_transformers_continuous_batching: bool) -> None:
+    """TRL's ``use_transformers_continuous_batching`` asks for the ``continuous`` backend: any other asked backend
+    beside it is a contradiction."""
+    if use_transformers_continuous_batching and generation_backend not in (None, "continuous"):
+        raise ValueError(f"use_transformers_continuous_batching=True asks for generation_backend 'continuous' but "
+                         f"generation_backend is {generation_backend!r}; set only one of them.")
 
 
 def check_generation_kwargs(generation_kwargs: dict[str, Any] | None) -> None:

@@ -20,6 +20,9 @@ def library_files() -> list[Path]:
             and not any(part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)]
 
 
+REGISTERED_CHECKS: set[str] = set()  # functions registered as a variant's check (``register_policy_loss(check=)``)
+
+
 def calls_in(node: ast.AST) -> set[str]:
     return {call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
             for call in ast.walk(node) if isinstance(call, ast.Call)}
@@ -44,13 +47,20 @@ def called_by_groups(trees: list[ast.AST], group_classes: set[str]) -> set[str]:
             # a check registered with a variant (``register_policy_loss(..., check=fn)``) runs in the group's check
             if isinstance(node, ast.keyword) and node.arg == "check" and isinstance(node.value, ast.Name):
                 called.add(node.value.id)
+                REGISTERED_CHECKS.add(node.value.id)
+    # through the check functions they call (``check_*``, ``_check_*``, ``validate_*``: validation is named so)
+    called = {name for name in called if is_check(name)} | set(group_classes)
     todo = list(called)
     while todo:
         for name in functions.get(todo.pop(), ()):
-            if name not in called:
+            if name not in called and is_check(name):
                 called.add(name)
                 todo.append(name)
     return called
+
+
+def is_check(name: str) -> bool:
+    return name.lstrip("_").startswith(("check", "validate", "needs", "refuse")) or name in REGISTERED_CHECKS
 
 
 def names_read(test: ast.AST) -> set[str]:
