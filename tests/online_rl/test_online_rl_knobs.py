@@ -14,6 +14,9 @@ from lightalign.modules.rollout.module import OnlineRLModule
 
 
 def own_knobs(cls) -> set[str]:
+    """The knobs of the groups the class itself declares (``takes_knobs``), or of its own ``__init__``."""
+    if "own_knob_groups" in cls.__dict__:
+        return {n for group in cls.own_knob_groups for n in group.knob_names()}
     return {n for n, p in inspect.signature(cls.__init__).parameters.items()
             if n not in ("self", "model_name_or_path") and p.kind is not p.VAR_KEYWORD}
 
@@ -51,10 +54,13 @@ def test_python_api_names_the_knob_a_method_does_not_have(tiny_dir):
 
 
 def test_methods_share_one_definition_of_each_shared_knob():
-    """A shared knob is declared once (OnlineRLModule); a method restates only the ones whose TRL default differs."""
+    """A shared knob is defined once (a group OnlineRLModule takes); a method states only its own default where TRL's
+    differs, never the knob again."""
     restated = {cls: own_knobs(cls) & own_knobs(OnlineRLModule) for cls in (GRPOModule, RLOOModule, PPOModule)}
-    assert restated == {GRPOModule: set(), RLOOModule: {"num_generations"},
-                        PPOModule: {"num_generations", "temperature"}}
+    assert restated == {GRPOModule: set(), RLOOModule: set(), PPOModule: set()}
+    # TRL's other defaults are the method's stated defaults of the shared definitions (takes_knobs(defaults=...))
+    assert set(RLOOModule.knob_defaults) == {"num_generations", "beta"}
+    assert {"num_generations", "temperature"} <= set(PPOModule.knob_defaults)
     defaults = {cls: inspect.signature(cls.__init__).parameters for cls in (RLOOModule, PPOModule)}
     assert defaults[RLOOModule]["num_generations"].default == 2  # TRL's RLOOConfig
     assert (defaults[PPOModule]["num_generations"].default, defaults[PPOModule]["temperature"].default) == (1, 0.7)
