@@ -26,7 +26,7 @@ It drops, and only these:
 ``exact_resume_quiet(datamodule)`` (the CLI wraps ``trainer.fit`` in it, console or not) drops Lightning's "You're
 resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable" for lightalign's
 own datamodules, where it is false: ``TokenizedDataModule.state_dict`` records the epoch and the batches trained
-and its samplers skip exactly those on resume (datamodules/base.py, samplers.py). A datamodule of the user's own
+and its samplers skip exactly those on resume (datamodules/base.py, index_samplers.py). A datamodule of the user's own
 keeps the warning.
 
 transformers' and datasets' INFO messages (the model config dumped at every load, "Configuration saved in ...")
