@@ -269,7 +269,7 @@ def test_padding_free_unset_is_the_cpu_default_and_steps_back_on_an_inexact_teac
     the teacher not probed -> the second run packs, fails; the default read as false -> the first run pads, fails."""
     from lightalign.modules.adaptations import support
     from lightalign.modules.adaptations.probe import Verdict
-    from lightalign.modules.distill_rows import default_padding_free
+    from lightalign.modules.distill import default_padding_free
 
     teacher = load_causal_lm(str(teacher_dir)).eval()
     module = _module(tiny_dir, teacher, lmbda=0.0)
