@@ -24,7 +24,7 @@ from lightalign.datamodules.formats import DataFormatError
 from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
 from lightalign.modules.adaptations.layouts import packed_completion_batch, packed_logits
-from lightalign.modules.offpolicy.component import MISMATCH_STATS, update_mismatch_stats
+from lightalign.modules.rollout.offpolicy.component import MISMATCH_STATS, update_mismatch_stats
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.reference.model import freeze
 from lightalign.modules.reference.vocabulary import check_same_vocabulary, describe_model

@@ -332,7 +332,7 @@ class VLLMRollouts(L.Callback):
     every optimizer step (so each sampling is by the model being trained), a frozen one never again. The module's
     ``Sampling`` component samples through them for the fit (``Sampling.use_engine``). With rollouts sampled ahead
     (``max_staleness``) the off-policy component pushes instead, between rollouts
-    (``modules/offpolicy/engine_ahead.py``).
+    (``modules/rollout/offpolicy/engine_ahead.py``).
 
     ``engine_factory(module, trainer, who, model_path)``: how an engine is made (default: this module's
     ``build_engine``, looked up at fit start; tests pass or patch in a fake)."""

@@ -1,7 +1,7 @@
 """GRPO's loss as a pure function of tensors: TRL's loss types (surrogates and token normalisations),
 ``epsilon``/``epsilon_high`` clipping, ``delta``, token- or sequence-level importance sampling, the k3 KL penalty
 ``beta`` (optionally bias-corrected), the off-policy sequence mask, the high-entropy token mask, the entropy bonus
-and the sampler-mismatch importance weight (``modules/offpolicy/correction.py``). GRPOModule calls ``grpo_loss``;
+and the sampler-mismatch importance weight (``modules/losses/importance_sampling.py``). GRPOModule calls ``grpo_loss``;
 the per-token terms live in ``grpo_surrogates.py``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from lightalign.modules.losses.grpo_surrogates import (IMPORTANCE_SAMPLING_LEVELS, cispo_surrogate, clipped_surrogate,
                                                 log_importance_weights, off_policy_mask, sapo_surrogate,
                                                 vespo_weights)
-from lightalign.modules.offpolicy.correction import check_ratio_shape
+from lightalign.modules.losses.importance_sampling import check_ratio_shape
 
 GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate (where delta applies)
@@ -121,7 +121,7 @@ def grpo_loss(
     mean ``base_logp - logp`` exceeds it get 0, ``base_logp`` = ``sampling_per_token_logps`` when given (a NaN
     difference counts as 0), else ``old_logp``), by ``entropy_mask`` (the high-entropy tokens,
     ``top_entropy_quantile``) and by ``rho``, the detached ``importance_sampling_ratio`` ``pi_old / pi_sampler``
-    (``[B, T]`` per token or ``[B, 1]`` per row, from ``modules/offpolicy/correction.py``), except for ``vespo``,
+    (``[B, T]`` per token or ``[B, 1]`` per row, from ``modules/losses/importance_sampling.py``), except for ``vespo``,
     where ``sum_t log rho`` (each ``log rho`` clamped to [log 1e-8, 20]) is added to ``log W`` instead, so ``W`` is
     ``pi / pi_sampler``. Then ``beta * k3_t`` is added on every token, ``k3_t = exp(ref - logp) - (ref - logp) - 1``
     (not multiplied by ``rho``), times ``r`` (with its gradient) when ``use_bias_correction_kl``. So per token:

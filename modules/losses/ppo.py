@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightalign.modules.offpolicy.correction import check_ratio_shape
+from lightalign.modules.losses.importance_sampling import check_ratio_shape
 from lightalign.rewards import RunningRewardNormalizer
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "ScoreProcessor", "clipped_policy_loss", "clipped_value_loss",
@@ -114,7 +114,7 @@ def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages
     ``clipfrac`` (tokens where the clipped branch is the larger).
 
     ``importance_sampling_ratio``: ``rho`` (default 1), the detached ratio ``pi_old / pi_sampler`` of
-    ``modules/offpolicy/correction.py`` for rollouts drawn by another sampler (vLLM): ``[B, T]`` (token modes) or
+    ``modules/losses/importance_sampling.py`` for rollouts drawn by another sampler (vLLM): ``[B, T]`` (token modes) or
     ``[B, 1]`` (sequence modes: one weight per completion, the same on each of its tokens). It weights the clipped
     term of each token, as verl's truncated importance sampling weights its PPO policy loss; the value loss and the
     KL penalty (in the rewards) never see it. Its values off the mask are never read."""

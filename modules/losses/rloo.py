@@ -65,7 +65,7 @@ def rloo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     ``per_token_logps``/``old_per_token_logps``/``completion_mask``: ``[N, T]``; ``old`` None means on-policy
     (the ratio is 1 in value, with the policy's gradient). ``advantages``: ``[N]``.
     ``importance_sampling_ratio``: ``rho``, a detached per-sequence weight ``[N, 1]`` or ``[N]`` (default 1), the
-    sequence-level ratio ``pi_old / pi_sampler`` of ``modules/offpolicy/correction.py`` for rollouts drawn by
+    sequence-level ratio ``pi_old / pi_sampler`` of ``modules/losses/importance_sampling.py`` for rollouts drawn by
     another sampler. RLOO's loss is one term per sequence, so only the ``sequence_truncate``/``sequence_mask``
     modes apply; a token-level ratio has no place to go (refuse those modes for RLOO). TRL 1.16's RLOOTrainer has
     no such correction; the weight multiplies each sequence's surrogate as GRPO's multiplies its policy term.

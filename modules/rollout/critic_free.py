@@ -12,7 +12,7 @@ import torch
 
 from lightalign.modules.agent.episodes import ToolRollouts
 from lightalign.modules.adaptations.layouts import packed_completion_batch, prompt_group_batch
-from lightalign.modules.offpolicy.component import CloseSampler
+from lightalign.modules.rollout.offpolicy.component import CloseSampler
 from lightalign.modules.rollout.module import OnlineRLModule
 
 

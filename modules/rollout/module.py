@@ -22,7 +22,7 @@ import torch
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
 from lightalign.modules.generation.sampling import sample_completions
-from lightalign.modules.offpolicy.component import OffPolicyRollouts
+from lightalign.modules.rollout.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout

@@ -22,10 +22,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightalign.modules.generation.sampling import eos_token_ids
 from lightalign.modules.generation.vllm_engines import push_weights
-from lightalign.modules.offpolicy.ahead import AheadSampler
-from lightalign.modules.offpolicy.correction import (check_importance_sampling_knobs, importance_sampling_ratio,
+from lightalign.modules.rollout.offpolicy.ahead import AheadSampler
+from lightalign.modules.losses.importance_sampling import (check_importance_sampling_knobs, importance_sampling_ratio,
                                                     sampling_mismatch)
-from lightalign.modules.offpolicy.engine_ahead import EngineAhead
+from lightalign.modules.rollout.offpolicy.engine_ahead import EngineAhead
 from lightalign.modules.rollout.scoring import metric_key
 
 MISMATCH_STATS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "sampling/kl")
