@@ -70,7 +70,7 @@ def completions(variant: str, models: dict, tokenizer, ids, mask, args) -> list[
     """Run one variant on one batch of prompts; the completion lengths (through the first EOS)."""
     import torch
 
-    from lightalign.modules.generation.sampling import cut_after_eos, eos_token_ids, sample_groups
+    from lightalign.modules.sampling.completions import cut_after_eos, eos_token_ids, sample_groups
 
     framework, _, backend = variant.partition(":")
     model = models[framework]
@@ -88,7 +88,7 @@ def completions(variant: str, models: dict, tokenizer, ids, mask, args) -> list[
     else:
         from transformers.generation import ContinuousBatchingConfig
 
-        from lightalign.modules.generation.continuous import cache_sizing
+        from lightalign.modules.sampling.continuous import cache_sizing
 
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask) for _ in range(g)]
         sizes = cache_sizing(len(prompts), max(map(len, prompts)), int(mask.sum()), new)

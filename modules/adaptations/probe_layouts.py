@@ -166,7 +166,7 @@ def greedy_tokens(model: torch.nn.Module, backend: str, seqs: ProbeSequences, sh
     """Greedy completions of ``seqs.prompts`` (two per prompt, rows grouped by prompt) on ``backend``
     (``samplers.sample_groups``; ``shared_prefill``: ``generate`` with the shared prompt prefill), each cut
     after its first EOS."""
-    from lightalign.modules.generation.samplers import sample_groups
+    from lightalign.modules.sampling.samplers import sample_groups
 
     width = max(map(len, seqs.prompts))
     ids = torch.zeros(len(seqs.prompts), width, dtype=torch.long)

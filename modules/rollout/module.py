@@ -1,7 +1,7 @@
 """``OnlineRLModule``: the online-RL loop every method on it shares (GRPO, RLOO, PPO), as explicit stages.
 
 Per rollout (the first ``training_step`` of each): **sample** ``num_generations`` completions per prompt on the
-run's sampler (``generation/``) -> **score** them with the reward functions (``rewards/``) -> **split** the rollout
+run's sampler (``sampling/``) -> **score** them with the reward functions (``rewards/``) -> **split** the rollout
 into the micro-batches of ``training_step`` (``buffer.split_rollout``, with the method's training layout) ->
 **log-probs** of the sampling policy (when the rollout is trained on by an updated policy) and of the reference
 (``reference/``) -> **advantages**, the method's own stage (``rollout_advantages``) -> **buffer**. Every
@@ -21,7 +21,7 @@ import torch
 
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
-from lightalign.modules.generation.sampling import sample_completions
+from lightalign.modules.sampling.completions import sample_completions
 from lightalign.modules.rollout.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from lightalign.modules.generation.vllm import vllm_weights
+from lightalign.modules.sampling.vllm import vllm_weights
 from lightalign.process_death import died
 from lightalign.modules.rollout.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessDied, SamplerProcessError
 from lightalign.modules.rollout.offpolicy.worker import ModelSpec, Probe, Reply, Request, serve

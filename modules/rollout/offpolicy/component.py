@@ -20,8 +20,8 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightalign.modules.generation.sampling import eos_token_ids
-from lightalign.modules.generation.vllm_engines import push_weights
+from lightalign.modules.sampling.completions import eos_token_ids
+from lightalign.modules.sampling.vllm_engines import push_weights
 from lightalign.modules.rollout.offpolicy.ahead import AheadSampler
 from lightalign.modules.losses.importance_sampling import (check_importance_sampling_knobs, importance_sampling_ratio,
                                                     sampling_mismatch)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightalign.modules.generation.sampling import assemble_rollout
+from lightalign.modules.sampling.completions import assemble_rollout
 from lightalign.modules.rollout.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessError
 
 

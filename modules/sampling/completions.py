@@ -1,5 +1,5 @@
 """A rollout's completions: ``num_generations`` samples per prompt of a prompt batch on a sampler
-(``generation/samplers.py``), cut after their first EOS, decoded for the reward functions.
+(``sampling/samplers.py``), cut after their first EOS, decoded for the reward functions.
 
 Every sampler (``generate``, ``continuous``, ``static``, ``compact``, vLLM) is called the same way and returns the
 same contract; what follows is independent of which one sampled.
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightalign.modules.generation.samplers import Sampler, Samples, sample_groups
+from lightalign.modules.sampling.samplers import Sampler, Samples, sample_groups
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
@@ -46,7 +46,7 @@ def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, 
                        max_new_tokens: int = 256, **sampling: Any) -> dict[str, Any]:
     """A rollout: ``num_generations`` sampled completions per prompt of a ``PromptCollator`` batch (eval mode, then
     the model's mode is restored), cut after their first EOS, on ``backend`` (a registered sampler's name or a
-    ``Sampler``: ``generation/samplers.py``).
+    ``Sampler``: ``sampling/samplers.py``).
 
     Returns rows grouped by prompt: ``prompt_ids``/``prompt_mask`` (left-padded), ``completion_ids``/
     ``completion_mask`` (through EOS, padded after), ``truncated`` (no EOS), and for the reward functions

@@ -16,7 +16,7 @@ The pieces, each usable alone:
 * ``vllm_weight_name`` / ``vllm_weights``: the policy's parameters under the names vLLM's ``load_weights``
   expects (LoRA deltas added to their base weights, wrapper prefixes dropped, sharded parameters gathered);
 * ``padded_completions``: the engine's completions (and their log-probs) as the ``Samples`` every sampler returns
-  (``generation/samplers.py``);
+  (``sampling/samplers.py``);
 * ``ColocatedEngine`` / ``ServerEngine``: the two ways to reach vLLM; ``VLLMRollouts``: the Lightning callback
   that builds the engine at fit start, pushes weights after each optimizer step and hands the module the
   sampler its rollouts go through.
@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from lightalign.modules.generation.samplers import Samples
+from lightalign.modules.sampling.samplers import Samples
 
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
@@ -205,7 +205,7 @@ def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def padded_completions(completions: list[list[int]], prompts: int, num_generations: int, pad_token_id: int | None,
                        device: torch.device | None = None, logps: list[list[float]] | None = None) -> Samples:
     """An engine's completions (``num_generations`` lists of token ids per prompt, prompt-major) as the ``Samples``
-    every sampler returns (``generation/samplers.py``): ids ``[prompts * num_generations, longest]`` right-padded
+    every sampler returns (``sampling/samplers.py``): ids ``[prompts * num_generations, longest]`` right-padded
     with ``pad_token_id``; with ``logps`` (each completion's per-token log-probs, NaN where the engine scored none)
     those as float32 ``[rows, longest]``, 0 after each completion's end; and each one's length (a completion can
     end without EOS before the longest: at the engine's context length)."""

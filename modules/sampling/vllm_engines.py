@@ -19,7 +19,7 @@ NaN where vLLM gave none, as TRL keeps it), else None. The colocated engine is b
 started with ``--logprobs-mode processed_logprobs`` and is refused when log-probs are asked of it otherwise.
 
 Pure helpers (knob checks, sampling-parameter mapping, weight names, rollout assembly) live in
-``generation/vllm.py``. See docs/vllm.md for what was and was not run.
+``sampling/vllm.py``. See docs/vllm.md for what was and was not run.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any, Callable, Iterator
 import lightning as L
 import torch
 
-from lightalign.modules.generation.generate import SAMPLING_KNOBS
-from lightalign.modules.generation.samplers import Sampler
-from lightalign.modules.generation.vllm import (INSTALL_HINT, VLLMConfig, padded_completions, vllm_sampling_params,
+from lightalign.modules.sampling.generate import SAMPLING_KNOBS
+from lightalign.modules.sampling.samplers import Sampler
+from lightalign.modules.sampling.vllm import (INSTALL_HINT, VLLMConfig, padded_completions, vllm_sampling_params,
                                                 vllm_weights)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightalign.modules.generation.samplers import get_sampler, refuse_knobs
+from lightalign.modules.sampling.samplers import get_sampler, refuse_knobs
 
 # generate() arguments the rollout sets itself: a generation_kwargs entry for one of them is refused, naming the knob.
 OWNED_GENERATION_KEYS = {
@@ -92,7 +92,7 @@ class SamplingConfig:
                                  "(share_prefill hands generate a DynamicCache holding the shared prompt prefill).")
         if self.backend is None:
             # the default may be any backend: only the continuous config is checked here; a knob the default cannot
-            # honour makes the default step back to generate at fit start (backends.effective_backend)
+            # honour makes the default step back to generate at fit start (choice.effective_backend)
             if self.continuous_config is not None:
                 raise ValueError("transformers_continuous_batching_config is set but the generation backend is 'the "
                                  "default'; set generation_backend: continuous (or "
