@@ -9,7 +9,7 @@ about 100 tokens, some at 256). Random weights from the shipped config under a f
 
 Variants (one process, `torch.set_num_threads(1)`; each repeat draws the next 4 prompts and runs every variant on them
 in an order that alternates between repeats, after one untimed warm-up call per variant):
-- `lightalign:generate` / `continuous` / `compact`: `generation.sample_groups` with that `generation_backend`
+- `lightalign:generate` / `continuous` / `compact`: `sampling.samplers.sample_groups` with that `generation_backend`
   (prompt prefill shared), on the model as lightalign loads it (`hub.load_causal_lm`);
 - `trl:generate`: what TRL 1.16's GRPOTrainer calls without vLLM: the prompts repeated 8 times, left-padded,
   `model.generate(generation_config=GenerationConfig(max_new_tokens, do_sample, pad/bos/eos, temperature, top_p,

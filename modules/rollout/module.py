@@ -21,7 +21,6 @@ import torch
 
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
-from lightalign.modules.sampling.completions import sample_completions
 from lightalign.modules.rollout.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, check_generation_arithmetic, split_rollout
@@ -300,11 +299,14 @@ class OnlineRLModule(SamplingModule):
         self.sampling_backend()
         return [self.sampling_note, *extra]
 
+    def largest_group(self) -> int:
+        """The most completions per prompt the run samples (training or validation)."""
+        hp = self.hparams
+        return max(hp.num_generations, hp.num_generations_eval or hp.num_generations)
+
     def sampling_backend(self) -> str:
         """The run's sampler, decided once per fit (``Sampling.backend``)."""
-        hp = self.hparams
-        return self.sampling.backend(self.model, largest_group=max(hp.num_generations,
-                                                                   hp.num_generations_eval or hp.num_generations))
+        return self.sampling.backend(self.model, largest_group=self.largest_group())
 
     @property
     def external_sampler(self) -> Any:
@@ -319,17 +321,17 @@ class OnlineRLModule(SamplingModule):
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], num_generations: int, return_logprobs: bool = False) -> dict[str, Any]:
         """Sample ``num_generations`` completions per prompt on the run's sampler (the vLLM engine's with
-        ``use_vllm``)."""
-        sampler = self.external_sampler if self.external_sampler is not None else self.sampling_backend()
+        ``use_vllm``), through ``Sampling`` as every sampling method does."""
         if self.tool_rollouts is not None:  # multi-turn: tool calls and results between sampled turns
             datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
             return self.tool_rollouts.sample(
-                self.model, self.tokenizer, batch, num_generations, backend=sampler,
+                self.model, self.tokenizer, batch, num_generations,
+                backend=self.sampling.sampler(self.model, largest_group=self.largest_group()),
                 sampling=self.sampling.sampling_kwargs(), return_logprobs=return_logprobs,
                 max_prompt_length=getattr(datamodule, "max_prompt_length", None),
                 chat_template_kwargs=getattr(datamodule, "chat_template_kwargs", None))
-        return sample_completions(self.model, self.tokenizer, batch, num_generations, backend=sampler,
-                                  return_logprobs=return_logprobs, **self.sampling.sampling_kwargs())
+        return self.sampling.sample(self.model, self.tokenizer, batch, num_generations,
+                                    largest_group=self.largest_group(), return_logprobs=return_logprobs)
 
     def sample_rollout(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This step's rollout: sampled now by the policy, or by the off-policy sampler (vLLM, ahead)."""
