@@ -23,7 +23,8 @@ from lightalign.datamodules.distill_rows import data_columns, right_pad, tokeniz
 from lightalign.datamodules.formats import DataFormatError
 from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
-from lightalign.modules.adaptations.layouts import packed_completion_batch, packed_logits
+from lightalign.modules.adaptations.layouts import packed_completion_batch
+from lightalign.modules.training.rollout_forward import packed_logits
 from lightalign.modules.rollout.offpolicy.component import MISMATCH_STATS, update_mismatch_stats
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.reference.model import freeze

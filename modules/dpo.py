@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.training.policy import PolicyModule, is_peft_model
-from lightalign.modules.adaptations.dpo_batches import (  # noqa: F401  (re-exported: they were defined here)
+from lightalign.modules.training.preference_forward import (  # noqa: F401  (re-exported: they were defined here)
     completion_lengths,
     completion_token_logps,
     completion_token_logps_and_alignment,

@@ -348,7 +348,7 @@ class OnlineRLModule(SamplingModule):
                     entropy_grad: bool = False):
         """Per-token log-probs of the completion tokens ``[B, T]`` and, ``with_entropy``, their per-token entropies
         ``[B, T]`` (0 under the completion mask; differentiable only with ``entropy_grad``)."""
-        from lightalign.modules.adaptations.layouts import grpo_forward
+        from lightalign.modules.training.rollout_forward import grpo_forward
         from lightalign.modules.losses.entropy import token_entropies
         from lightalign.modules.training.logprobs import scatter_to_sequences
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.rewards import varied_reward
-from lightalign.modules.adaptations.layouts import grpo_forward
+from lightalign.modules.training.rollout_forward import grpo_forward
 from lightalign.modules.rollout.offpolicy.ahead import SamplerProcessError
 from lightalign.modules.losses.importance_sampling import importance_sampling_ratio
 

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.rewards import varied_reward
-from lightalign.modules.adaptations.layouts import grpo_forward
+from lightalign.modules.training.rollout_forward import grpo_forward
 from lightalign.modules.sampling.vllm_engines import ServerEngine
 
 GATE_SECONDS = 20.0

@@ -105,7 +105,8 @@ def test_rollout_logps_equal_the_trainers_over_tool_turns(tiny_model, tokenizer,
     how the attention and matmul sums are split (a KV cache one token at a time against one pass), rounding of
     relative size ~1e-6 on logits of magnitude < 10, far below ``atol=2e-4``."""
     import lightalign.modules.sampling.static as static
-    from lightalign.modules.adaptations.layouts import grpo_forward, packed_completion_batch
+    from lightalign.modules.adaptations.layouts import packed_completion_batch
+    from lightalign.modules.training.rollout_forward import grpo_forward
     from lightalign.modules.agent.episodes import ToolRollouts
     from lightalign.modules.agent.turns import tool_result_ids
 

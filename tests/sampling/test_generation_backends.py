@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightalign.modules.sampling.completions import sample_completions, sample_groups
-from lightalign.modules.adaptations.layouts import grpo_forward
+from lightalign.modules.training.rollout_forward import grpo_forward
 
 BACKENDS = ["generate", "continuous", "static", "compact"]
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 13, 14]])  # left-padded
