@@ -140,7 +140,7 @@ class LightalignCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_multinode_env(self.trainer.num_nodes)  # before any process group: a missing variable would hang
-        watch_ranks(self.trainer)  # a child rank that dies: one line naming it (strategies/rank_death.py)
+        watch_ranks(self.trainer)  # a child rank that dies: one line naming it (RankWatch)
         check_trainer_can_run(self.trainer)  # DeepSpeed on CPU, an unwritable logger folder
         note = cpu_processes_note(type(self.trainer.accelerator).__name__.replace("Accelerator", "").lower(),
                                   self.trainer.num_devices)
@@ -154,7 +154,7 @@ class LightalignCLI(LightningCLI):
     def fit(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
             ckpt_path: str | None = None, **kwargs) -> None:
         try:
-            fit_run(self.trainer, self.trainer.fit, model, datamodule, ckpt_path, **kwargs)  # --ckpt_path last: run_fit.py
+            fit_run(self.trainer, self.trainer.fit, model, datamodule, ckpt_path, **kwargs)  # --ckpt_path last: fit_run
         except Exception as err:
             death = rank_death(self.trainer, err)  # None unless a rank this process started died
             if death is None:
@@ -183,7 +183,7 @@ def main(args: list[str] | None = None) -> int:
             return examples_main(argv[1:])
         from lightalign.quiet import console_quiet
 
-        with console_quiet():  # library messages a user cannot act on (lightalign/quiet.py), for this command only
+        with console_quiet():  # library messages a user cannot act on (console_quiet), for this command only
             LightalignCLI(args=None if args is None else argv)
         return 0
     except OptionError as err:

@@ -2,11 +2,11 @@
 died under it, said in one line: which process, its pid, how it ended (the signal's name or the exit code) and that
 ``--ckpt_path last`` continues the run from its last checkpoint.
 
-What a user saw instead was the error of whatever noticed the death first, with its traceback: a queue's
-``EOFError`` or ``SamplerProcessError: ... exited (code -9)`` (~115 lines), or gloo's ``Connection reset by peer``
-on rank 0 (nothing saying which rank died). The death itself is rarely lightalign's to explain (the out-of-memory
-killer, a ``kill``, a node going down), but what to do next always is: the checkpoints are intact (written
-atomically), so the same command with ``--ckpt_path last`` resumes.
+Without it a user sees the error of whatever noticed the death first, with its traceback: a queue's ``EOFError`` or
+``SamplerProcessError: ... exited (code -9)`` (a hundred lines or more), or gloo's ``Connection reset by peer`` on rank
+0 (nothing saying which rank died). The death itself is rarely lightalign's to explain (the out-of-memory killer, a
+``kill``, a node going down), but what to do next always is: the checkpoints are intact (written atomically), so the
+same command with ``--ckpt_path last`` resumes.
 
 It is a ``RunError`` so that ``lightalign.cli.is_user_error`` prints it as one ``lightalign: error:`` line
 (``--debug`` keeps the traceback).

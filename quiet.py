@@ -13,7 +13,7 @@ It drops, and only these:
   of the data and knobs in its ``setup`` and of the models it loads): they are printed when the run starts (the
   first callback's ``on_fit_start``: ``ReleaseHeldLines``, added by the CLI), so a refused run prints its one-line
   error and nothing before it;
-* the file-path prefix and the source line Python prints with a warning (``/path/to/cli.py:177: UserWarning: ...``
+* the file-path prefix and the source line Python prints with a warning (``<file>:<line>: UserWarning: ...``
   followed by ``  rank_zero_warn(note)``): a warning is one line, ``UserWarning: <message>``, the warnings of
   lightalign and Lightning (whose text says what to do) without a location, the other libraries' with their file
   and line inside site-packages, where a user would look;
@@ -25,9 +25,9 @@ It drops, and only these:
 
 ``exact_resume_quiet(datamodule)`` (the CLI wraps ``trainer.fit`` in it, console or not) drops Lightning's "You're
 resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable" for lightalign's
-own datamodules, where it is false: ``TokenizedDataModule.state_dict`` records the epoch and the batches trained
-and its samplers skip exactly those on resume (datamodules/base.py, index_samplers.py). A datamodule of the user's own
-keeps the warning.
+own datamodules, where it is false: ``TokenizedDataModule.state_dict`` records the epoch and the batches trained and its
+samplers skip exactly those on resume (``TokenizedDataModule.load_state_dict``, ``EpochSampler``). A datamodule of the
+user's own keeps the warning.
 
 transformers' and datasets' INFO messages (the model config dumped at every load, "Configuration saved in ...")
 are a log-level matter: ``RankLogging`` (``--logging.*``) keeps those libraries at WARNING unless ``log_level`` is

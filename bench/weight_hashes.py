@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# every shipped config that runs offline (sft.yaml, dpo.yaml, grpo.yaml and grpo_vllm.yaml name hub models or a GPU)
 CONFIGS = ["quickstart", "dpo_tiny", "kto_tiny", "reward_tiny", "grpo_quickstart", "rloo_quickstart",
-           "ppo_quickstart"]
+           "ppo_quickstart", "online_dpo_quickstart", "distill_quickstart", "tools_sft", "tools_grpo"]
 
 
 def tensor_digest(obj, digest) -> None:
@@ -40,11 +41,25 @@ def tensor_digest(obj, digest) -> None:
         digest.update(repr(obj).encode())
 
 
+def seeded_teacher(folder: Path) -> str:
+    """A teacher for distill_quickstart (whose config names the quickstart run's export): the tiny model's config with
+    weights drawn from seed 0, saved with its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = ROOT / "assets" / "models" / "tiny"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return str(folder)
+
+
 def hash_config(name: str, steps: int, exe: str) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [exe, "fit", "--config", str(ROOT / "configs" / f"{name}.yaml"), f"--trainer.max_steps={steps}",
                "--trainer.logger=false", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp}",
                "--trainer.enable_progress_bar=false"]
+        if name == "distill_quickstart":
+            cmd.append(f"--model.teacher_model_name_or_path={seeded_teacher(Path(tmp) / 'teacher')}")
         run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         if run.returncode != 0:

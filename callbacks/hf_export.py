@@ -17,7 +17,7 @@ from lightalign.runs import RunError, check_writable
 
 class HFExport(L.Callback):
     """Save the policy with ``save_pretrained`` (and the tokenizer) so ``from_pretrained(folder)`` loads it, with a
-    model card (``README.md``: ``modules/training/model_card.py``) in every folder it writes.
+    model card (``README.md``: ``model_card_text``) in every folder it writes.
 
     Args:
         output_dir: where the final model goes; default ``<run folder>/hf_model`` (e.g. ``runs/sft/version_0/hf_model``).

@@ -9,17 +9,41 @@ small model's step), and its per-tensor norms are kept for the module's gradient
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightalign.knobs import KnobGroup, knob
+
 POLICIES = ("skip", "stop", "off")
 MAX_SKIPPED_FRACTION = 0.5  # a run that skipped more of its optimizer steps than this did not train: it fails
 
+
+@dataclasses.dataclass(frozen=True)
+class NonfiniteKnobs(KnobGroup):
+    """What a NaN/inf gradient does (``NonFiniteGuard``)."""
+
+    group = "nonfinite"
+    nonfinite: Literal["skip", "stop", "off"] = knob(
+        "skip", "what a NaN/inf gradient does: ``skip`` the optimizer step (warning, ``train/nonfinite_steps`` "
+                "counter; the weights stay finite), ``stop`` with an error naming the step, batch and parameter, or "
+                "``off``. With ``16-mixed`` precision the gradient scaler handles overflows and the gradient check "
+                "stays off. Unless ``off``, NaN/inf weights after a step (an update that overflowed) stop the run with "
+                "an error; non-finite weights are never checkpointed or exported (``NonFiniteGuard``).")
+    max_consecutive_nonfinite_steps: int | None = knob(10, "with ``nonfinite: skip``, stop with an error after this "
+                                                           "many skipped steps in a row; null: never.")
+
+    def check(self) -> None:
+        if self.nonfinite not in POLICIES:
+            raise ValueError(f"nonfinite='{self.nonfinite}' is unknown; use skip, stop or off.")
+        if self.max_consecutive_nonfinite_steps is not None and self.max_consecutive_nonfinite_steps < 1:
+            raise ValueError(f"max_consecutive_nonfinite_steps must be >= 1 or null, got "
+                             f"{self.max_consecutive_nonfinite_steps}.")
 
 class NonFiniteRunError(FloatingPointError, ValueError):
     """A run that ended without having trained (most steps skipped, a non-finite final loss): its message says
@@ -35,8 +59,8 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Every element of every tensor is finite: one fused 2-norm per tensor (a NaN or inf anywhere makes it
     non-finite), one reduction over them; only when a 2-norm is not finite, which finite values far beyond 1e19
     can also cause (their squares overflow), the fused max-abs (which cannot overflow) decides. The 2-norm is the
-    cheap one: on CPU ``_foreach_norm`` with ``inf`` cost ~13x the 2-norm (3.4 vs 0.27 ms over a 1M-parameter
-    model's 50 tensors, 1 thread), which the weight check after every optimizer step paid."""
+    cheap one: on CPU the max-abs norm costs many times more, and the weight check runs after every optimizer step
+    (measured, see docs/performance.md 'Non-finite check')."""
     # this rank's part: an FSDP2 DTensor's local shard (which may be empty: a [1, H] weight over 2 ranks), and ZeRO-3's
     # empty placeholders outside its gather are left out
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
@@ -78,10 +102,6 @@ class NonFiniteGuard(L.Callback):
     """
 
     def __init__(self, policy: str = "skip", max_consecutive_nonfinite_steps: int | None = 10) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"nonfinite='{policy}' is unknown; use skip, stop or off.")
-        if max_consecutive_nonfinite_steps is not None and max_consecutive_nonfinite_steps < 1:
-            raise ValueError(f"max_consecutive_nonfinite_steps must be >= 1 or None, got {max_consecutive_nonfinite_steps}.")
         self.policy = policy
         self.max_consecutive = max_consecutive_nonfinite_steps
         self.nonfinite_steps = 0  # skipped steps of the run (checkpointed)

@@ -1,5 +1,5 @@
 """``ReferenceSync``: the callback behind ``sync_ref_model`` (TR-DPO; the mixing itself is
-``modules/reference/sync.py``). Added by the module (``PolicyModule.configure_callbacks``) when the knob is on.
+``mix_into_reference``). Added by the module (``PolicyModule.configure_callbacks``) when the knob is on.
 
 After every ``every``-th optimizer step the reference takes ``alpha * policy + (1 - alpha) * reference``. The
 mixed reference is no longer a function of the initial weights, so checkpoints carry it (this callback's state)

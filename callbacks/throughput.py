@@ -63,8 +63,7 @@ class TokenThroughput(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the clock and the step start here too: a run resumed mid-epoch gets no on_train_epoch_start (its first
-        # step was measured from no start at all, ~3e11 tokens/s), and the first micro-batches of a run are not a
-        # finished step
+        # step would be timed from no start at all), and the first micro-batches of a run are not a finished step
         self._start, self._step = time.perf_counter(), trainer.global_step
         self._tokens = self._samples = 0
         model = getattr(pl_module, "model", None) or pl_module

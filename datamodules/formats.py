@@ -1,4 +1,4 @@
-"""Dataset formats (TRL's): detecting, validating rows, applying chat templates (loading: ``sources.py``).
+"""Dataset formats (TRL's): detecting, validating rows, applying chat templates (loading: ``load_rows``).
 
 Formats, by the columns a row has:
 

@@ -290,9 +290,9 @@ class PreferenceDataModule(TokenizedDataModule):
             ``ceil(T / pack_length)`` rows of balanced length, padded to the widest; ``None`` puts all pairs in
             one row, without padding, under a ``[T, T]`` mask. With ``sdpa`` (the default; run as
             ``sdpa_varlen``) each pair attends on its own, so attention does not grow with the row; with
-            ``eager`` attention a row costs the square of its length (use about 512 there). On
-            ``bench/dpo.py --shape longtail`` one row per micro-batch ran 11% faster than rows of 512 tokens
-            (first-fit then) with 7% less peak memory.
+            ``eager`` attention a row costs the square of its length (use about 512 there). Large rows are faster and
+            smaller at their peak than rows of 512 tokens (measured on long-tailed pairs, see docs/performance.md
+            'DPO with balanced rows').
         padding_free: with ``prompt_sharing: false``, put the micro-batch's chosen and rejected sequences one after
             another in a single row (``PaddingFreePreferenceCollator``): no pad token is computed, positions
             restart with each sequence and attention stays inside it (``sdpa_varlen``, or the model's own

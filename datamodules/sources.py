@@ -10,7 +10,7 @@ rename a second CSV column ``a`` to ``a.1``):
 * json/jsonl: every line (or the whole document) parses (an error names its line and column, ``_error_position``),
   no object repeats a key, at any depth, and every column (and every field inside one, e.g. ``messages[].content``)
   holds one JSON type: ``datasets`` casts a column to one type, so a ``2`` among strings like ``"60"`` would turn
-  the whole column into numbers and an error after loading would name a row that was fine (``column_types.py``);
+  the whole column into numbers and an error after loading would name a row that was fine (``ColumnTypes``);
 * csv: no two header columns share a name;
 * a folder's files all have the same columns.
 

@@ -4,13 +4,13 @@ Per batch of prompts (``PromptDataModule``): the completions come from the stude
 from torch's RNG so a resumed run draws the same), else from the teacher (``seq_kd``), else from the data's
 ``completion`` column. Student (with gradients) and teacher (``no_grad``, eval mode) then run on the same padded
 ``[prompt, completion]`` rows, and the loss compares them on the completion tokens: GKD's generalised JSD over the
-whole vocabulary (``losses/distill.py``: ``generalized_jsd_loss``, chunked over tokens) or, with
+whole vocabulary (``generalized_jsd_loss``, chunked over tokens) or, with
 ``loss_type: on_policy``, the on-policy reverse-KL policy gradient, which reads only the teacher's log-prob of each
 sampled token (``on_policy_distillation_loss``). The pieces are the shared ones: ``SamplingModule`` (the sampling
 knobs, the ``Sampling`` component choosing each model's sampler or, with ``use_vllm``, handing it the vLLM engines'
 samplers, the logged statistics: ``sampling/``), the reference
-component's loading, freezing and placement of a separate frozen model and its vocabulary check (``reference/``), the
-RNG state of ``PolicyModule``'s checkpoints.
+component's loading, freezing and placement of a separate frozen model (``Reference``) and its vocabulary check
+(``check_same_vocabulary``), the RNG state of ``PolicyModule``'s checkpoints.
 """
 
 from __future__ import annotations
@@ -86,13 +86,12 @@ class DistillModule(SamplingModule):
         padding_free: the student and the teacher run on the rows with no padding: every ``[prompt, completion]``
             one after the other in one row, positions restarting at each, one attention call per sequence
             (``sdpa_varlen``), logits only where a completion token is predicted. The same loss up to float32
-            rounding with fewer tokens through both models (the benchmark's english rows: 43% of the padded tokens
-            were padding; 1.6x the steps/s there, 1.2x on short arithmetic rows). Null (default): the device's
-            measured default (``distill_padding_free`` in ``training/device_tuning.py``: on on the CPU, off
-            elsewhere), and padded rows for a student or teacher measured at fit start not to run it exactly (the
-            fit-start line says which and why). True: asked, refused at fit start on a student or teacher that
-            cannot run it exactly (measured on the model's class). False: padded rows. The name TRL's SFT and DPO
-            use for the idea (TRL's GKD collator pads).
+            rounding with fewer tokens through both models (faster the more of the padded tokens are padding: measured,
+            see docs/distill.md 'Speed and memory against TRL'). Null (default): the device's measured default
+            (``distill_padding_free`` in ``tuned``'s table: on on the CPU, off elsewhere), and padded rows for a student
+            or teacher measured at fit start not to run it exactly (the fit-start line says which and why). True: asked,
+            refused at fit start on a student or teacher that cannot run it exactly (measured on the model's class).
+            False: padded rows. The name TRL's SFT and DPO use for the idea (TRL's GKD collator pads).
         disable_dropout: set every dropout probability of the student to 0 (TRL GKD's default; the teacher is
             always in eval mode).
         iw_opd_gamma: ``on_policy`` only: IW-OPD's weighting (TRL's ``IWOPDConfig.iw_opd_gamma``): each token's
@@ -109,7 +108,7 @@ class DistillModule(SamplingModule):
     knob_equivalents = {"max_new_tokens": "max_completion_length", "teacher_model_revision":
                         "teacher_model_init_kwargs.revision"}
     progress_stats = ("loss", "divergence")
-    summary_stats = {"divergence": "min"}  # the run summary's lines beyond the shared ones (callbacks/summary.py)
+    summary_stats = {"divergence": "min"}  # the run summary's lines beyond the shared ones (RunSummary)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"teacher"}
     teacher: torch.nn.Module | None = None
 
@@ -400,10 +399,11 @@ class DistillModule(SamplingModule):
         self.eval_stats["completions__mean_length"].update(rows["completion_mask"].sum(-1).float().mean())
 
 
+
 def default_padding_free(student: torch.nn.Module, teacher: torch.nn.Module, device: torch.device,
                          longest: int | None) -> tuple[bool, str | None]:
     """DistillModule's ``padding_free`` when it is unset: the device's measured default (``distill_padding_free``
-    in ``training/device_tuning.py``), and padded rows when the student or the teacher does not run the packed layout
+    in ``tuned``'s table), and padded rows when the student or the teacher does not run the packed layout
     exactly (measured on a probe of its class, ``adaptations.check_layout``). Returns (packed, the fit-start note)."""
     from lightalign.modules.adaptations.support import LayoutRefused, check_layout
     from lightalign.modules.training.device_tuning import tuned

@@ -1,9 +1,9 @@
 """``DPOModule``: direct preference optimisation wired to a policy and its reference (the loss itself is the pure
-function ``dpo_loss`` in ``dpo_loss.py``).
+function ``dpo_loss``).
 
 Two batch layouts arrive from ``PreferenceDataModule``: the shared-prompt layout (default; each pair is one
 ``[prompt, chosen, rejected]`` segment, the prompt computed once, logits only where a completion token is
-predicted; see ``datamodules/shared_prefix.py``) and the classic layout (chosen rows then rejected rows, padded).
+predicted; see ``shared_prefix_batch``) and the classic layout (chosen rows then rejected rows, padded).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.training.lora import is_peft_model
+from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.training.preference_forward import (  # noqa: F401  (re-exported: they were defined here)
     completion_lengths,
     completion_token_logps,
@@ -307,5 +308,5 @@ class DPOModule(StatHooks, PolicyModule):
 
     def precompute_reference(self, datamodule: Any) -> None:
         """Give the datamodule the reference log-probs of every split (chosen, rejected), cached on disk and sharded
-        over the ranks (``modules/reference/precompute.py``); the reference model is released afterwards."""
+        over the ranks (``precompute_reference_logps``); the reference model is released afterwards."""
         precompute_reference_logps(self, datamodule, TOKENIZED_COLUMNS, ("chosen", "rejected"))

@@ -1,10 +1,9 @@
 """Group relative policy optimisation: ``GRPOModule``, its knobs and objective on the online-RL loop.
 
-The loop (sample -> score -> split -> log-probs -> advantages -> buffer) is ``OnlineRLModule``
-(``modules/rollout/module.py``), TRL's rollout schedule and the training layouts ``CriticFreeModule``
-(``modules/rollout/critic_free.py``). GRPO adds its advantage (group-relative rewards: ``rewards/``), its loss
-(the pure function ``grpo_loss``, ``modules/losses/grpo.py``, re-exported here) and the entropy controls
-(``modules/losses/entropy.py``).
+The loop (sample -> score -> split -> log-probs -> advantages -> buffer) is ``OnlineRLModule``, TRL's rollout
+schedule and the training layouts ``CriticFreeModule``. GRPO adds its advantage (group-relative rewards:
+``scale_advantages``, ``normalize_then_sum``), its loss (the pure function ``grpo_loss``, re-exported here) and the
+entropy controls (``high_entropy_mask``, ``EntropyController``).
 """
 
 from __future__ import annotations
@@ -15,12 +14,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightalign.modules.losses.entropy import SENTINEL, EntropyController, check_entropy_control, high_entropy_mask
-from lightalign.modules.losses.grpo import GLOBAL_TOKEN_LOSS_TYPES, GRPO_LOSS_TYPES, grpo_loss, validate_grpo_loss_config
+from lightalign.modules.losses.grpo import (GRPO_LOSS_TYPES, GRPOLossConfig, check_kl_beta, grpo_loss,
+                                           normalises_by_step_tokens)
 from lightalign.modules.rollout.buffer import in_rollout_order, scatter_rows
 from lightalign.modules.rollout.critic_free import CriticFreeModule
 from lightalign.modules.rollout.scoring import metric_key
-from lightalign.rewards import (RunningRewardNormalizer, check_reward_weights, clip_rewards, normalize_then_sum,
-                                scale_advantages)
+from lightalign.modules.losses.advantages import (RunningRewardNormalizer, clip_rewards, normalize_then_sum,
+                                                  scale_advantages)
+from lightalign.rewards import check_reward_weights
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPOModule", "grpo_loss"]
 
@@ -38,15 +39,16 @@ class GRPOModule(CriticFreeModule):
             generation batch (every rank's); ``scale_rewards`` is then not used, and ``normalize_rewards`` /
             ``reward_clip`` (lightalign's, on the summed reward) are refused with it.
         loss_type: ``dapo`` (default) | ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``cispo`` | ``sapo`` | ``luspo`` |
-            ``vespo`` (formulas: ``grpo_loss``). ``cispo`` needs ``epsilon_high`` (the ratio cap, e.g. 5.0);
+            ``vespo`` | ``gmpo`` (formulas: ``grpo_loss``; GMPO: set ``epsilon: 0.4``, TRL's GMPO default). ``cispo`` needs ``epsilon_high`` (the ratio cap, e.g. 5.0);
             ``luspo`` needs ``importance_sampling_level: sequence``; ``beta > 0`` and ``top_entropy_quantile < 1`` combine with it as in TRL 1.16.0 (each completion's masked token sum, averaged over completions). ``dapo`` divides by the completion
             tokens of each optimizer step's own micro-batches; when ``steps_per_generation`` exceeds
             ``accumulate_grad_batches`` TRL 1.16 divides by the rollout's tokens times ``accumulate / steps``
             (an average over the rollout) instead. Deliberately: each step's gradient is then the token mean of
             exactly the tokens it trains on, whatever the lengths in the rollout's other steps.
-        epsilon: lower clipping range: the importance ratio is clipped below at ``1 - epsilon`` (TRL: 0.2).
+        epsilon: lower clipping range: the importance ratio is clipped below at ``1 - epsilon`` (TRL: 0.2); for
+            ``gmpo`` the log-ratio at ``-epsilon`` (TRL's GMPO: 0.4).
         epsilon_high: upper clipping range: clipped above at ``1 + epsilon_high``; None: ``epsilon`` (DAPO's
-            clip-higher uses e.g. 0.28; ``cispo``'s ratio cap, e.g. 5.0).
+            clip-higher uses e.g. 0.28; ``cispo``'s ratio cap, e.g. 5.0; ``gmpo``'s log-ratio bound).
         delta: two-sided clipping (INTELLECT-2): the unclipped branch uses ``min(ratio, delta)``; > 1, e.g. 4.0.
         importance_sampling_level: ``token`` (default) or ``sequence`` (GSPO: each completion's mean log-ratio,
             one ratio per completion).
@@ -92,7 +94,7 @@ class GRPOModule(CriticFreeModule):
         self,
         model_name_or_path: str | None = None,
         *,
-        loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"] = "dapo",
+        loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo", "gmpo"] = "dapo",
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         delta: float | None = None,
@@ -119,18 +121,13 @@ class GRPOModule(CriticFreeModule):
         multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
         **kwargs: Any,
     ) -> None:
-        validate_grpo_loss_config(
-            loss_type, epsilon, epsilon_high, beta, self.knob("max_completion_length", kwargs),
-            importance_sampling_level=importance_sampling_level, delta=delta,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
-            use_bias_correction_kl=use_bias_correction_kl, top_entropy_quantile=top_entropy_quantile,
-            entropy_coef=entropy_coef)
+        loss_config = GRPOLossConfig.from_values(locals())  # the loss knobs, checked once, here
+        check_kl_beta(beta)
         check_entropy_control(entropy_coef, use_adaptive_entropy, entropy_coef_min, entropy_coef_max,
-                              entropy_coef_delta, entropy_target)
+                              entropy_coef_delta, entropy_target, top_entropy_quantile)
         check_reward_shaping(scale_rewards, normalize_rewards, reward_clip, multi_objective_aggregation)
         super().__init__(model_name_or_path, **kwargs)
+        self.loss_config = loss_config
         self.reward_normalizer = RunningRewardNormalizer() if normalize_rewards else None
         self.entropy_control = EntropyController(entropy_coef, use_adaptive_entropy, entropy_target, entropy_coef_delta,
                                                  entropy_coef_min, entropy_coef_max)
@@ -145,7 +142,7 @@ class GRPOModule(CriticFreeModule):
         if stage != "fit":
             return
         steps, accumulate = self.micro_batches_per_rollout(), self.trainer.accumulate_grad_batches
-        if self.hparams.loss_type in GLOBAL_TOKEN_LOSS_TYPES and steps % accumulate:
+        if normalises_by_step_tokens(self.hparams.loss_type) and steps % accumulate:
             raise ValueError(
                 f"loss_type='{self.hparams.loss_type}' normalises by the completion tokens of each optimizer step, so "
                 f"an optimizer step must not straddle two rollouts: steps_per_generation ({steps}) must be a multiple "
@@ -191,17 +188,12 @@ class GRPOModule(CriticFreeModule):
         mask = mb["completion_mask"].bool()
         entropy_mask = None if hp.top_entropy_quantile >= 1 else self._high_entropy_mask(entropies.detach(), mask)
         num_items, scale = None, 1.0
-        if hp.loss_type in GLOBAL_TOKEN_LOSS_TYPES:
+        if normalises_by_step_tokens(hp.loss_type):
             num_items, scale = self.step_tokens(slot), float(self.trainer.accumulate_grad_batches)
         loss, stats = grpo_loss(
-            logps, mb.get("old_logps"), mb["advantages"], mb["completion_mask"], loss_type=hp.loss_type,
-            epsilon=hp.epsilon, epsilon_high=hp.epsilon_high, beta=hp.beta, ref_per_token_logps=mb.get("ref_logps"),
-            max_completion_length=hp.max_completion_length, num_items_in_batch=num_items,
-            importance_sampling_level=hp.importance_sampling_level, delta=hp.delta,
-            sapo_temperature_pos=hp.sapo_temperature_pos, sapo_temperature_neg=hp.sapo_temperature_neg,
-            vespo_k_pos=hp.vespo_k_pos, vespo_lambda_pos=hp.vespo_lambda_pos, vespo_k_neg=hp.vespo_k_neg,
-            vespo_lambda_neg=hp.vespo_lambda_neg, off_policy_mask_threshold=hp.off_policy_mask_threshold,
-            use_bias_correction_kl=hp.use_bias_correction_kl, entropy_mask=entropy_mask,
+            logps, mb.get("old_logps"), mb["advantages"], mb["completion_mask"], config=self.loss_config,
+            beta=hp.beta, ref_per_token_logps=mb.get("ref_logps"), max_completion_length=hp.max_completion_length,
+            num_items_in_batch=num_items, entropy_mask=entropy_mask,
             entropies=entropies if control.enabled else None, entropy_coef=control.applied_coef(),
             loss_scale=scale, importance_sampling_ratio=is_ratio,
             sampling_per_token_logps=mb.get("sampling_logps"),
@@ -273,4 +265,4 @@ def check_reward_shaping(scale_rewards: str, normalize_rewards: bool, reward_cli
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards='{scale_rewards}' is unknown; use one of {list(SCALE_REWARDS)}.")
     if reward_clip is not None and reward_clip <= 0:
-        raise ValueError(f"reward_clip must be > 0 or null, got {reward_clip}.")
+        raise ValueError(f"reward_clip must be a positive number or null, got {reward_clip}.")

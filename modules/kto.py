@@ -1,5 +1,5 @@
 """``KTOModule``: Kahneman-Tversky optimisation on the unpaired batches of ``UnpairedPreferenceDataModule``, wired
-to a policy and its reference (the loss itself is the pure function ``kto_loss`` in ``kto_loss.py``)."""
+to a policy and its reference (the loss itself is the pure function ``kto_loss``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.training.lora import is_peft_model
+from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.losses.kto import LOSS_TYPES, kl_estimate, kto_loss, validate_kto_config  # noqa: F401
 from lightalign.modules.training.logprobs import completion_logps
 from lightalign.modules.reference.component import Reference
@@ -242,6 +243,6 @@ class KTOModule(StatHooks, PolicyModule):
 
     def precompute_reference(self, datamodule: Any) -> None:
         """Give the datamodule the reference log-probs of every row and of its mismatched sequence, per split,
-        cached on disk and sharded over the ranks (``modules/reference/precompute.py``); the reference model is
+        cached on disk and sharded over the ranks (``precompute_reference_logps``); the reference model is
         released afterwards."""
         precompute_reference_logps(self, datamodule, TOKENIZED_COLUMNS, ("logps", "kl_logps"))

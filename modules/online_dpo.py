@@ -1,11 +1,11 @@
 """Online DPO: ``OnlineDPOModule``, DPO on pairs the policy samples itself and a reward (or a judge) ranks.
 
 Per batch of prompts (``PromptDataModule``): two completions per prompt from the policy (``SamplingModule``'s
-``Sampling`` component, ``sampling/``), scored by the reward functions (the online-RL
-scoring stage, ``rollout/scoring.py``) with ``missing_eos_penalty`` taken off a completion without EOS, or compared by a
-pairwise judge; the better one is ``chosen``. The loss is the project's ``dpo_loss`` (``sigmoid`` or ``ipo``) on the
-completion-token log-prob sums of the policy (with gradients) and of the reference (``Reference`` component, under
-``no_grad``; for a LoRA policy the base with adapters off). TRL 1.16's ``OnlineDPOTrainer`` (docs/online_dpo.md).
+``Sampling`` component), scored by the reward functions (the online-RL scoring stage, ``score_rollout``) with
+``missing_eos_penalty`` taken off a completion without EOS, or compared by a pairwise judge; the better one is
+``chosen``. The loss is the project's ``dpo_loss`` (``sigmoid`` or ``ipo``) on the completion-token log-prob sums of the
+policy (with gradients) and of the reference (``Reference`` component, under ``no_grad``; for a LoRA policy the base
+with adapters off). TRL 1.16's ``OnlineDPOTrainer`` (docs/online_dpo.md).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class OnlineDPOModule(SamplingModule):
     method_name = "Online DPO"
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
     progress_stats = ("loss", "reward/mean")  # with a judge: ("loss", "win_rate")
-    summary_stats = {"win_rate": "max"}  # the run summary's lines beyond the shared ones (callbacks/summary.py)
+    summary_stats = {"win_rate": "max"}  # the run summary's lines beyond the shared ones (RunSummary)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"reward_funcs", "judge"}
     vllm_gpu_memory_utilization_default = 0.55  # TRL's OnlineDPOConfig
 

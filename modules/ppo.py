@@ -1,15 +1,15 @@
 """Proximal policy optimisation with a value head: ``PPOModule``. TRL 1.16.0 ships no PPO: the formulas and knobs
-are those of TRL <= 0.11's ``PPOTrainer`` (``trl/trainer/ppo_trainer.py`` at v0.11.4: rewards, GAE, whitening,
-clipped losses, ``adap_kl_ctrl``, the score knobs) and of its successor, ``trl/experimental/ppo/ppo_trainer.py`` in
-TRL 0.26-1.9 (``kl_coef``, ``num_ppo_epochs``, ``num_mini_batches``, ``missing_eos_penalty``, ``stop_token``);
-docs/ppo.md lists the sources.
+are those of TRL <= 0.11's ``trl.PPOTrainer`` (v0.11.4: rewards, GAE, whitening, clipped losses,
+``adap_kl_ctrl``, the score knobs) and of its successor, ``trl.experimental.ppo.PPOTrainer`` in TRL 0.26-1.9
+(``kl_coef``, ``num_ppo_epochs``, ``num_mini_batches``, ``missing_eos_penalty``, ``stop_token``); docs/ppo.md lists
+the sources.
 
-PPO runs on the online-RL loop (``OnlineRLModule``, ``modules/rollout/module.py``), as GRPO and RLOO do:
+PPO runs on the online-RL loop (``OnlineRLModule``), as GRPO and RLOO do:
 ``PromptDataModule`` prompts, the sampler, the reward functions (or reward-model folders), the rollout buffer reused
 across ``training_step`` calls, exact resume and the strategies. Its advantage stage (``rollout_advantages``): score (``missing_eos_penalty``, ``use_score_scaling``/``use_score_norm``,
 ``score_clip``), one no-grad forward for the sampling policy's log-probs and values, the reference's log-probs,
 per-token rewards (``-kl_coef * (logp - ref_logp)`` on every token, the score on the last), GAE and whitened
-advantages (``modules/losses/ppo.py``). Then ``num_ppo_epochs`` passes over the rollout's ``num_mini_batches``
+advantages (``token_rewards``, ``gae``, ``whiten``). Then ``num_ppo_epochs`` passes over the rollout's ``num_mini_batches``
 mini-batches (one optimizer step each; with ``accumulate_grad_batches`` = k a mini-batch is k micro-batches, i.e.
 ``training_step`` calls), each with the clipped policy loss plus ``vf_coef`` times the clipped value loss, both
 averaged over the mini-batch's completion tokens. Rollouts sampled by vLLM (``use_vllm``) keep the sampler's
@@ -17,7 +17,7 @@ log-probs; the importance-sampling ratio of the rollout-time ``old_logps`` over 
 the shared ``OffPolicyRollouts`` component) weights the clipped policy term of each token, never the value loss nor
 the KL penalty in the rewards (verl's truncated importance sampling for PPO; TRL has no PPO).
 
-The value head (``modules/training/value_head.py``) is a linear map of the policy's last hidden state from the same forward
+The value head (``ValueHead``) is a linear map of the policy's last hidden state from the same forward
 as the log-probs; it is trained with the policy (its gradient also reaches the shared trunk, as with TRL's
 ``AutoModelForCausalLMWithValueHead``), checkpointed, and saved beside the export (``value_head.safetensors``).
 
@@ -37,8 +37,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightalign.modules.sampling.completions import eos_token_ids
 from lightalign.modules.losses.entropy import token_entropies
+from lightalign.modules.losses.advantages import gae, masked_mean, token_rewards, whiten
 from lightalign.modules.losses.ppo import (AdaptiveKLController, FixedKLController, ScoreProcessor, clipped_policy_loss,
-                                         clipped_value_loss, explained_variance, gae, masked_mean, token_rewards, whiten)
+                                         clipped_value_loss, explained_variance)
 from lightalign.modules.rollout.buffer import RolloutBuffer, in_rollout_order, reshuffle_rollout, scatter_rows
 from lightalign.modules.rollout.module import OnlineRLModule
 from lightalign.modules.rollout.scoring import metric_key
@@ -238,7 +239,7 @@ class PPOModule(OnlineRLModule):
             return optimizer
         if self.value_model is not None:
             optimizer.add_param_group({"params": [p for p in self.value_model.parameters() if p.requires_grad]})
-        if self.optimizer_factory is None and self.hparams.get("optim") is None:
+        if self.knobs.optimization.optimizer is None and self.knobs.optimization.optim is None:
             optimizer.add_param_group({"params": [head.weight], "weight_decay": self.hparams.weight_decay})
             optimizer.add_param_group({"params": [head.bias], "weight_decay": 0.0})
         else:
@@ -348,7 +349,7 @@ class PPOModule(OnlineRLModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        self.load_method_state(checkpoint.get("lightalign_ppo", {}))  # (where checkpoints before 2026-11-25 kept it)
+        self.load_method_state(checkpoint.get("lightalign_ppo", {}))  # the older checkpoint key (docs/changelog.md)
 
     def gather_export_extras(self) -> dict[str, Any]:
         """On every rank (the gathers are collectives under FSDP2 / ZeRO-3): the value head's whole tensors and the
@@ -364,7 +365,7 @@ class PPOModule(OnlineRLModule):
     def export_hf(self, output_dir: Any, tokenizer: Any = None, merge_lora: bool = False,
                   state_dict: dict[str, torch.Tensor] | None = None, extras: dict[str, Any] | None = None):
         """The policy as an ordinary causal-LM folder, with ``value_head.safetensors`` and ``value_head.json`` beside
-        its weights (``modules/training/value_head.py``: ``load_value_head``). ``extras``: ``gather_export_extras()``'s,
+        its weights (read back by ``load_value_head``). ``extras``: ``gather_export_extras()``'s,
         required when the module is sharded."""
         self.configure_model()
         extras = extras if extras is not None else self.gather_export_extras()

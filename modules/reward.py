@@ -3,7 +3,7 @@ model with one output trained on the pair batches of ``PreferenceDataModule``).
 
 The trained model scores a sequence with the single logit at its last non-padding token, as transformers'
 ``*ForSequenceClassification`` models do; its Hugging Face export is what ``GRPOModule(reward_funcs=[folder])``
-(``rewards/model.py``: ``RewardModel``) loads.
+(through ``RewardModel``) loads.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.aggregation import MeanMetric
 
-from lightalign.modules.training.policy import PolicyModule, is_peft_model
+from lightalign.modules.training.lora import is_peft_model
+from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.training.export import export_hf
 from lightalign.modules.training.stat_hooks import StatHooks
 

@@ -2,7 +2,7 @@
 
 The loop (sample -> score -> split -> log-probs -> advantages -> buffer) is ``OnlineRLModule``, TRL's rollout
 schedule and the training layouts ``CriticFreeModule``. RLOO's part is its advantage and loss (the pure functions
-of ``modules/losses/rloo.py``):
+``kl_penalized_rewards``, ``rloo_advantages`` and ``rloo_loss``):
 
 * the KL penalty goes into the reward, per sequence (``beta``, first-order log-ratio summed over the completion);
 * each completion's baseline is the mean reward of the other completions of its prompt;
@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from lightalign.modules.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
+from lightalign.modules.losses.advantages import kl_penalized_rewards, rloo_advantages
+from lightalign.modules.losses.rloo import rloo_loss
 from lightalign.modules.rollout.buffer import in_rollout_order, scatter_rows
 from lightalign.modules.rollout.critic_free import CriticFreeModule
 from lightalign.modules.rollout.scoring import metric_key

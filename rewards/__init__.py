@@ -1,14 +1,6 @@
 """Reward functions for GRPO, with TRL's signature ``fn(prompts, completions, **columns) -> list[float | None]``,
-and the machinery that runs them and turns rewards into advantages."""
+and the machinery that runs them (the advantages computed from the rewards: ``lightalign.modules.losses.advantages``)."""
 
-from lightalign.rewards.advantages import (
-    RunningRewardNormalizer,
-    clip_rewards,
-    nanstd,
-    normalize_then_sum,
-    scale_advantages,
-    zero_std_fraction,
-)
 from lightalign.rewards.functions import (
     FormatReward,
     LengthPenalty,
@@ -42,23 +34,17 @@ __all__ = [
     "RewardFunctionError",
     "RewardModel",
     "RewardScores",
-    "RunningRewardNormalizer",
     "accuracy_reward",
     "check_reward_call_knobs",
     "check_reward_weights",
-    "clip_rewards",
     "completion_text",
     "compute_rewards",
     "digit_fraction_reward",
     "extract_last_number",
     "import_object",
     "make_format_reward",
-    "nanstd",
     "resolve_reward_funcs",
     "reward_func_name",
     "reward_func_names",
-    "normalize_then_sum",
-    "scale_advantages",
     "think_format_reward",
-    "zero_std_fraction",
 ]

@@ -1,10 +1,10 @@
 """Running reward functions the way TRL's GRPOTrainer does: call them, check what they return, sum them.
 
 Each function is called once on the batch as ``fn(prompts=..., completions=..., **columns)``, all functions at once,
-each within ``reward_timeout`` seconds (``calling.py``). ``None`` in its output becomes NaN, and the total reward of a
-completion is the weighted ``nansum`` over functions. A completion every function returned None for has a NaN total
-(TRL: it is left out of the group baseline and gets advantage 0, see ``advantages.py``); a rollout where that holds
-for every completion is an error (training on it would learn nothing).
+each within ``reward_timeout`` seconds (``call_reward_functions``). ``None`` in its output becomes NaN, and the total
+reward of a completion is the weighted ``nansum`` over functions. A completion every function returned None for has a
+NaN total (TRL: it is left out of the group baseline and gets advantage 0, see ``scale_advantages``); a rollout where
+that holds for every completion is an error (training on it would learn nothing).
 
 With ``reward_fallback_value`` set, a call that raises or does not return in time scores each of its rows with that
 value, and so does each NaN or infinite value a function returns; every substitution is counted per function. A

@@ -6,7 +6,7 @@ read for reward schedules: ``global_step``, ``epoch``, ``max_steps``), ``log_ext
 one per completion of the call, become a column of the logged completions table) and ``log_metric(name, value)``
 (a scalar; the values of a logging step are averaged and logged beside the trainer's own metrics). Here the state is
 ``RewardTrainerState`` (those fields, read from the Lightning trainer at the rollout), the extra columns join the
-sample table (``module.last_samples``, written by ``callbacks/completions.py``) and each metric is logged as
+sample table (``module.last_samples``, written by ``CompletionSamples``) and each metric is logged as
 ``train/<name>`` or ``val/<name>``, averaged like every statistic (``StatMetrics``).
 """
 

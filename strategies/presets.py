@@ -9,7 +9,7 @@ Python: ``L.Trainer(strategy=make_strategy("fsdp2"))``; YAML: ``--trainer.strate
   ``fully_shard`` per decoder layer after the module built its model (and its frozen reference, which stays
   replicated).
 * ``deepspeed_*``: ``DeepSpeedZeroStrategy`` (Lightning's ``DeepSpeedStrategy``; under ZeRO-3 transformers
-  partitions the model as it loads) with the configs of ``deepspeed_configs.py``.
+  partitions the model as it loads) with the configs of ``deepspeed_config``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     Lightning builds the model inside ``deepspeed.zero.Init``, where ``from_pretrained``/``from_config`` write
     into already-partitioned (empty) tensors and fail. Registering the config with transformers
     (``HfDeepSpeedConfig``) instead makes transformers create the model under ``zero.Init`` itself and load or
-    initialise each weight gathered. Reference copies are then made from gathered weights (modules/reference/model.py).
+    initialise each weight gathered. Reference copies are then made from gathered weights (``create_reference_model``).
     Args are ``DeepSpeedStrategy``'s; ``timeout_s`` bounds every collective.
     """
 

@@ -1,11 +1,11 @@
 """Model adaptations: everything lightalign changes in how a Hugging Face model computes, in one place.
 
-* ``attention.py``: ``sdpa_varlen``, per-sequence / per-segment SDPA for packed and shared-prefix rows, sliding
-  windows kept;
-* ``mlp_memory.py``: ``recompute_mlp_activation``, gated SiLU MLPs that keep one activation tensor less;
-* ``support.py``: ``check_layout``, which refuses a layout (or generation backend) a model does not run exactly,
-  as measured by ``probe.py`` on a shrunk copy of the model (``shrink.py``, ``probe_layouts.py``; verdicts cached
-  on disk), called at fit start by every module.
+* ``sdpa_varlen`` (``register_varlen_sdpa``): per-sequence / per-segment SDPA for packed and shared-prefix rows,
+  sliding windows kept;
+* ``recompute_mlp_activation``: gated SiLU MLPs that keep one activation tensor less;
+* ``check_layout``: refuses a layout (or generation backend) a model does not run exactly, as measured by the
+  probe (``measure``) on a shrunk copy of the model (``probe_model``, ``layout_logps``; verdicts cached on disk),
+  called at fit start by every module.
 
 ``adapt_model`` applies the adaptations a ``PolicyModule`` asks for and returns an ``AdaptationReport``; its
 ``describe()`` is the fit-start line, and its ``as_dict()`` goes into the saved run config.
@@ -78,7 +78,7 @@ def adapt_model(model: torch.nn.Module, recompute_mlp: bool = True, liger: bool 
                 varlen_attention: bool = True) -> AdaptationReport:
     """Apply lightalign's adaptations to ``model`` in place (before LoRA wrapping and ``torch.compile``):
     Liger kernels or ``recompute_mlp_activation``, then ``sdpa -> sdpa_varlen``. Each is exact where it is applied
-    (tests/adaptations/test_conformance.py); the report says what was done."""
+    (the conformance tests hold every model family to it); the report says what was done."""
     report = AdaptationReport()
     if liger:
         from lightalign.modules.training.acceleration import apply_liger_kernel

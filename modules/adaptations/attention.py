@@ -2,23 +2,23 @@
 
 A padding-free batch is one row holding several sequences, their ``position_ids`` restarting at each. With plain
 ``sdpa``, transformers turns that into one ``[T, T]`` block-diagonal mask and the kernel computes every query
-against every key of the row, then masks: attention costs ``T**2`` instead of ``sum(L_i**2)`` (about 30% of an SFT
-step on CPU at 8 sequences of ~140 tokens). Flash-attention's varlen kernels avoid this on GPUs; ``sdpa_varlen`` does
-the same with stock SDPA by attending each sequence on its own with ``is_causal=True``.
+against every key of the row, then masks: attention costs ``T**2`` instead of ``sum(L_i**2)`` (a large share of an SFT
+step on CPU: measured, see docs/performance.md 'sdpa_varlen'). Flash-attention's varlen kernels avoid this on GPUs;
+``sdpa_varlen`` does the same with stock SDPA by attending each sequence on its own with ``is_causal=True``.
 
 The sequences are given by ``sequence_sizes`` (host integers, read from the batch once, not once per layer). The
-shared-prefix layouts (DPO pairs, GRPO groups; see ``datamodules/shared_prefix.py``) pack several segments per
+shared-prefix layouts (DPO pairs, GRPO groups; see ``shared_prefix_batch``) pack several segments per
 row under a custom 4D mask; given ``segment_bounds`` (per row, the segment edges) each segment attends on its own
 with its block of that mask, ``sum(S_i**2)`` instead of ``T**2`` per row, when that saves enough work to pay for
 the extra kernel calls (``worth_splitting``: a threshold measured on CPU and used on CPU only,
-``training/device_tuning.py``).
+``tuned``'s ``min_saved_scores_per_call``).
 
 Sliding windows are kept on every path: a packed sequence attends with a banded causal mask, and a custom 4D
 mask gets the layer's window put back (``window_positions``), since it replaces the model's own sliding-window
 mask. Every other call (padded batches, generation with a KV cache, ``torch.compile`` tracing) goes to
 transformers' own ``sdpa`` function unchanged. The name is not saved in ``config.json`` (transformers drops the
-runtime attention setting), so exported models load anywhere. Which models may use which layout is decided in
-``support.py``.
+runtime attention setting), so exported models load anywhere. Which models may use which layout is decided by
+``check_layout``.
 
 Registration is process-wide: transformers 5.24 looks attention functions up by the config's name in one registry
 shared by every model (``AttentionInterface`` and ``AttentionMaskInterface`` are ``GeneralInterface`` mappings;
@@ -43,9 +43,9 @@ VARLEN_SDPA = "sdpa_varlen"
 def worth_splitting(segments: list[list[int]], width: int, device: str | torch.device) -> bool:
     """Whether per-segment attention (``segment_bounds``) beats one masked call over rows of ``width`` tokens on
     ``device``: the query-key scores it saves (``width**2 - sum(S_i**2)`` per row) per SDPA call it runs, against
-    the ``min_saved_scores_per_call`` measured on CPU (``training/device_tuning.py``; 32k: short chat pairs ran
-    faster with the row's one masked call, long-tailed pairs faster split). Never on other device types, where
-    nothing was measured."""
+    the ``min_saved_scores_per_call`` measured on CPU (``tuned``'s table; short chat pairs run faster with the
+    row's one masked call, long-tailed pairs faster split: docs/performance.md 'sdpa_varlen'). Never on other
+    device types, where nothing was measured."""
     threshold = tuned("min_saved_scores_per_call", device)
     calls = sum(len(edges) - 1 for edges in segments)
     if threshold is None or calls == 0:

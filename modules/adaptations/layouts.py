@@ -3,8 +3,7 @@
 
 The forwards that run these layouts live with training (``training.sft_forward``, ``training.rollout_forward``,
 ``training.preference_forward``). Which model may run which layout is checked at fit start
-(``adaptations.check_layout``); the conformance matrix (tests/adaptations/test_conformance.py) holds every family to
-them.
+(``adaptations.check_layout``); the conformance tests hold every model family to them.
 """
 
 from __future__ import annotations
@@ -28,14 +27,15 @@ def _unmeasured(model: torch.nn.Module) -> bool:
 
 
 # Whether the model's own ``sdpa`` masks keep a packed row's sequences apart: the probe's verdict
-# (``support.native_packing_exact``, which support.py plugs in here when it is imported: the probe measures by
-# running the forwards that ask this file, so this file does not import it).
+# (``support.native_packing_exact``, which ``lightalign.modules.adaptations.support`` plugs in here when it is
+# imported: the probe measures by running the forwards that ask this module, so this module does not import the
+# probe).
 native_packing_exact: Callable[[torch.nn.Module], bool] = _unmeasured
 
 
 def split_packed_attention(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a packed row's sequences attend one SDPA call each (``sdpa_varlen``). On CPU it is the faster way
-    (measured there: ``training/device_tuning.py``, ``split_packed_sequences``); elsewhere only where the model's own
+    (measured there: ``tuned``'s ``split_packed_sequences``); elsewhere only where the model's own
     ``sdpa`` mask would let attention cross sequences (measured on its probe, ``native_packing_exact``)."""
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != VARLEN_SDPA:

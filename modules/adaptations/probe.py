@@ -143,8 +143,8 @@ def measure(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
 def _build(model_class: type, shrunk, seed: int = 0, random_norms: bool = False):
     """The probe with weights of unit scale (``N(0, 1/fan_in)`` for every matrix, norms and biases as built): with
     a family's own small initialisation a token mixer that leaks across sequences can move log-probs by less than
-    float32's noise; at unit scale a leak moves them by O(1) nats (measured: 0.8-2 on Falcon, LFM2, GPT-Neo) while
-    exact layouts stay within ~1e-6."""
+    float32's noise; at unit scale a leak moves them by O(1) nats while exact layouts stay within ~1e-6 (measured,
+    see docs/performance.md 'Layout probe')."""
     from lightalign.modules.adaptations.shrink import probe_model
 
     return unit_scale(probe_model(model_class, shrunk, seed=seed), seed, random_norms).eval()

@@ -5,8 +5,8 @@ forward functions: ``PaddingCollator``, ``PaddingFreeCollator``, ``SharedPromptC
 ``sft_logits``, ``completion_token_logps``, ``grpo_token_logps``) and returns the per-token log-probs it trains
 on, one tensor per sequence. ``alone_logps`` is the same tokens, one unpadded sequence per forward.
 ``greedy_tokens`` does the same for generation: a backend's greedy completions, and ``generate`` on each prompt
-alone. The probe (``probe.py``) compares the two on a shrunk copy of the user's model; the conformance matrix
-(tests/adaptations/test_conformance.py) runs the same functions on its catalogue of models.
+alone. The probe (``measure``) compares the two on a shrunk copy of the user's model; the conformance tests run the
+same functions on their catalogue of models.
 """
 
 from __future__ import annotations

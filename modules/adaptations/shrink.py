@@ -1,6 +1,6 @@
 """The probe's model: the user's model class on the user's config, shrunk in size only.
 
-The probe (``probe.py``) measures whether a batch layout is exact on a tiny copy of the user's model, so the copy
+The probe (``measure``) measures whether a batch layout is exact on a tiny copy of the user's model, so the copy
 must compute the way the real model does: ``shrink_config`` changes sizes and nothing else. It edits the config's
 ``to_dict()`` and rebuilds it with the config's own class (the family's validation and derived fields apply):
 

@@ -35,7 +35,7 @@ class ToolRollouts:
 
     Args:
         tools: plain tool functions or their import paths.
-        environment_factory: an environment class/function or its import path (``environments.py``).
+        environment_factory: an environment class/function or its import path (``EnvironmentFactory``).
         max_tool_calling_iterations: tool-calling rounds per trajectory at most (None: until the budget ends).
         tool_timeout: seconds one tool call may take before it becomes an error message (None: no limit).
         response_template: a ``response_template`` to set on the tokenizer (how its turns are parsed).
@@ -84,7 +84,7 @@ class ToolRollouts:
     def check_setup(self, tokenizer: Any, datamodule: Any) -> None:
         """At fit start, before any rollout: the tokenizer can render and parse tool turns, prompts are
         conversations. The response template is chosen and proven to read the chat template's calls
-        (``response_templates.py``); ``template_note`` says which and how, for the fit-start line."""
+        (``choose_response_template``); ``template_note`` says which and how, for the fit-start line."""
         check_tool_template(tokenizer, "tools")
         template, how = choose_response_template(tokenizer, self.response_template)
         check_round_trip(tokenizer, template, how, getattr(datamodule, "chat_template_kwargs", None))

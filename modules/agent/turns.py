@@ -21,7 +21,7 @@ class ToolCallFormatError(ValueError):
 
 def check_tool_template(tokenizer: Any, where: str) -> None:
     """Refuse a tokenizer without a chat template: the tool list and tool results could not be rendered. (Which
-    ``response_template`` reads the calls back is chosen and proven in ``response_templates.py``.)"""
+    ``response_template`` reads the calls back is chosen and proven by ``choose_response_template``.)"""
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if not getattr(tokenizer, "chat_template", None):
         raise ToolCallFormatError(f"{where}: the tokenizer {name!r} has no chat template, so the tool list and tool "

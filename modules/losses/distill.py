@@ -41,8 +41,8 @@ import torch
 __all__ = ["generalized_jsd_loss", "on_policy_distillation_advantages", "on_policy_distillation_loss"]
 
 # Tokens per chunk. Peak memory beyond the inputs and the student's gradient is about seven [chunk_size, V] float32
-# tensors, whatever the token count: measured on CPU, 256 tokens x 152k vocabulary, beta 0.5, forward + backward:
-# +528 MB at 128, +213 MB at 32 (unchunked autograd: +1.8 GB, growing with the tokens).
+# tensors, whatever the token count, where unchunked autograd grows with the tokens (measured, see
+# docs/performance.md 'Distillation loss chunks').
 DEFAULT_CHUNK_SIZE = 128
 
 

@@ -27,6 +27,24 @@ F_DIVERGENCE_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "sigmoid_norm", "hinge", 
 UNWEIGHTABLE_LOSS_TYPES: tuple[str, ...] = ("aot", "aot_pair", "aot_unpaired")
 
 
+def loss_type_list(loss_type: str | Sequence[str]) -> list[str]:
+    """``loss_type`` as a list of names, refusing a name no loss type has (``ValueError`` listing the valid ones)."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    unknown = [t for t in types if t not in LOSS_TYPES]
+    if unknown:
+        raise ValueError(f"Unknown DPO loss_type {', '.join(map(repr, unknown))}; valid names are: "
+                         f"{', '.join(repr(t) for t in LOSS_TYPES)}.")
+    return types
+
+
+def refuse_sorted_weighting(types: Sequence[str]) -> None:
+    """Per-pair WPO weights cannot weight the loss types that sort log-ratios across the batch."""
+    sorting = [t for t in types if t in UNWEIGHTABLE_LOSS_TYPES]
+    if sorting:
+        raise ValueError(f"use_weighting=True (WPO) cannot weight loss type(s) {sorting}: they sort log-ratios across "
+                         "the batch, so a pair's weight would land on another pair's term. Drop one of the two.")
+
+
 def validate_loss_config(
     loss_type: str | Sequence[str],
     loss_weights: Sequence[float] | None,
@@ -36,14 +54,12 @@ def validate_loss_config(
     f_alpha_divergence_coef: float = 0.5,
     use_weighting: bool = False,
 ) -> list[str]:
-    """Check the DPO loss knobs and return the loss types as a list; raise ``ValueError`` saying what to fix."""
-    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
-    valid = ", ".join(repr(t) for t in LOSS_TYPES)
+    """Check the DPO loss knobs once, at construction, and return the loss types as a list; raise ``ValueError``
+    saying what to fix (``dpo_loss`` does not check them again)."""
+    types = loss_type_list(loss_type)
     if not types:
+        valid = ", ".join(repr(t) for t in LOSS_TYPES)
         raise ValueError(f"loss_type is empty; give one loss type or a list of them, from: {valid}.")
-    unknown = [t for t in types if t not in LOSS_TYPES]
-    if unknown:
-        raise ValueError(f"Unknown DPO loss_type {', '.join(map(repr, unknown))}; valid names are: {valid}.")
     if loss_weights is not None and len(loss_weights) != len(types):
         raise ValueError(
             f"loss_weights has {len(loss_weights)} value(s) but loss_type names {len(types)} loss(es) {types}; "
@@ -67,10 +83,8 @@ def validate_loss_config(
         )
     if not math.isfinite(f_alpha_divergence_coef):
         raise ValueError(f"f_alpha_divergence_coef must be a finite number (default 0.5), got {f_alpha_divergence_coef}.")
-    sorting = [t for t in types if t in UNWEIGHTABLE_LOSS_TYPES]
-    if use_weighting and sorting:
-        raise ValueError(f"use_weighting=True (WPO) cannot weight loss type(s) {sorting}: they sort log-ratios across "
-                         "the batch, so a pair's weight would land on another pair's term. Drop one of the two.")
+    if use_weighting:
+        refuse_sorted_weighting(types)
     ignoring = [t for t in types if t not in SMOOTHED_LOSS_TYPES]
     if label_smoothing > 0 and ignoring:
         warnings.warn(
@@ -222,14 +236,16 @@ def dpo_loss(
       TRL 1.16 ignores it there without a word, so a user who sets it would silently train plain DPO;
       ``label_smoothing=0`` (the default) equals TRL.
 
+    The knobs (``beta``, ``label_smoothing``, ``loss_weights``, ``f_divergence_*``, ``discopop_tau``) are checked
+    once, where they are configured (``validate_loss_config``, run by ``DPOModule`` at construction), not here.
+
     Returns ``(losses [B], chosen_rewards [B], rejected_rewards [B])``, rewards being
     ``beta * (policy - reference)`` detached.
     """
-    types = validate_loss_config(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
-                                 f_alpha_divergence_coef, use_weighting=pair_weights is not None)
+    types = loss_type_list(loss_type)  # the names the dispatch below knows; the knobs' values are not re-checked
+    if pair_weights is not None:
+        refuse_sorted_weighting(types)
     weights = [1.0] * len(types) if loss_weights is None else [float(w) for w in loss_weights]
-    if "discopop" in types and not discopop_tau > 0:
-        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}.")
 
     if reference_free:
         refs: tuple[torch.Tensor, ...] = ()

@@ -37,8 +37,15 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: flo
 
 
 def check_entropy_control(entropy_coef: float, use_adaptive_entropy: bool, entropy_coef_min: float,
-                          entropy_coef_max: float, entropy_coef_delta: float, entropy_target: float) -> None:
-    """The adaptive controller's knobs, checked at construction (``entropy_coef`` itself: ``grpo_loss``)."""
+                          entropy_coef_max: float, entropy_coef_delta: float, entropy_target: float,
+                          top_entropy_quantile: float = 1.0) -> None:
+    """The entropy knobs (the bonus, its adaptive controller and the high-entropy token mask), checked at
+    construction."""
+    if not 0.0 <= top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1] (1.0 keeps every token, the paper uses 0.2), got "
+                         f"{top_entropy_quantile}.")
+    if not entropy_coef >= 0:
+        raise ValueError(f"entropy_coef must be >= 0 (0.0 disables the entropy bonus), got {entropy_coef}.")
     if not use_adaptive_entropy:
         return
     if not 0 <= entropy_coef_min <= entropy_coef_max:

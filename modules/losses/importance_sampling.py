@@ -17,9 +17,9 @@ with ``d_t = trainer_t - sampler_t`` on the real tokens, 0 on padding and wherev
 
 Knob names and defaults are TRL's: ``vllm_importance_sampling_correction`` (True),
 ``vllm_importance_sampling_mode`` ('sequence_mask'), ``vllm_importance_sampling_clip_min`` (None),
-``vllm_importance_sampling_clip_max`` (3.0); TRL's deprecated ``vllm_importance_sampling_cap`` is an older name
-of ``clip_max``. The losses take the result as ``importance_sampling_ratio`` (``modules/losses/grpo.py``,
-``modules/losses/rloo.py``, ``modules/losses/ppo.py``: ``clipped_policy_loss``, where the trainer's side is PPO's
+``vllm_importance_sampling_clip_max`` (3.0); TRL's deprecated ``vllm_importance_sampling_cap`` names
+``clip_max`` (refused, naming it). The losses take the result as ``importance_sampling_ratio`` (``grpo_loss``,
+``rloo_loss``, ``clipped_policy_loss``, where the trainer's side is PPO's
 ``old_logps``, as verl's truncated importance sampling corrects PPO; TRL has no PPO).
 """
 

@@ -1,14 +1,15 @@
-"""PPO's pure functions of tensors: per-token rewards with the KL penalty, GAE, whitening, the clipped policy and
-value losses, the KL coefficient controllers and the score post-processing (``missing_eos_penalty``,
-``use_score_scaling``, ``use_score_norm``, ``score_clip``).
+"""PPO's pure functions of tensors: the clipped policy and value losses, the KL coefficient controllers and the
+score post-processing (``missing_eos_penalty``, ``use_score_scaling``, ``use_score_norm``, ``score_clip``); its
+advantages (per-token rewards with the KL penalty, GAE, whitening) are with the other estimators
+(``lightalign.modules.losses.advantages``).
 
 Sources. TRL 1.16.0 ships no PPO trainer (no ``trl.experimental.ppo``); the formulas are those of TRL's two earlier
-PPO trainers. The original ``PPOTrainer`` of TRL <= 0.11 (``trl/trainer/ppo_trainer.py`` at v0.11.4:
+PPO trainers. The original ``PPOTrainer`` of TRL <= 0.11 (``trl.trainer.ppo_trainer`` at v0.11.4:
 ``compute_rewards``, ``compute_advantages``, ``loss`` and the score scaling of ``step``; ``AdaptiveKLController``,
-``FixedKLController`` and ``RunningMoments`` in ``trl/trainer/utils.py``; ``masked_whiten`` in ``trl/core.py``) gives
+``FixedKLController`` and ``RunningMoments`` in ``trl.trainer.utils``; ``masked_whiten`` in ``trl.core``) gives
 ``token_rewards`` (k1 penalty, score on the last completion token), ``gae``, ``whiten``, both clipped losses, the KL
 controllers and ``ScoreProcessor``'s scaling, normalisation and clipping. Its successor (``PPOv2Trainer`` in
-0.9-0.11, ``trl/trainer/ppo_trainer.py`` in 0.12-0.25, ``trl/experimental/ppo/ppo_trainer.py`` from 0.26, checked
+0.9-0.11, ``trl.trainer.ppo_trainer`` in 0.12-0.25, ``trl.experimental.ppo.ppo_trainer`` from 0.26, checked
 at v1.9.0) keeps the same GAE recursion, whitening and clipped losses and adds ``missing_eos_penalty``.
 
 Tensors are ``[B, T]`` over the completion tokens with a 0/1 ``mask`` (1 on the completion through its EOS). The
@@ -19,89 +20,15 @@ passes the tokens of the whole optimizer step, so gradient accumulation gives th
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from lightalign.modules.losses.advantages import RunningRewardNormalizer, masked_mean
 from lightalign.modules.losses.importance_sampling import check_ratio_shape
-from lightalign.rewards import RunningRewardNormalizer
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "ScoreProcessor", "clipped_policy_loss", "clipped_value_loss",
-           "explained_variance", "gae", "masked_mean", "masked_var", "token_rewards", "whiten"]
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` where ``mask`` is 1 (0 when the mask is empty)."""
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unbiased (Bessel-corrected) variance of ``x`` where ``mask`` is 1, as TRL's ``masked_var``; needs two tokens."""
-    count = mask.sum()
-    if count < 2:
-        raise ValueError(f"Whitening needs at least 2 tokens under the mask, got {int(count)}: use a larger "
-                         "generation_batch_size (or longer completions).")
-    centred = (x - masked_mean(x, mask)) * mask.to(x.dtype)
-    return (centred ** 2).sum() / (count - 1)
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-           sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + 1e-8)`` over the masked entries (unbiased variance); ``shift_mean=False`` adds the
-    mean back (only the scale changes). Entries outside the mask are transformed too: mask them afterwards.
-
-    ``sum_over_ranks`` (a sum over every process, e.g. an all-reduce) makes the mean and variance those of every
-    rank's entries together, as one process holding the whole rollout would compute them (two passes, like the
-    local ones)."""
-    if sum_over_ranks is None:
-        mean, var = masked_mean(x, mask), masked_var(x, mask)
-    else:
-        m = mask.to(x.dtype)
-        total = sum_over_ranks(torch.stack([(x * m).sum(), m.sum()]))
-        count = total[1]
-        if count < 2:
-            raise ValueError(f"Whitening needs at least 2 tokens under the mask, got {int(count)}: use a larger "
-                             "generation_batch_size (or longer completions).")
-        mean = total[0] / count
-        var = sum_over_ranks((((x - mean) * m) ** 2).sum()) / (count - 1)
-    out = (x - mean) * torch.rsqrt(var + 1e-8)
-    return out if shift_mean else out + mean
-
-
-def token_rewards(scores: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor | None, mask: torch.Tensor,
-                  kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards ``[B, T]``: ``-kl_coef * (logp - ref_logp)`` on every completion token, plus the score of
-    the completion at its last token; and the per-token KL ``logp - ref_logp`` (k1, 0 off the mask). A row with an
-    empty mask gets nothing (its score is dropped)."""
-    mask_f = mask.to(logps.dtype)
-    kl = torch.zeros_like(logps) if ref_logps is None else (logps - ref_logps) * mask_f
-    rewards = -kl_coef * kl
-    last = (mask.long().sum(-1) - 1).clamp(min=0)
-    rows = torch.arange(scores.shape[0], device=scores.device)
-    rewards[rows, last] += scores.to(rewards.dtype) * mask_f[rows, last]
-    return rewards, kl
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation, right to left over the completion tokens:
-    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``, where ``V_{t+1}`` and
-    ``A_{t+1}`` are 0 past the last masked token (the episode ends there). Returns ``(advantages, returns)`` with
-    ``returns = advantages + values``, both 0 off the mask."""
-    mask_f = mask.to(values.dtype)
-    values = values * mask_f
-    rewards = rewards * mask_f
-    length = rewards.shape[1]
-    advantages = torch.zeros_like(rewards)
-    next_adv = torch.zeros_like(rewards[:, 0])
-    next_value = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(length)):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * mask_f[:, t]
-        advantages[:, t] = next_adv
-        next_value = values[:, t]
-    return advantages, (advantages + values) * mask_f
+           "explained_variance"]
 
 
 def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -114,7 +41,7 @@ def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages
     ``clipfrac`` (tokens where the clipped branch is the larger).
 
     ``importance_sampling_ratio``: ``rho`` (default 1), the detached ratio ``pi_old / pi_sampler`` of
-    ``modules/losses/importance_sampling.py`` for rollouts drawn by another sampler (vLLM): ``[B, T]`` (token modes) or
+    ``importance_sampling_ratio`` for rollouts drawn by another sampler (vLLM): ``[B, T]`` (token modes) or
     ``[B, 1]`` (sequence modes: one weight per completion, the same on each of its tokens). It weights the clipped
     term of each token, as verl's truncated importance sampling weights its PPO policy loss; the value loss and the
     KL penalty (in the rewards) never see it. Its values off the mask are never read."""

@@ -1,4 +1,5 @@
-"""REINFORCE Leave-One-Out (RLOO, Ahmadian et al. 2024): the advantage and the loss, as pure functions of tensors.
+"""REINFORCE Leave-One-Out (RLOO, Ahmadian et al. 2024): the loss, a pure function of tensors (the advantages:
+``rloo_advantages`` and ``kl_penalized_rewards``, with the other estimators).
 
 Rewards are laid out as GRPO lays them out: rows ``i*G .. i*G+G-1`` are the ``G = num_generations`` completions of
 prompt ``i``; a NaN reward marks a completion no reward function could score. The formulas are TRL 1.16's
@@ -15,44 +16,9 @@ prompt ``i``; a NaN reward marks a completion no reward function could score. Th
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from lightalign.rewards.advantages import nanstd
-
-__all__ = ["kl_penalized_rewards", "rloo_advantages", "rloo_loss"]
-
-
-def kl_penalized_rewards(rewards: torch.Tensor, old_per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor,
-                         completion_mask: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rewards - beta * kl, kl)`` with ``kl = sum_t (old_t - ref_t)`` over each completion's tokens ``[N]``."""
-    kl = ((old_per_token_logps - ref_per_token_logps) * completion_mask).sum(-1)
-    return rewards - beta * kl, kl
-
-
-def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False,
-                    gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Leave-one-out advantages ``[N]`` of rewards ``[N]`` (NaN = unscorable).
-
-    ``gather``: under data parallelism, maps this rank's advantages to every rank's (concatenated), so that
-    ``normalize`` standardises over the whole generation batch as TRL does; None uses this rank's own.
-    """
-    if rewards.dim() != 1 or num_generations < 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rloo_advantages needs 1-D rewards holding whole groups of num_generations="
-                         f"{num_generations}; got shape {tuple(rewards.shape)}.")
-    if num_generations == 1:
-        advantages = torch.zeros_like(rewards)
-    else:
-        grouped = rewards.view(-1, num_generations)
-        scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
-        others = torch.nansum(grouped, dim=1, keepdim=True) - grouped  # NaN stays NaN for unscorable rows
-        baselines = others / (scorable - 1)  # 0/0 -> NaN for a group with a single scorable completion
-        advantages = (grouped - baselines).view(-1)
-    if normalize:  # over the scorable completions (NaN still marks the others)
-        pool = advantages if gather is None else gather(advantages)
-        advantages = (advantages - torch.nanmean(pool)) / (nanstd(pool) + 1e-4)
-    return torch.nan_to_num(advantages, nan=0.0)
+__all__ = ["rloo_loss"]
 
 
 def rloo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None, advantages: torch.Tensor,
@@ -65,7 +31,7 @@ def rloo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     ``per_token_logps``/``old_per_token_logps``/``completion_mask``: ``[N, T]``; ``old`` None means on-policy
     (the ratio is 1 in value, with the policy's gradient). ``advantages``: ``[N]``.
     ``importance_sampling_ratio``: ``rho``, a detached per-sequence weight ``[N, 1]`` or ``[N]`` (default 1), the
-    sequence-level ratio ``pi_old / pi_sampler`` of ``modules/losses/importance_sampling.py`` for rollouts drawn by
+    sequence-level ratio ``pi_old / pi_sampler`` of ``importance_sampling_ratio`` for rollouts drawn by
     another sampler. RLOO's loss is one term per sequence, so only the ``sequence_truncate``/``sequence_mask``
     modes apply; a token-level ratio has no place to go (refuse those modes for RLOO). TRL 1.16's RLOOTrainer has
     no such correction; the weight multiplies each sequence's surrogate as GRPO's multiplies its policy term.

@@ -12,9 +12,26 @@ masks (or none), and there the loss is off (refused when the coefficient was set
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+
+from lightalign.knobs import KnobGroup, knob
+
+@dataclasses.dataclass(frozen=True)
+class RouterAuxKnobs(KnobGroup):
+    group = "router_aux"
+    router_aux_loss_coef: float | None = knob(
+        None, "Mixture-of-Experts policies: weight of the router load-balancing loss added to the training loss "
+              "(``RouterAuxLoss``); null takes the model config's value, 0 turns it off; an error on a dense model. "
+              "Padded layouts only (off, and said so at fit start, in the others).")
+
+    def check(self) -> None:
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 (null: the model config's value), got "
+                             f"{self.router_aux_loss_coef}.")
+
 
 # The layouts where the model receives the 2D padding mask of its batch (see adaptations.LAYOUTS).
 AUX_LOSS_LAYOUTS = ("padded", "dpo_classic", "grpo_padded")

@@ -1,11 +1,11 @@
 """``Reference``: the reference model of a method, as one component (DPO, KTO, GRPO, RLOO, PPO use it).
 
-It decides how the reference is made (``reference/model.py``): a frozen copy of the policy (default), a copy sharing
+It decides how the reference is made (``build_reference``): a frozen copy of the policy (default), a copy sharing
 the policy's first ``num_shared_layers`` layers, a separately loaded (e.g. 8/4-bit) checkpoint
 (``ref_model_name_or_path`` / ``ref_model_init_kwargs``), or none for a LoRA policy, whose reference is the base
 model with the adapters disabled (``model_for``). The reference model itself is held by the LightningModule as
 ``ref_model``, outside its module tree (``PolicyModule``: never optimised, checkpointed or wrapped by a strategy).
-Precomputed log-probs (``reference/precompute.py``) and TR-DPO sync (``reference/sync.py``) act on that model.
+Precomputed log-probs (``precompute_reference_logps``) and TR-DPO sync (``mix_into_reference``) act on that model.
 """
 
 from __future__ import annotations

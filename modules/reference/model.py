@@ -115,7 +115,7 @@ def build_reference(
     """The reference of ``policy``: a separately loaded checkpoint (``separate``: another path or quantized
     kwargs), ``None`` for a LoRA policy (use ``disable_adapter()``), or a frozen (shared-layer) copy."""
     from lightalign.hub import load_causal_lm
-    from lightalign.modules.training.policy import is_peft_model
+    from lightalign.modules.training.lora import is_peft_model
 
     if separate:
         from lightalign.strategies.sharding import loading_whole

@@ -1,6 +1,6 @@
 """TR-DPO reference updates (TRL's ``sync_ref_model``): every ``ref_model_sync_steps`` optimizer steps the
 reference becomes ``ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference``, parameter by
-parameter (the callback that times it and keeps the mixed weights in checkpoints: ``callbacks/reference_sync.py``).
+parameter (the callback that times it and keeps the mixed weights in checkpoints: ``ReferenceSync``).
 
 Only a reference held as its own full-precision model can be mixed; the other reference modes are refused when
 the module is built (``check_reference_sync``) or at fit start (``check_mixable``).
@@ -8,18 +8,38 @@ the module is built (``check_reference_sync``) or at fit start (``check_mixable`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from lightalign.knobs import KnobGroup, knob
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceSyncKnobs(KnobGroup):
+    """TR-DPO's periodic update of the reference model (``ReferenceSync``)."""
+
+    group = "reference_sync"
+    sync_ref_model: bool = knob(
+        False, "methods with a reference model (DPO, GRPO): every ``ref_model_sync_steps`` optimizer steps the "
+               "reference becomes ``ref_model_mixup_alpha * policy + (1 - alpha) * reference`` (TR-DPO); kept in "
+               "checkpoints. Not with precomputed reference log-probs, LoRA, a quantized reference or FSDP/ZeRO-3.")
+    ref_model_mixup_alpha: float = knob(0.6, "the mix's alpha (default 0.6).")
+    ref_model_sync_steps: int = knob(512, "optimizer steps between mixes (default 512).")
+
+    def check(self) -> None:
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ValueError(f"ref_model_mixup_alpha must lie in [0, 1] (TR-DPO's alpha; default 0.6), got "
+                             f"{self.ref_model_mixup_alpha}.")
+        every = self.ref_model_sync_steps
+        if int(every) != every or every < 1:
+            raise ValueError(f"ref_model_sync_steps must be an integer >= 1 (optimizer steps; default 512), got {every}.")
+
 
 def check_reference_sync(hparams: Any, uses_reference_model: bool, method: str) -> None:
-    """Refuse, at construction, the knob values and combinations a reference update cannot work with."""
-    alpha, every = hparams.get("ref_model_mixup_alpha", 0.6), hparams.get("ref_model_sync_steps", 512)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"ref_model_mixup_alpha must lie in [0, 1] (TR-DPO's alpha; default 0.6), got {alpha}.")
-    if int(every) != every or every < 1:
-        raise ValueError(f"ref_model_sync_steps must be an integer >= 1 (optimizer steps; default 512), got {every}.")
+    """Refuse, at construction, the combinations of ``sync_ref_model`` with other groups' knobs a reference update
+    cannot work with (the group's own values are checked by ``ReferenceSyncKnobs``)."""
     if not hparams.get("sync_ref_model"):
         return
     why = None

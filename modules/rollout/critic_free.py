@@ -29,7 +29,7 @@ class CriticFreeModule(OnlineRLModule):
             padded layout within float tolerance. Worth it for long prompts; the rollout is then shuffled by
             whole groups so a micro-batch holds whole groups. Needs ``sdpa`` or ``eager`` attention.
         pack_length: with ``prompt_sharing``, a micro-batch of ``T`` tokens is split into
-            ``ceil(T / pack_length)`` rows of balanced length (``datamodules/shared_prefix.py``).
+            ``ceil(T / pack_length)`` rows of balanced length (``pack_rows``).
         padding_free: train on each micro-batch with no padding: every ``[prompt, completion]`` one after the
             other in one row, positions restarting at each, one attention call per sequence (``sdpa_varlen``);
             old and reference log-probs are computed the same way. Equal to the padded layout within float
@@ -40,7 +40,7 @@ class CriticFreeModule(OnlineRLModule):
             or callables; type hints and a docstring give each its JSON schema, which the chat template renders.
             Calls are parsed from the policy's turns in its template's format (the tokenizer's
             ``response_template``); results come back as ``tool`` messages whose tokens are not trained
-            (``modules/agent/``, docs/tools.md).
+            (``ToolRollouts``, docs/tools.md).
         environment_factory: an import path (or callable) building one environment per trajectory: ``reset(**row)``
             before it (may return text appended to the last user message), its public methods are tools,
             ``get_reward()`` (optional) scores the trajectory (a reward source named after the class, weight 1),

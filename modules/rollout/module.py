@@ -1,10 +1,10 @@
 """``OnlineRLModule``: the online-RL loop every method on it shares (GRPO, RLOO, PPO), as explicit stages.
 
 Per rollout (the first ``training_step`` of each): **sample** ``num_generations`` completions per prompt on the
-run's sampler (``sampling/``) -> **score** them with the reward functions (``rewards/``) -> **split** the rollout
+run's sampler (``Sampling``) -> **score** them with the reward functions (``score_rollout``) -> **split** the rollout
 into the micro-batches of ``training_step`` (``buffer.split_rollout``, with the method's training layout) ->
 **log-probs** of the sampling policy (when the rollout is trained on by an updated policy) and of the reference
-(``reference/``) -> **advantages**, the method's own stage (``rollout_advantages``) -> **buffer**. Every
+(``Reference``) -> **advantages**, the method's own stage (``rollout_advantages``) -> **buffer**. Every
 ``training_step`` then takes the next micro-batch (``next_micro_batch``) and computes the method's loss.
 
 A method declares its own knobs and objective: ``micro_batches_per_rollout`` and ``passes`` (its rollout schedule),
@@ -100,8 +100,8 @@ class OnlineRLModule(SamplingModule):
             policy gradient); a completion's ratio weights each of its tokens in GRPO and PPO. RLOO's loss is per
             completion: ``sequence_*`` only.
         vllm_importance_sampling_clip_min: the ratio's lower bound (None: none).
-        vllm_importance_sampling_clip_max: the ratio's upper bound (None: none; TRL's former name:
-            ``vllm_importance_sampling_cap``).
+        vllm_importance_sampling_clip_max: the ratio's upper bound (None: none; TRL's deprecated name
+            ``vllm_importance_sampling_cap`` is refused, naming this one).
         **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
             ``generation_kwargs``, ``generation_backend``, ``use_vllm`` and the ``vllm_*`` engine knobs:
             ``SamplingModule``) and ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).

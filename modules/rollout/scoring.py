@@ -1,8 +1,8 @@
 """The scoring stage: a rollout's completions through the reward functions, with the statistics every online-RL
 method logs (reward mean/std per function and in total, completion lengths, the truncated share, and with
 ``reward_fallback_value`` the substitutions per function) and the sample table of the last rollout
-(``callbacks/completions.py``). Reward functions get TRL's ``trainer_state``, ``log_extra`` and ``log_metric``
-(``rewards/trl_kwargs.py``): their extra columns join the sample table, their metrics the statistics."""
+(``CompletionSamples``). Reward functions get TRL's ``trainer_state``, ``log_extra`` and ``log_metric``
+(``RewardTrainerState``, ``RewardLogs``): their extra columns join the sample table, their metrics the statistics."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from lightalign.modules.training.stat_metrics import metric_key
-from lightalign.rewards import FallbackReport, compute_rewards, nanstd
+from lightalign.modules.losses.advantages import nanstd
+from lightalign.rewards import FallbackReport, compute_rewards
 from lightalign.rewards.calling import short_repr
 from lightalign.rewards.trl_kwargs import RewardLogs, RewardTrainerState
 

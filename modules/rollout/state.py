@@ -1,6 +1,6 @@
 """What an online-RL run keeps in its checkpoints beside the weights: the generation count, every rank's rollout
 buffer (under DDP each rank trains on its own prompts, so each resumes its own; every rank gathers, rank 0 writes)
-with the sample table of its rollout (``last_samples``: ``callbacks/completions.py`` writes it on the steps the
+with the sample table of its rollout (``last_samples``: ``CompletionSamples`` writes it on the steps the
 rollout serves, so a run resumed mid-rollout writes the rows the uninterrupted one wrote) and the method's own
 state (``method_state``: the same on every rank; ``rank_state``: per rank), so a resumed run continues mid-rollout
 exactly as the uninterrupted one."""

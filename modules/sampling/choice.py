@@ -21,8 +21,8 @@ from lightalign.modules.training.device_tuning import tuned
 
 
 def default_backend(device_type: str) -> str:
-    """The default when ``generation_backend`` is unset: measured per device type (``training/device_tuning.py``,
-    entry ``generation_backend``: ``compact`` on the project's 2-core CPU, bench/grpo.py --shape reasoning,
+    """The default when ``generation_backend`` is unset: measured per device type (``tuned``'s
+    ``generation_backend`` entry: ``compact`` on the project's CPU, measured on the reasoning workload,
     docs/performance.md); ``generate`` where nothing was measured."""
     return tuned("generation_backend", device_type)
 

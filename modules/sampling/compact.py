@@ -15,14 +15,14 @@ a standard ``DynamicCache`` and the model's own attention (sdpa / eager, 2-D pad
    finished row not yet gathered out gets ``pad_token_id``, as in ``generate``.
 
 Two CPU speed-ups that change no token, used by default only where they were measured (the CPU:
-``compact_grow_cache`` and ``compact_prepack_linears`` in ``training/device_tuning.py``, beside ``compact_fraction``):
+``compact_grow_cache`` and ``compact_prepack_linears`` in ``tuned``'s table, beside ``compact_fraction``):
 - the cache's plain layers get room for the whole completion once the prompt is in (``grow_in_place``): a decode
   step writes its keys and values in place instead of ``torch.cat``-copying every layer's cache (bitwise the same
   tokens and log-probs; tests);
-- on the CPU in float32 every plain ``nn.Linear`` runs on a oneDNN-prepacked copy of its weight for the duration
-  of the call (``packed_linear``): the same product up to float32 rounding, 1.25x faster sampling on the small
-  model at 2 threads (docs/performance.md); only for models whose linear weights hold at least the small model's
-  116 MiB (``compact_prepack_min_mib``: on the 1M tiny model it is 1.2-1.6x slower).
+- on the CPU in float32 every plain ``nn.Linear`` runs on a oneDNN-prepacked copy of its weight for the duration of the
+  call (``packed_linears``): the same product up to float32 rounding, faster sampling on the small model; only for
+  models whose linear weights hold at least the small model's 116 MiB (``compact_prepack_min_mib``: on smaller matrices
+  it is slower). Measured, see docs/performance.md 'Prepacked linears'.
 
 What the loop changes besides its own tensors, and for how long: the linears' forwards for the duration of the
 call (``packed_linears`` gives them back on exit), and the class of the cache layers it grows
@@ -166,7 +166,7 @@ def compact_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask
     ``compact_fraction``: finished rows are gathered out once at least this share of the live rows has finished.
     ``prepack``: on the CPU in float32, the linears run on oneDNN-prepacked weights (``packed_linear``).
     ``grow_cache``: the cache's plain layers get room for the whole completion up front (``grow_in_place``).
-    Unset (None), each is the value measured for the prompts' device type (``training/device_tuning.py``): on the
+    Unset (None), each is the value measured for the prompts' device type (``tuned``'s table): on the
     CPU a quarter, on (for a model with at least ``compact_prepack_min_mib`` of eligible linear weights), on;
     elsewhere 0 (at once), off, off."""
     from lightalign.modules.sampling.packed_linear import packed_linears

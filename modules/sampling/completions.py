@@ -1,5 +1,5 @@
 """A rollout's completions: ``num_generations`` samples per prompt of a prompt batch on a sampler
-(``sampling/samplers.py``), cut after their first EOS, decoded for the reward functions.
+(``Sampler``, from the ``SAMPLERS`` registry), cut after their first EOS, decoded for the reward functions.
 
 Every sampler (``generate``, ``continuous``, ``static``, ``compact``, vLLM) is called the same way and returns the
 same contract; what follows is independent of which one sampled.
@@ -46,7 +46,7 @@ def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, 
                        max_new_tokens: int = 256, **sampling: Any) -> dict[str, Any]:
     """A rollout: ``num_generations`` sampled completions per prompt of a ``PromptCollator`` batch (eval mode, then
     the model's mode is restored), cut after their first EOS, on ``backend`` (a registered sampler's name or a
-    ``Sampler``: ``sampling/samplers.py``).
+    ``Sampler``: ``SAMPLERS``).
 
     Returns rows grouped by prompt: ``prompt_ids``/``prompt_mask`` (left-padded), ``completion_ids``/
     ``completion_mask`` (through EOS, padded after), ``truncated`` (no EOS), and for the reward functions

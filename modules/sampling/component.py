@@ -1,9 +1,9 @@
 """``Sampling``: how a method samples completions, from its ``SamplingConfig``.
 
 It chooses the sampler of each model that samples (the policy; a teacher that writes sequences) once per fit
-(``sampling/choice.py``: measured on the model, refused or stepped back to ``generate`` at fit start, with the
+(``choose_sampler``: measured on the model, refused or stepped back to ``generate`` at fit start, with the
 fit-start note saying which and why), samples with it, and gives validation its own seeded random stream. With
-``use_vllm`` the vLLM callback (``sampling/vllm_engines.py``) hands it an engine's sampler per model instead
+``use_vllm`` the vLLM callback (``VLLMRollouts``) hands it an engine's sampler per model instead
 (``use_engine``), for the fit.
 """
 

@@ -1,8 +1,8 @@
 """What a rollout samples: the sampling knobs (TRL's names) in one object, checked once.
 
-``SamplingConfig`` holds the knobs every sampling method shares (``sampling/module.py``); ``check`` validates them together with the asked
-backend at construction, before any model loads (each refusal names the knob and what to use instead), and
-``sampling_kwargs`` is what every sampler's ``sample`` receives.
+``SamplingConfig`` holds the knobs every sampling method shares (``SamplingModule``); ``check`` validates them together
+with the asked backend at construction, before any model loads (each refusal names the knob and what to use instead),
+and ``sampling_kwargs`` is what every sampler's ``sample`` receives.
 """
 
 from __future__ import annotations

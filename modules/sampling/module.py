@@ -35,7 +35,7 @@ class SamplingModule(PolicyModule):
             ``no_repeat_ngram_size``); the ones the sampling sets itself (``max_new_tokens``,
             ``num_return_sequences``, ``temperature``, ``top_p`` ...) are refused naming the knob to use. (TRL lets
             them override its knobs.)
-        generation_backend: the sampler (``sampling/samplers.py``): ``generate`` (``model.generate``; any knob),
+        generation_backend: the sampler (``SAMPLERS``, by name): ``generate`` (``model.generate``; any knob),
             ``continuous`` (transformers' continuous batching, paged KV cache: finished completions leave the batch;
             refuses ``repetition_penalty``, ``generation_kwargs`` and online RL's ``cache_implementation``),
             ``static`` (static KV cache, compiled decode step) or ``compact`` (lightalign's loop: finished
@@ -47,7 +47,7 @@ class SamplingModule(PolicyModule):
             policy; a ``seq_kd`` teacher separately), and the fit-start line says which and why. An asked backend
             that the probe measures not exact is refused.
         use_vllm: sample with vLLM on a GPU instead (TRL's names and defaults for every ``vllm_*`` knob;
-            ``sampling/vllm.py``, docs/vllm.md): the completions of the model being trained (the policy, the
+            ``VLLMRollouts``, docs/vllm.md): the completions of the model being trained (the policy, the
             student), its weights pushed to the engine at fit start and after every optimizer step; a ``seq_kd``
             teacher's through an engine of its own, given its weights once. Refused without CUDA, and with
             ``generation_backend``.
@@ -184,7 +184,7 @@ class SamplingModule(PolicyModule):
 
     def configure_callbacks(self) -> list:
         callbacks = super().configure_callbacks()
-        if self.hparams.get("use_vllm"):  # the engines, their weight pushes, their samplers (sampling/vllm_engines.py)
+        if self.hparams.get("use_vllm"):  # the engines, their weight pushes, their samplers (VLLMRollouts)
             from lightalign.modules.sampling.vllm_engines import VLLMRollouts
 
             callbacks.append(VLLMRollouts())

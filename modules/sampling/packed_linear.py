@@ -2,23 +2,22 @@
 
 A decode step multiplies a handful of rows (the live completions) by every weight matrix of the model. For such
 short, wide products PyTorch's default CPU path (MKL ``sgemm`` on the ``[out, in]`` weight) is far from the memory
-bound; oneDNN on a weight reordered once into its blocked layout is not. Measured on the project's 2-core CPU
-(docs/performance.md, ``bench/packed_linear.py``): the 8-layer ``small`` model's 24 MLP matrices, 4 rows, 2 threads:
-12.4 ms plain, 5.2 ms prepacked; 1 row 7.0 vs 4.5 ms; 32 rows 16.6 vs 13.2 ms (1 thread: 0.98x to 1.40x).
+bound; oneDNN on a weight reordered once into its blocked layout is not (measured on the project's CPU, see
+docs/performance.md 'Prepacked linears').
 
 ``packed_linears(model)`` is a context manager: inside it, every module whose type is exactly ``torch.nn.Linear``
 (not a subclass: quantized, LoRA-merged or parametrized linears keep their own forward), on the CPU, with a plain
 float32 weight and no forward pre-hooks, computes ``x @ W.T + b`` with ``torch.ops.mkldnn._linear_pointwise`` on a
-prepacked copy of ``W`` made on entry. On exit every module gets its own forward back and the copies are freed: while
-a rollout samples, the linear weights are held twice (the small model: 120 MB more). The weights must not change
-inside the context (generation runs under ``no_grad`` between optimizer steps); a call that needs what the copy
-cannot give (a gradient, autocast, another dtype or device) runs the module's own ``F.linear``.
+prepacked copy of ``W`` made on entry. On exit every module gets its own forward back and the copies are freed: while a
+rollout samples, the linear weights are held twice (one more copy of every eligible weight). The weights must not change
+inside the context (generation runs under ``no_grad`` between optimizer steps); a call that needs what the copy cannot
+give (a gradient, autocast, another dtype or device) runs the module's own ``F.linear``.
 
 The result is the same product as ``F.linear``'s up to float32 rounding (another summation order; tests bound the
 difference), so a sampled completion's distribution is unchanged. It is entered only where it was measured: CPU,
 float32, oneDNN built in, no autocast, and (``compact_groups``) a model whose eligible weights hold at least the
-small model's 116 MiB: on small matrices the reorder at each rollout and oneDNN's per-call cost lose (the 1M-parameter
-tiny model samples 1.2-1.6x slower prepacked; ``compact_prepack_min_mib`` in ``training/device_tuning.py``).
+small model's 116 MiB: on small matrices the reorder at each rollout and oneDNN's per-call cost lose
+(``compact_prepack_min_mib`` in ``tuned``'s table; docs/performance.md 'Prepacked linears').
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ import torch
 
 from lightalign.modules.training.device_tuning import tuned
 
-# the batch size oneDNN's weight layout is chosen for (8 and 32 measured the same from 1 to 32 rows): the entry of
-# training/device_tuning.py for the CPU, the only device type whose weights are packed (bench/packed_linear.py)
+# the batch size oneDNN's weight layout is chosen for: ``tuned``'s ``packed_linear_rows_hint`` for the CPU, the
+# only device type whose weights are packed (hints 8 and 32 measured the same: docs/performance.md)
 ROWS_HINT = tuned("packed_linear_rows_hint", "cpu")
 
 

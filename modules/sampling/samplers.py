@@ -9,14 +9,14 @@ when the first raises.
 
 - ``generate``: ``model.generate`` on a ``DynamicCache`` holding each prompt's prefill once (``share_prefill``);
   every row is decoded until the longest completion ends. Any ``generate`` knob.
-- ``continuous``: transformers' continuous batching (``sampling/continuous.py``): a finished completion leaves the
+- ``continuous``: transformers' continuous batching (``continuous_batching_groups``): a finished completion leaves the
   batch; the group's completions fork from one prefill. Temperature, top_p, top_k, min_p only; one process.
-- ``static``: ``generate`` on a static KV cache with the decode step compiled (``sampling/static.py``); the prompt
+- ``static``: ``generate`` on a static KV cache with the decode step compiled (``static_generate_kwargs``); the prompt
   prefill runs on every copy.
 - ``compact``: lightalign's loop on a ``DynamicCache`` with the shared prefill; a completion that emits EOS leaves
-  the batch (``sampling/compact.py``). Temperature, top_k, top_p, min_p, repetition_penalty; one process.
-- ``vllm``: a vLLM engine on a GPU (``sampling/vllm_engines.py``: built by the ``VLLMRollouts`` callback, which
-  owns the engine; not in this registry).
+  the batch (``compact_groups``). Temperature, top_k, top_p, min_p, repetition_penalty; one process.
+- ``vllm``: a vLLM engine on a GPU (``VLLMSampler``: built by the ``VLLMRollouts`` callback, which owns the engine;
+  not in this registry).
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
 ``cache_implementation="static"`` preallocates the cache for prompt + ``max_new_tokens`` tokens, so every decode step
 has the same shapes and ``torch.compile`` (transformers' ``CompileConfig``, forced on every device type) compiles the
 forward once. On the CPU, prompts are left-padded to a multiple of 32 tokens (``static_prompt_bucket`` in
-``training/device_tuning.py``) so rollouts whose longest prompt differs reuse the compiled graph (left padding is
+``tuned``'s table) so rollouts whose longest prompt differs reuse the compiled graph (left padding is
 masked: the completions do not change); on other device types, where nothing was measured, they are not padded.
 Sampling is ``generate``'s own (the same logits processors), so it is exactly what the knobs ask. The prefill runs
 on every copy of a prompt. The compiled forward is traced on the first rollout: weight updates are seen (parameters
 are graph inputs), forward hooks added to the model afterwards are not (torch's ``skip_nnmodule_hook_guards``; a
-test caught it).
+test holds it).
 
-Measured on the project's 2-core CPU (docs/performance.md): inductor's first compilation takes minutes, so this is
-not the default there.
+On the project's CPU inductor's first compilation takes minutes (measured, docs/performance.md), so this is not
+the default there.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ COMPILE_BACKEND = "inductor"  # torch.compile backend of the decode step (tests 
 def bucket_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pad_token_id: int,
                    bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad prompts to the next multiple of ``bucket`` tokens (default: the prompts' device type's
-    ``static_prompt_bucket``, ``training/device_tuning.py``)."""
+    ``static_prompt_bucket`` in ``tuned``'s table)."""
     bucket = tuned("static_prompt_bucket", prompt_ids.device) if bucket is None else bucket
     extra = -prompt_ids.shape[1] % bucket
     if not extra:

@@ -15,8 +15,7 @@ The pieces, each usable alone:
 * ``vllm_sampling_params``: our sampling knobs as vLLM ``SamplingParams`` fields (a pure function);
 * ``vllm_weight_name`` / ``vllm_weights``: the policy's parameters under the names vLLM's ``load_weights``
   expects (LoRA deltas added to their base weights, wrapper prefixes dropped, sharded parameters gathered);
-* ``padded_completions``: the engine's completions (and their log-probs) as the ``Samples`` every sampler returns
-  (``sampling/samplers.py``);
+* ``padded_completions``: the engine's completions (and their log-probs) as the ``Samples`` every sampler returns;
 * ``ColocatedEngine`` / ``ServerEngine``: the two ways to reach vLLM; ``VLLMRollouts``: the Lightning callback
   that builds the engine at fit start, pushes weights after each optimizer step and hands the module the
   sampler its rollouts go through.
@@ -181,7 +180,7 @@ def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     with its active adapters' deltas added (computed apart: the policy's own weights are never merged in place,
     which would round them a little at every push); FSDP2 / ZeRO-3 parameters are gathered, so every rank must
     iterate."""
-    from lightalign.modules.training.policy import is_peft_model
+    from lightalign.modules.training.lora import is_peft_model
     from lightalign.strategies.sharding import generation_context
 
     peft = is_peft_model(model)
@@ -205,7 +204,7 @@ def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def padded_completions(completions: list[list[int]], prompts: int, num_generations: int, pad_token_id: int | None,
                        device: torch.device | None = None, logps: list[list[float]] | None = None) -> Samples:
     """An engine's completions (``num_generations`` lists of token ids per prompt, prompt-major) as the ``Samples``
-    every sampler returns (``sampling/samplers.py``): ids ``[prompts * num_generations, longest]`` right-padded
+    every sampler returns: ids ``[prompts * num_generations, longest]`` right-padded
     with ``pad_token_id``; with ``logps`` (each completion's per-token log-probs, NaN where the engine scored none)
     those as float32 ``[rows, longest]``, 0 after each completion's end; and each one's length (a completion can
     end without EOS before the longest: at the engine's context length)."""

@@ -18,8 +18,9 @@ distribution it was sampled from (vLLM's ``processed_logprobs``: after temperatu
 NaN where vLLM gave none, as TRL keeps it), else None. The colocated engine is built in that mode; a server must be
 started with ``--logprobs-mode processed_logprobs`` and is refused when log-probs are asked of it otherwise.
 
-Pure helpers (knob checks, sampling-parameter mapping, weight names, rollout assembly) live in
-``sampling/vllm.py``. See docs/vllm.md for what was and was not run.
+Pure helpers (knob checks, sampling-parameter mapping, weight names, rollout assembly) are ``check_vllm_knobs``,
+``vllm_sampling_params``, ``vllm_weights`` and ``padded_completions``. See docs/vllm.md for what was and was not
+run.
 """
 
 from __future__ import annotations
@@ -332,7 +333,7 @@ class VLLMRollouts(L.Callback):
     every optimizer step (so each sampling is by the model being trained), a frozen one never again. The module's
     ``Sampling`` component samples through them for the fit (``Sampling.use_engine``). With rollouts sampled ahead
     (``max_staleness``) the off-policy component pushes instead, between rollouts
-    (``modules/rollout/offpolicy/engine_ahead.py``).
+    (``EngineAhead``).
 
     ``engine_factory(module, trainer, who, model_path)``: how an engine is made (default: this module's
     ``build_engine``, looked up at fit start; tests pass or patch in a fake)."""

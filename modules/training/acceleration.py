@@ -4,11 +4,25 @@ allocator setting of CPU training (``retain_freed_cpu_memory``, undone by ``rele
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import platform
 from typing import Any
 
 import torch
+
+from lightalign.knobs import KnobGroup, knob
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUMemoryKnobs(KnobGroup):
+    group = "cpu_memory"
+    retain_cpu_memory: bool = knob(
+        True, "when training on CPU under glibc, keep freed memory in the process instead of giving it back to the OS "
+              "after every free, so each step's activations and gradients do not page-fault in again (same peak RSS, "
+              "faster steps; ``retain_freed_cpu_memory``). Process-wide from setup to teardown (also undone when the "
+              "run raises: ``release_freed_cpu_memory``); ``False`` leaves the allocator as it is. Applied only on the "
+              "device type its threshold was measured on (CPU, ``DEVICE_TUNING``), never to GPU runs.")
 
 
 def compile_model(model: torch.nn.Module, options: bool | dict[str, Any]) -> torch.nn.Module:

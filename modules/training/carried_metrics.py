@@ -3,7 +3,7 @@
 Within a training epoch Lightning's logger connector keeps every value a module logged (``self.log`` in a
 training hook, ``on_step``) and hands it to the loggers again at every later step of that epoch until it is logged
 anew: a statistic updated once per rollout (``train/reward/*``, ``train/completions/*``, ``train/tools/*``: scored
-when the rollout is sampled, ``modules/rollout/scoring.py``) appears in ``metrics.csv`` on each step that rollout
+when the rollout is sampled, ``score_rollout``) appears in ``metrics.csv`` on each step that rollout
 serves; a statistic logged on some steps only (``train/policy_loss``, ``train/kl``) stays at its last value. That
 collection is not part of Lightning's checkpoints, so a run resumed mid-epoch wrote those columns empty until each
 was logged again (the rest of a rollout, for GRPO with ``steps_per_generation`` x ``num_iterations`` > 1).

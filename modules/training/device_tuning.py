@@ -5,8 +5,7 @@ Every entry was chosen on the project's CPU machine (``MEASURED_ON``), by the me
 (one, ``static_prompt_bucket``, says it had none of its own); nothing here was measured on a GPU. On any other
 device type an entry gives its ``neutral`` value instead: the behaviour nobody tuned (``None``: the feature is off
 there). The code that uses a constant reads it here for the device it runs on (``tuned(name, device)``), so a CPU
-measurement never decides a GPU run. On the CPU every value is the one the code used before the table existed:
-numerics there are unchanged.
+measurement never decides a GPU run.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ whose name says ``drop`` or ``jitter``. Zeroing them changes nothing in eval mod
 
 Config values are what an export writes, and the user's exported ``config.json`` must keep the user's values: the
 values replaced are remembered on the model, and ``user_dropout_config(model)`` puts them back for the duration of
-a block; ``modules/training/export.py``'s ``export_hf`` (every lightalign export) writes the config inside it. (A bare
+a block; ``export_hf`` (every lightalign export) writes the config inside it. (A bare
 ``model.save_pretrained`` outside it writes the zeros.)
 
 Left alone, because zeroing would change the model rather than remove noise:
@@ -41,6 +41,17 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+
+from lightalign.knobs import KnobGroup, knob
+
+@dataclass(frozen=True)
+class DropoutKnobs(KnobGroup):
+    group = "dropout"
+    disable_dropout: bool = knob(
+        False, "set every dropout probability of the policy to 0 (``disable_dropout_in_model``; TRL's default: on for "
+               "DPO, off for GRPO and SFT): ``nn.Dropout`` modules, the rates modules and configs keep (read at forward "
+               "time), layer drop and MoE router jitter. The export's ``config.json`` keeps the user's values.")
+
 
 # model_type -> config fields / module attributes that look like noise by name but also shape the eval-mode forward
 _NOT_NOISE: dict[str, tuple[str, ...]] = {"phimoe": ("router_jitter_noise",)}

@@ -64,7 +64,7 @@ def forward_accepts(model: torch.nn.Module, argument: str) -> bool:
 
 
 def shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One forward of a shared-prefix batch (``datamodules/shared_prefix.py``) -> ``[targets, V]`` logits, the
+    """One forward of a shared-prefix batch (``shared_prefix_batch``) -> ``[targets, V]`` logits, the
     row ``j`` predicting ``batch["targets"][j]``. Logits are computed only at ``logits_mask`` positions when the
     model takes ``logits_to_keep``. Which models may run this layout: ``adaptations.check_layout``."""
     import lightalign.modules.adaptations.attention as attention

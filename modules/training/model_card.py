@@ -4,7 +4,7 @@
 versions) and returns the card's text: YAML metadata built with huggingface_hub's ``ModelCardData`` (``base_model``,
 ``library_name``, ``tags``, ``datasets``, ``license``, ``pipeline_tag``) and a body naming the base model, the method
 and its knobs, the data, the final metrics, the versions and how to load the model. ``HFExport``
-(``callbacks/hf_export.py``) gathers those values from the trainer (``card_inputs``) and writes the card into every
+gathers those values from the trainer (``card_inputs``) and writes the card into every
 folder it exports.
 """
 

@@ -7,17 +7,29 @@ the original embedding forward back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+
+from lightalign.knobs import KnobGroup, knob
+
+
+@dataclasses.dataclass(frozen=True)
+class NEFTuneKnobs(KnobGroup):
+    group = "neftune"
+    neftune_noise_alpha: float | None = knob(None, "NEFTune noise on the input embeddings during training (e.g. 5); "
+                                                   "off when None.")
+
+    def check(self) -> None:
+        if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
+            raise ValueError(f"neftune_noise_alpha must be > 0 (TRL suggests 5), got {self.neftune_noise_alpha}.")
 
 
 class NEFTune:
     """Attach with ``NEFTune(model, alpha).attach()``; ``detach()`` restores the plain embedding forward."""
 
     def __init__(self, model: torch.nn.Module, noise_alpha: float) -> None:
-        if noise_alpha <= 0:
-            raise ValueError(f"neftune_noise_alpha must be > 0 (TRL suggests 5), got {noise_alpha}.")
         self.model = model
         self.noise_alpha = float(noise_alpha)
         self._handle: torch.utils.hooks.RemovableHandle | None = None

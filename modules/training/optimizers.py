@@ -151,12 +151,9 @@ def build_named_optimizer(
     applied to the parameters ``optim_target_modules`` selects.
     """
 
-    check_optim_name(optim)
     args = dict(optim_args or {})
     if optim.startswith("galore"):
         return _build_galore(optim, model, lr, weight_decay, betas, eps, args, optim_target_modules)
-    if optim_target_modules is not None:
-        raise ValueError(f"optim_target_modules only applies to the galore_* presets, not optim='{optim}'.")
     groups = decay_parameter_groups(model, weight_decay)
     if optim in ("adamw_torch", "adamw_torch_fused"):
         fused = {"fused": True} if optim == "adamw_torch_fused" else {}
@@ -172,14 +169,23 @@ def build_named_optimizer(
     return cls(groups, **{"lr": lr, "betas": betas, "eps": eps, **args})
 
 
-def _build_galore(optim, model, lr, weight_decay, betas, eps, args, target_modules) -> torch.optim.Optimizer:
-    if target_modules is None:
+def check_optim_preset(optim: str, optim_target_modules: list[str] | str | None) -> None:
+    """``optim`` names a preset, with ``optim_target_modules`` exactly when it is a GaLore one, and a GPU when it
+    needs one."""
+    check_optim_name(optim)
+    galore = optim.startswith("galore")
+    if not galore and optim_target_modules is not None:
+        raise ValueError(f"optim_target_modules only applies to the galore_* presets, not optim='{optim}'.")
+    if galore and optim_target_modules is None:
         raise ValueError(f"optim='{optim}' needs optim_target_modules (e.g. ['attn', 'mlp']): the linear layers to project.")
     if optim == "galore_adamw_8bit" and not torch.cuda.is_available():
         raise RuntimeError(
             "optim='galore_adamw_8bit' needs a CUDA GPU (galore-torch's 8-bit AdamW synchronizes CUDA at every step). "
             "On CPU use galore_adamw or galore_adafactor."
         )
+
+
+def _build_galore(optim, model, lr, weight_decay, betas, eps, args, target_modules) -> torch.optim.Optimizer:
     galore = _import("galore_torch", "optim", optim)
     galore_params = galore_target_parameters(model, target_modules)
     galore_ids = {id(p) for p in galore_params}

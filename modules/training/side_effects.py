@@ -1,13 +1,13 @@
 """What a run changes outside the module's own model, applied at ``setup`` and undone at ``teardown`` (or, when the
-run raises, by ``callbacks/side_effects.py``):
+run raises, by ``UndoSideEffectsOnError``):
 
 * the allocator setting of ``retain_cpu_memory`` (glibc's mmap and trim thresholds), on the device type where its
-  threshold was measured (``training/device_tuning.py``) and only there;
+  threshold was measured (``tuned``'s table) and only there;
 * a model the user passed as ``model``: its own MLP forwards (``restore_mlp_forward``) and attention implementation
   are given back at teardown, and the module's adaptations applied again at the next ``setup``.
 
 Not undone: LoRA adapters, activation checkpointing, ``torch.compile`` and ``disable_dropout`` on a user-passed model
-(asked for by knobs), and the ``sdpa_varlen`` name in transformers' registry (``adaptations/attention.py``).
+(asked for by knobs), and the ``sdpa_varlen`` name in transformers' registry (``register_varlen_sdpa``).
 """
 
 from __future__ import annotations

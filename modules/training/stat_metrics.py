@@ -3,15 +3,15 @@
 Each statistic is averaged over what a stage saw (the micro-batches of an optimizer step, or a validation epoch)
 and logged once, then reset; a statistic nothing updated is not logged.
 
-Training statistics cost a Lightning ``self.log`` call each (~0.5 ms on the CPU: Lightning copies its result entry
-on every call), about 20 per online-DPO step and more for GRPO. A statistic nothing reads at every step is logged
-only on the optimizer steps whose metrics the loggers write (Lightning's ``log_every_n_steps``), the steps where it
-would have reached a file or a dashboard anyway: what the loggers receive is unchanged. Read at every step, and so
-logged at every step: the progress bar's statistics, the run summary's (its final and best values), and any
+Training statistics cost a Lightning ``self.log`` call each (Lightning copies its result entry on every call; measured,
+see docs/performance.md 'Logged statistics'), about 20 per online-DPO step and more for GRPO. A statistic nothing reads
+at every step is logged only on the optimizer steps whose metrics the loggers write (Lightning's ``log_every_n_steps``),
+the steps where it would have reached a file or a dashboard anyway: what the loggers receive is unchanged. Read at every
+step, and so logged at every step: the progress bar's statistics, the run summary's (its final and best values), and any
 callback's ``monitor`` (``ModelCheckpoint``, ``EarlyStopping``); every statistic at the fit's last step (the model
-card's and ``trainer.callback_metrics``' final values). On the other steps ``trainer.callback_metrics``
-holds the other statistics' values of the last written step (with or without a logger: the steps are Lightning's
-``log_every_n_steps``; ``log_every_n_steps: 1`` logs every statistic at every step).
+card's and ``trainer.callback_metrics``' final values). On the other steps ``trainer.callback_metrics`` holds the other
+statistics' values of the last written step (with or without a logger: the steps are Lightning's ``log_every_n_steps``;
+``log_every_n_steps: 1`` logs every statistic at every step).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def loggers_write_this_step(trainer: Any) -> bool:
 
 def read_every_step(trainer: Any, module: Any, stage: str = "train") -> set[str]:
     """The ``stage`` statistics something reads at every optimizer step: the progress bar's
-    (``module.progress_stats``), the run summary's (``callbacks/summary.py``: ``summary_keys``) and any callback's
+    (``module.progress_stats``), the run summary's (``summary_keys``) and any callback's
     ``monitor`` under ``<stage>/``."""
     from lightalign.callbacks.summary import summary_keys
 

@@ -163,7 +163,7 @@ def test_train_mode_randomness_left_on_is_caught_by_the_measurement(model_type, 
 def test_a_refused_layout_is_refused_before_the_weights_load(tmp_path, tiny_dir, data_dir, quiet_trainer, monkeypatch):
     """DPO's default prompt sharing on LFM2: refused from the model's class and config (built on the meta device),
     before load_causal_lm reads any weight. Mutation: drop check_layout_before_loading -> the weights load first."""
-    import lightalign.modules.training.policy as base
+    import lightalign.modules.training.model_building as base
     from lightalign import DPOModule, PreferenceDataModule
     from lightalign.hub import load_tokenizer
 

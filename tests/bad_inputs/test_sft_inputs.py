@@ -109,7 +109,7 @@ def test_missing_local_model_folder(tmp_path):
 
 def test_data_error_raised_before_model_loads(tiny_dir, write_jsonl, monkeypatch):
     """fit() fails on the bad row in datamodule.setup, before configure_model builds the model."""
-    import lightalign.modules.training.policy as base
+    import lightalign.modules.training.model_building as base
 
     calls = []
     monkeypatch.setattr(base, "load_causal_lm", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(AssertionError))

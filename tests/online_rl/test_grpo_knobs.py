@@ -13,7 +13,7 @@ from torchmetrics.aggregation import MeanMetric
 
 import lightalign.modules.grpo as grpo_mod
 from lightalign.modules.losses.entropy import EntropyController, high_entropy_mask
-from lightalign.rewards import normalize_then_sum
+from lightalign.modules.losses.advantages import normalize_then_sum
 
 
 def advantages(module, rollout, stats):
@@ -171,8 +171,10 @@ def test_loss_knobs_reach_grpo_loss(grpo_module, tokenizer, kwargs_spy, knobs):
     module = _module(grpo_module, tokenizer, **knobs)
     torch.manual_seed(0)
     module.training_step({"prompts": ["p"]}, 0)
+    config = seen["config"]  # the loss knobs travel as the module's GRPOLossConfig
     for name, value in knobs.items():
-        assert seen[name] == value, name
+        got = getattr(config, name) if name in config.knob_names() else seen[name]
+        assert got == value, name
     assert ("entropies" in seen and seen["entropies"] is not None) == ("entropy_coef" in knobs)
     assert "loss_scale" in seen  # the module's rescale of dapo-like losses, taken out of the entropy bonus
 

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from lightalign.modules.losses.grpo import grpo_loss, validate_grpo_loss_config
+from lightalign.modules.losses.grpo import grpo_loss
+
+from helpers.grpo_knobs import check_grpo_knobs
 
 CLASSIC_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the new types: tests/online_rl/test_grpo_loss_types.py
 
@@ -70,6 +72,7 @@ def hand_loss(loss_type, beta=0.0, num_items=None):
 def run(loss_type, beta=0.0, **kw):
     logp, old, adv, mask = inputs()
     ref = torch.tensor(REF, dtype=torch.float64) if beta else None
+    kw.setdefault("use_bias_correction_kl", False)
     loss, stats = grpo_loss(logp, old, adv, mask, loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH,
                             beta=beta, ref_per_token_logps=ref, max_completion_length=MAX_LEN, **kw)
     return logp, loss, stats
@@ -196,7 +199,7 @@ def test_accumulation_of_four_micro_batches_equals_one_batch(loss_type):
     logp, old, adv, mask = accumulation_batch()
     K = 4
     kw = dict(loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, beta=0.05, ref_per_token_logps=old - 0.1,
-              max_completion_length=5)
+              max_completion_length=5, use_bias_correction_kl=False)
     _, stats = grpo_loss(logp, old, adv, mask, **kw)
     assert stats["clip_ratio/region_mean"] > 0  # the clipped branch is exercised
     full = grad_of(lambda: grpo_loss(logp, old, adv, mask, **kw)[0], logp)
@@ -247,13 +250,13 @@ def test_bnpo_is_not_accumulation_invariant_with_unequal_lengths():
 def test_validate_config_errors(kwargs, message):
     args = dict(loss_type="dapo", epsilon=0.2, epsilon_high=None, beta=0.0, max_completion_length=None) | kwargs
     with pytest.raises(ValueError, match=message):
-        validate_grpo_loss_config(**args)
+        check_grpo_knobs(**args)
 
 
 def test_validate_config_accepts_trl_defaults_and_dapo_paper_setting():
-    validate_grpo_loss_config("dapo", 0.2, None, 0.0, None)
-    validate_grpo_loss_config("dapo", 0.2, 0.28, 0.04, None)
-    validate_grpo_loss_config("dr_grpo", 0.2, 0.2, 0.0, 256)
+    check_grpo_knobs("dapo", 0.2, None, 0.0, None)
+    check_grpo_knobs("dapo", 0.2, 0.28, 0.04, None)
+    check_grpo_knobs("dr_grpo", 0.2, 0.2, 0.0, 256)
 
 
 def test_grpo_loss_input_errors():

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from lightalign.modules.losses.entropy import high_entropy_mask
-from lightalign.modules.losses.grpo import grpo_loss, validate_grpo_loss_config
+from lightalign.modules.losses.grpo import grpo_loss
+
+from helpers.grpo_knobs import check_grpo_knobs
 
 # Two completions of lengths 3 and 2 (T = 3). DELTA = logp - old on real tokens.
 ADV = [1.0, -0.5]
@@ -35,6 +37,7 @@ def tensors():
 def run(**kw):
     logp, old, adv, mask = tensors()
     kw.setdefault("epsilon", 0.2)
+    kw.setdefault("use_bias_correction_kl", False)
     loss, stats = grpo_loss(logp, old, adv, mask, **kw)
     loss.backward()
     return loss.item(), logp.grad, stats
@@ -141,7 +144,7 @@ def luspo_by_hand(logp, old, ref, adv, mask, keep, beta, eps=0.2, eps_high=0.28)
 @pytest.mark.parametrize("beta, top_entropy_quantile", [(0.04, 1.0), (0.0, 0.4), (0.04, 0.4)])
 def test_luspo_with_kl_and_entropy_mask_matches_trl_formula(beta, top_entropy_quantile):
     logp, old, ref, adv, mask, entropies = luspo_tensors()
-    validate_grpo_loss_config("luspo", 0.2, 0.28, beta, None, importance_sampling_level="sequence",
+    check_grpo_knobs("luspo", 0.2, 0.28, beta, None, importance_sampling_level="sequence",
                               top_entropy_quantile=top_entropy_quantile)
     keep = mask.bool() if top_entropy_quantile >= 1 else high_entropy_mask(entropies, mask, top_entropy_quantile)
     if top_entropy_quantile < 1:
@@ -149,6 +152,7 @@ def test_luspo_with_kl_and_entropy_mask_matches_trl_formula(beta, top_entropy_qu
     # the entropy mask passed is True on the padding too: the completion mask alone must keep padding out of the sums
     loss, stats = grpo_loss(logp, old, adv, mask, loss_type="luspo", importance_sampling_level="sequence",
                             epsilon=0.2, epsilon_high=0.28, beta=beta, ref_per_token_logps=ref if beta else None,
+                            use_bias_correction_kl=False,
                             entropy_mask=None if top_entropy_quantile >= 1 else keep | ~mask.bool())
     assert stats["clip_ratio/region_mean"] > 0  # some rows' sequence ratios are clipped, others are not
     loss.backward()
@@ -276,4 +280,4 @@ def test_new_knob_errors(kwargs, message):
     kw.update(kwargs)
     positional = [kw.pop(k) for k in ("loss_type", "epsilon", "epsilon_high", "beta", "max_completion_length")]
     with pytest.raises(ValueError, match=message):
-        validate_grpo_loss_config(*positional, **kw)
+        check_grpo_knobs(*positional, **kw)

@@ -227,7 +227,7 @@ def trl_loss(loss_type, logp, old, adv, mask, ref, beta, rho, epsilon=0.2, epsil
 def ours(loss_type, rho=None, beta=0.1, **kw):
     logp, old, adv, mask, ref = loss_inputs()
     loss, _ = grpo_loss(logp, old, adv, mask, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta,
-                        ref_per_token_logps=ref, importance_sampling_ratio=rho, **kw)
+                        ref_per_token_logps=ref, importance_sampling_ratio=rho, use_bias_correction_kl=False, **kw)
     loss.backward()
     return loss, logp.grad
 

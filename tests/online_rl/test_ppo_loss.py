@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
+from lightalign.modules.losses.advantages import gae, token_rewards, whiten
 from lightalign.modules.losses.ppo import (AdaptiveKLController, FixedKLController, ScoreProcessor, clipped_policy_loss,
-                                         clipped_value_loss, explained_variance, gae, token_rewards, whiten)
+                                         clipped_value_loss, explained_variance)
 
 
 def close(actual, expected, atol=1e-6):

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from lightalign.modules.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
+from lightalign.modules.losses.advantages import kl_penalized_rewards, rloo_advantages
+from lightalign.modules.losses.rloo import rloo_loss
 
 
 def test_leave_one_out_baseline_by_hand():

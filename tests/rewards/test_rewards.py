@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from lightalign.modules.grpo import check_reward_shaping
+from lightalign.modules.losses.advantages import RunningRewardNormalizer, clip_rewards, scale_advantages, zero_std_fraction
 from lightalign.rewards import (
     FormatReward,
     LengthPenalty,
     RewardFunctionError,
     RewardModel,
-    RunningRewardNormalizer,
     accuracy_reward,
     check_reward_weights,
-    clip_rewards,
     completion_text,
     compute_rewards,
     digit_fraction_reward,
@@ -26,9 +26,7 @@ from lightalign.rewards import (
     resolve_reward_funcs,
     reward_func_name,
     reward_func_names,
-    scale_advantages,
     think_format_reward,
-    zero_std_fraction,
 )
 
 
@@ -221,8 +219,8 @@ def test_running_normalizer_matches_numpy_and_round_trips():
 def test_clip_rewards():
     assert clip_rewards(torch.tensor([-5.0, 0.5, 5.0]), 1.0).tolist() == [-1.0, 0.5, 1.0]
     assert clip_rewards(REWARDS, None) is REWARDS
-    with pytest.raises(ValueError, match="positive"):
-        clip_rewards(REWARDS, 0.0)
+    with pytest.raises(ValueError, match="positive"):  # checked once, where the knob is configured
+        check_reward_shaping("group", False, 0.0, "sum_then_normalize")
 
 
 # ---------------------------------------------------------------- reward model

@@ -212,7 +212,7 @@ def _online_dpo(tiny_dir, **kw):
 def test_vllm_and_iw_opd_refusals_before_the_model_loads(tiny_dir, monkeypatch, build, knobs, message):
     if torch.cuda.is_available() and knobs == {"use_vllm": True}:
         pytest.skip("a GPU is visible here")
-    from lightalign.modules.training import policy
+    from lightalign.modules.training import model_building as policy
 
     monkeypatch.setattr(policy, "load_causal_lm", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
     with pytest.raises(ValueError, match=message):

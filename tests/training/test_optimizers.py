@@ -62,10 +62,12 @@ def test_preset_is_the_asked_class_and_steps_trainable_params_only(tiny_dir, opt
 def test_preset_errors(tiny_dir):
     model = _model(tiny_dir)
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-            build_named_optimizer("galore_adamw_8bit", model, lr=1e-3, optim_target_modules=["mlp"])
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):  # at construction, before the model loads
+            SFTModule(str(tiny_dir), from_config=True, optim="galore_adamw_8bit", optim_target_modules=["mlp"])
     with pytest.raises(ValueError, match="needs optim_target_modules"):
-        build_named_optimizer("galore_adamw", model, lr=1e-3)
+        SFTModule(str(tiny_dir), from_config=True, optim="galore_adamw")
+    with pytest.raises(ValueError, match="only applies to the galore"):
+        SFTModule(str(tiny_dir), from_config=True, optim="lion", optim_target_modules=["mlp"])
     with pytest.raises(ValueError, match="matched no trainable"):
         build_named_optimizer("galore_adamw", model, lr=1e-3, optim_target_modules=["nothing_like_this"])
     with pytest.raises(ValueError, match="optim='adamw_9bit' is unknown"):

@@ -1,4 +1,5 @@
 """Asynchronous rollouts: a sampler running ahead of training on weights at most ``max_staleness`` optimizer steps old
-(``ahead.py``, ``worker.py``; a vLLM server on a thread: ``engine_ahead.py``), and the component a method composes
-them with (``component.py``). The importance-sampling correction of the gap between the sampler's log-probs and the
-trainer's (TRL's ``vllm_importance_sampling_*``) is a loss concern: ``losses/importance_sampling.py``."""
+(``AheadSampler``, its process's ``serve``; a vLLM server on a thread: ``EngineAhead``), and the component a method
+composes them with (``OffPolicyRollouts``). The importance-sampling correction of the gap between the sampler's
+log-probs and the trainer's (``importance_sampling_ratio``, TRL's ``vllm_importance_sampling_*``) is a loss concern:
+``lightalign.modules.losses.importance_sampling``."""

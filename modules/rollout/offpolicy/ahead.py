@@ -56,7 +56,7 @@ def copy_weights(target: dict[str, torch.Tensor], source: torch.nn.Module) -> No
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a PEFT wrapper (the sampling process builds this class)."""
-    from lightalign.modules.training.policy import is_peft_model
+    from lightalign.modules.training.lora import is_peft_model
 
     return model.get_base_model() if is_peft_model(model) else model
 

@@ -1,5 +1,5 @@
-"""``RolloutsAhead``: the bookkeeping every sampler ahead shares (the sampling process of ``ahead.py``, the vLLM
-server of ``engine_ahead.py``): which rollouts were asked for with which weights, which are done, the time the
+"""``RolloutsAhead``: the bookkeeping every sampler ahead shares (the sampling process of ``AheadSampler``, the
+vLLM server of ``EngineAhead``): which rollouts were asked for with which weights, which are done, the time the
 training process waited for them, and the rollouts not yet trained that a checkpoint keeps. A sampler says only
 how to wait for one rollout (``_wait_for``)."""
 

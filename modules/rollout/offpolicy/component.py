@@ -2,7 +2,7 @@
 rollouts its policy did not sample itself (vLLM; or, in GRPO and RLOO, a sampler running ahead on older weights,
 ``max_staleness``) and to correct for it.
 
-Its stages in the online-RL loop (``modules/rollout/module.py``): ``sample`` gives the rollout, with the sampler's
+Its stages in the online-RL loop (``OnlineRLModule``): ``sample`` gives the rollout, with the sampler's
 own per-token log-probs (``sampling_logps``) whenever the sampler is not the policy; in each training step
 ``importance_ratio`` compares them with the policy's (logged as ``sampling/*``) and, with
 ``vllm_importance_sampling_correction``, gives the importance-sampling ratio the method's loss multiplies its policy
@@ -186,7 +186,7 @@ class OffPolicyRollouts:
         ahead.submit(index, step, batch, module.hparams.num_generations, seed)
 
     def _started(self, module: Any, probe: dict[str, Any]) -> AheadSampler | EngineAhead:
-        """The sampler ahead, started on first use: the vLLM server's (one rollout ahead, ``engine_ahead.py``), or a
+        """The sampler ahead, started on first use: the vLLM server's (one rollout ahead, ``EngineAhead``), or a
         sampling process: ``async_sampler_threads`` (default half) of the training process's torch threads go to
         it, the training process keeps the rest until ``close``."""
         if self.ahead is None and module.external_sampler is not None:  # use_vllm, vllm_mode: server

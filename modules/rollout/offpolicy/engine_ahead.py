@@ -8,7 +8,7 @@ for rollout ``j + 1``, which the server samples while rollout ``j`` trains. One 
 allows: asking for ``j + 2`` before ``j + 1`` is taken would leave no moment to push between them. The weights of
 a rollout are then one rollout's optimizer steps old (within ``max_staleness``, which bounds it).
 
-It has ``AheadSampler``'s interface (``rollout/offpolicy/ahead.py``), so the off-policy component drives both the
+It has ``AheadSampler``'s interface, so the off-policy component drives both the
 same way: the seeds (drawn on the training thread), the checkpointed rollouts not yet trained, the errors.
 """
 

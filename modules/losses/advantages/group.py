@@ -1,4 +1,4 @@
-"""From rewards to advantages: group baselines and scaling (TRL's ``scale_rewards``), running normalization, clipping.
+"""Group-relative advantages (GRPO's ``scale_rewards``, GDPO's ``normalize_then_sum``) and their statistics.
 
 Rewards are laid out as TRL lays them out: rows ``i*G .. i*G+G-1`` are the ``G = num_generations`` completions of
 prompt ``i``. A NaN reward marks an unscorable completion (every reward function returned None): it is left out of
@@ -12,8 +12,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["RunningRewardNormalizer", "clip_rewards", "nanstd", "normalize_then_sum", "scale_advantages",
-           "zero_std_fraction"]
+from lightalign.modules.losses.registry import register_advantage_estimator
 
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -62,6 +61,7 @@ def _reward_std(rewards: torch.Tensor, num_generations: int, scale_rewards: str,
     return nanstd(grouped, dim=1).repeat_interleave(num_generations)
 
 
+@register_advantage_estimator("grpo")
 def scale_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str | bool = "group",
                      batch_rewards: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO advantages: ``reward - group mean``, divided by ``std + 1e-4`` unless ``scale_rewards="none"``.
@@ -83,6 +83,7 @@ def scale_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return torch.nan_to_num(advantages, nan=0.0)
 
 
+@register_advantage_estimator("gdpo")
 def normalize_then_sum(per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
                        gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """GDPO's advantages (TRL's ``multi_objective_aggregation="normalize_then_sum"``) from ``per_func [N, F]``
@@ -112,65 +113,3 @@ def zero_std_fraction(rewards: torch.Tensor, num_generations: int) -> float:
     """The fraction of groups whose rewards are all equal (no learning signal); TRL logs it as frac_reward_zero_std."""
     std = _reward_std(rewards.float(), num_generations, "group").view(-1, num_generations)[:, 0]
     return torch.isclose(torch.nan_to_num(std, nan=0.0), torch.zeros_like(std)).float().mean().item()
-
-
-def clip_rewards(rewards: torch.Tensor, reward_clip: float | None) -> torch.Tensor:
-    """Clamp rewards to ``[-reward_clip, reward_clip]``; None leaves them unchanged (NaN stays NaN)."""
-    if reward_clip is None:
-        return rewards
-    if not reward_clip > 0:
-        raise ValueError(f"reward_clip must be a positive number or None, got {reward_clip}.")
-    return rewards.clamp(-float(reward_clip), float(reward_clip))
-
-
-class RunningRewardNormalizer:
-    """Running mean and variance of every reward seen so far (Chan et al.'s parallel merge of Welford moments).
-
-    ``normalize(rewards)`` first adds the batch to the statistics, then returns ``(rewards - mean) / sqrt(var + eps)``
-    with the population variance (``numpy.var``). NaN rewards are skipped in the statistics and stay NaN. Under data
-    parallelism, pass every rank's rewards as ``pool`` so that every rank keeps the same statistics.
-    """
-
-    def __init__(self, eps: float = 1e-8):
-        self.eps = float(eps)
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0
-
-    @property
-    def var(self) -> float:
-        # 1.0 before any reward has been seen, so that normalizing is then only centring.
-        return self.m2 / self.count if self.count else 1.0
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.var)
-
-    def update(self, rewards: torch.Tensor) -> None:
-        values = rewards.detach().double().flatten()
-        values = values[~torch.isnan(values)]
-        n = values.numel()
-        if n == 0:
-            return
-        batch_mean = values.mean().item()
-        batch_m2 = ((values - batch_mean) ** 2).sum().item()
-        total = self.count + n
-        delta = batch_mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += batch_m2 + delta * delta * self.count * n / total
-        self.count = total
-
-    def normalize(self, rewards: torch.Tensor, pool: torch.Tensor | None = None) -> torch.Tensor:
-        """Add ``pool`` (default ``rewards``; under data parallelism every rank's rewards, so that all ranks keep
-        the same statistics) to the statistics, then normalise ``rewards``."""
-        self.update(rewards if pool is None else pool)
-        dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-        return ((rewards.double() - self.mean) / math.sqrt(self.var + self.eps)).to(dtype)
-
-    __call__ = normalize
-
-    def state_dict(self) -> dict[str, float]:
-        return {"count": float(self.count), "mean": self.mean, "m2": self.m2, "eps": self.eps}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.count = int(state["count"])
-        self.mean, self.m2 = float(state["mean"]), float(state["m2"])
-        self.eps = float(state.get("eps", self.eps))
