@@ -34,7 +34,8 @@ from lightalign.callbacks import HFExport, HubPush, RunFolder, SaveRunConfig
 from lightalign.cli_errors import OneLineErrorParser, OptionError, check_trainer_can_run, trainer_refusal
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.quiet import ReleaseHeldLines
-from lightalign.runs import RunError, callback_of, fit_run
+from lightalign.run_fit import fit_run
+from lightalign.runs import RunError, callback_of
 from lightalign.strategies.launch import check_multinode_env, cpu_processes_note
 from lightalign.strategies.rank_death import rank_death, watch_ranks
 from lightalign.trainer import RUN_CALLBACKS, TRAINER_DEFAULTS, run_callbacks

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ProgressB
 
 from lightalign.callbacks import (CompletionSamples, HFExport, HubPush, PlotCurves, RunCheckpoint, RunFolder,
                                   RunSummary, RunVersions, StepProgressBar, TokenThroughput)
-from lightalign.runs import fit_run
+from lightalign.run_fit import fit_run
 from lightalign.strategies.launch import RankLogging
 
 #: The ``--trainer.*`` defaults of the console script and ``Trainer``'s: metrics of every optimizer step in
@@ -144,7 +144,7 @@ class Trainer(L.Trainer):
 
     ``fit(..., ckpt_path="last")`` continues the newest run of ``runs/<name>`` that has ``checkpoints/last.ckpt``, in
     its folder and ``metrics.csv``, after checking the checkpoint against the module and data, as the console's
-    ``--ckpt_path last`` does (``lightalign.runs.fit_run``); with no such run it starts a new one. The console also
+    ``--ckpt_path last`` does (``lightalign.run_fit.fit_run``); with no such run it starts a new one. The console also
     seeds (``seed_everything: 42``); from Python call ``lightning.seed_everything`` yourself.
     """
 

@@ -9,7 +9,7 @@ about 100 tokens, some at 256). Random weights from the shipped config under a f
 
 Variants (one process, `torch.set_num_threads(1)`; each repeat draws the next 4 prompts and runs every variant on them
 in an order that alternates between repeats, after one untimed warm-up call per variant):
-- `lightalign:generate` / `continuous` / `compact`: `generation.sample_groups` with that `generation_backend`
+- `lightalign:generate` / `continuous` / `compact`: `sampling.samplers.sample_groups` with that `generation_backend`
   (prompt prefill shared), on the model as lightalign loads it (`hub.load_causal_lm`);
 - `trl:generate`: what TRL 1.16's GRPOTrainer calls without vLLM: the prompts repeated 8 times, left-padded,
   `model.generate(generation_config=GenerationConfig(max_new_tokens, do_sample, pad/bos/eos, temperature, top_p,
@@ -70,7 +70,7 @@ def completions(variant: str, models: dict, tokenizer, ids, mask, args) -> list[
     """Run one variant on one batch of prompts; the completion lengths (through the first EOS)."""
     import torch
 
-    from lightalign.modules.generation.sampling import cut_after_eos, eos_token_ids, sample_groups
+    from lightalign.modules.sampling.completions import cut_after_eos, eos_token_ids, sample_groups
 
     framework, _, backend = variant.partition(":")
     model = models[framework]
@@ -88,7 +88,7 @@ def completions(variant: str, models: dict, tokenizer, ids, mask, args) -> list[
     else:
         from transformers.generation import ContinuousBatchingConfig
 
-        from lightalign.modules.generation.continuous import cache_sizing
+        from lightalign.modules.sampling.continuous import cache_sizing
 
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask) for _ in range(g)]
         sizes = cache_sizing(len(prompts), max(map(len, prompts)), int(mask.sum()), new)

@@ -252,7 +252,7 @@ def trl_generation(args: argparse.Namespace) -> dict:
     rollout-sized paged cache (TRL's own CPU default sizes it from half the machine's RAM)."""
     if args.backend != "continuous":
         return {}
-    from lightalign.modules.generation.continuous import cache_sizing
+    from lightalign.modules.sampling.continuous import cache_sizing
 
     prompts = [json.loads(line)["prompt"] for line in open(args.data) if line.strip()]
     from transformers import AutoTokenizer

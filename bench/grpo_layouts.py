@@ -4,7 +4,7 @@
 
 The micro-batch looks like a reasoning workload's: ``--completions`` completions of ``--group`` per prompt, prompts of
 about 20 tokens, completion lengths spread evenly between ``--min-len`` and ``--max-len`` (shuffled). Each layout
-computes the per-token log-probs (``layouts.grpo_forward``), the dapo loss and its backward:
+computes the per-token log-probs (``rollout_forward.grpo_forward``), the dapo loss and its backward:
 
 * ``padded``: ``[left-padded prompt, completion padded to the longest]`` rows;
 * ``shared``: ``prompt_sharing`` (one segment per prompt, a branch mask; ``pack_length`` 1024);
@@ -74,7 +74,7 @@ def tokens_computed(mb: dict) -> int:
 def step(model, mb: dict) -> tuple[float, int]:
     """Forward + dapo loss + backward: seconds and the bytes autograd saved for the backward."""
     from lightalign.modules.losses.grpo import grpo_loss
-    from lightalign.modules.adaptations.layouts import grpo_forward
+    from lightalign.modules.training.rollout_forward import grpo_forward
 
     seen: dict[int, int] = {}
 

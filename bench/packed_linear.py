@@ -1,4 +1,4 @@
-"""Decode-sized linears: PyTorch's default CPU matmul against oneDNN on a prepacked weight (modules/generation/packed_linear.py).
+"""Decode-sized linears: PyTorch's default CPU matmul against oneDNN on a prepacked weight (modules/sampling/packed_linear.py).
 
     .venv/bin/python bench/packed_linear.py [--threads 1 2] [--rows 1 2 4 8 16 32] [--repeats 30]
 
@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.backends.mkldnn.is_available():
         raise SystemExit("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
-    from lightalign.modules.generation.packed_linear import ROWS_HINT, prepacked_linear
+    from lightalign.modules.sampling.packed_linear import ROWS_HINT, prepacked_linear
 
     torch.manual_seed(0)
     weights = [torch.randn(1920, 512) if i % 3 < 2 else torch.randn(512, 1920) for i in range(24)]

@@ -20,7 +20,7 @@ RUN_OUTPUTS = ("metrics.csv", "checkpoints", "hf_model")
 
 class RunFolder(L.Callback):
     """Decide the run folder at setup (every rank: it is broadcast from rank 0) and point the checkpoints there;
-    ``resume`` (set by ``lightalign.runs.prepare_resume``) is the folder a resumed run continues. Each checkpoint
+    ``resume`` (set by ``lightalign.run_fit.prepare_resume``) is the folder a resumed run continues. Each checkpoint
     records the facts a resume is checked against (``lightalign.runs.check_resume``).
 
     The run owns its folder (``lightalign.run_lock``): rank 0 claims it (``take``) before anything is written into it

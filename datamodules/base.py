@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.formats import DataFormatError, resolve_chat_template
-from lightalign.datamodules.samplers import EpochSampler
+from lightalign.datamodules.index_samplers import EpochSampler
 from lightalign.datamodules.sources import describe, load_rows, row_line
 from lightalign.datamodules.step_loader import SeededLoader, StepTokenCountingLoader
 from lightalign.hub import load_tokenizer

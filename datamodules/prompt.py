@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
-from lightalign.datamodules.samplers import RepeatBatchSampler
+from lightalign.datamodules.index_samplers import RepeatBatchSampler
 from lightalign.datamodules.step_loader import SeededLoader
 from lightalign.datamodules.formats import (DataFormatError, MissingColumnError, about_row, chat_messages,
                                             check_chat_template, iter_rows, validate_field)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
-from lightalign.datamodules.samplers import EpochSampler, LengthGroupedSampler
+from lightalign.datamodules.index_samplers import EpochSampler, LengthGroupedSampler
 from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator, pack_best_fit
 from lightalign.datamodules.formats import (
     CONVERSATIONAL,

@@ -1,7 +1,7 @@
 """LightningModules, one per post-training method, composed from the concept folders beside them: training/ (the
 shared ``PolicyModule`` plumbing), losses/, sampling/ (what every method that samples shares: its sampling knobs,
-the samplers' choice, its statistics), rollout/ (the online-RL loop GRPO, RLOO and PPO build on), generation/
-(samplers), reference/ and adaptations/."""
+the samplers and their choice, its statistics), rollout/ (the online-RL loop GRPO, RLOO and PPO build on, and its
+asynchronous rollouts), reference/ and adaptations/."""
 
 from lightalign._lazy import lazy_attributes
 

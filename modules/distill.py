@@ -19,12 +19,13 @@ from typing import Any, Literal
 
 import torch
 
+from lightalign.datamodules.distill_rows import data_columns, right_pad, tokenize_completions
 from lightalign.datamodules.formats import DataFormatError
 from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
-from lightalign.modules.adaptations.layouts import packed_completion_batch, packed_logits
-from lightalign.modules.distill_rows import data_columns, default_padding_free, right_pad, tokenize_completions
-from lightalign.modules.offpolicy.component import MISMATCH_STATS, update_mismatch_stats
+from lightalign.modules.adaptations.layouts import packed_completion_batch
+from lightalign.modules.training.rollout_forward import packed_logits
+from lightalign.modules.rollout.offpolicy.component import MISMATCH_STATS, update_mismatch_stats
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.reference.model import freeze
 from lightalign.modules.reference.vocabulary import check_same_vocabulary, describe_model
@@ -237,7 +238,7 @@ class DistillModule(SamplingModule):
 
     def resolve_padding_free(self) -> tuple[bool, str | None]:
         """(whether the rows are packed, the fit-start note saying so and why): ``padding_free`` as set, else
-        ``distill_rows.default_padding_free`` on the student and the teacher."""
+        ``default_padding_free`` on the student and the teacher."""
         asked = self.hparams.padding_free
         if asked is not None:
             return bool(asked), "padding_free (asked)" if asked else "padded rows (padding_free: false)"
@@ -393,3 +394,22 @@ class DistillModule(SamplingModule):
         _, divergence = self.distill_loss(rows)
         self.eval_stats["divergence"].update(divergence)
         self.eval_stats["completions__mean_length"].update(rows["completion_mask"].sum(-1).float().mean())
+
+
+
+def default_padding_free(student: torch.nn.Module, teacher: torch.nn.Module, device: torch.device,
+                         longest: int | None) -> tuple[bool, str | None]:
+    """DistillModule's ``padding_free`` when it is unset: the device's measured default (``distill_padding_free``
+    in ``tuned``'s table), and padded rows when the student or the teacher does not run the packed layout
+    exactly (measured on a probe of its class, ``adaptations.check_layout``). Returns (packed, the fit-start note)."""
+    from lightalign.modules.adaptations.support import LayoutRefused, check_layout
+    from lightalign.modules.training.device_tuning import tuned
+
+    if not tuned("distill_padding_free", device):
+        return False, None
+    for who, model in (("student", student), ("teacher", teacher)):
+        try:
+            check_layout(model, "grpo_packed", max_tokens=longest)
+        except LayoutRefused as refused:
+            return False, f"padded rows: the default padding_free is not exact on the {who}: {refused}"
+    return True, "padding_free (the CPU default)"

@@ -16,7 +16,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.training.lora import is_peft_model
 from lightalign.modules.training.policy import PolicyModule
-from lightalign.modules.adaptations.dpo_batches import (  # noqa: F401  (re-exported: they were defined here)
+from lightalign.modules.training.preference_forward import (  # noqa: F401  (re-exported: they were defined here)
     completion_lengths,
     completion_token_logps,
     completion_token_logps_and_alignment,

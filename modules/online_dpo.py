@@ -258,7 +258,7 @@ class OnlineDPOModule(SamplingModule):
     def pair_logps(self, rollout: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Per-token log-probs ``[2N, T]`` of the sampled completions under the policy (with gradients when
         enabled) and the reference (no_grad)."""
-        from lightalign.modules.adaptations.layouts import grpo_forward
+        from lightalign.modules.training.rollout_forward import grpo_forward
 
         rows = {k: rollout[k].to(self.device) for k in ("prompt_ids", "prompt_mask", "completion_ids",
                                                         "completion_mask")}

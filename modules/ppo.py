@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from lightalign.modules.generation.sampling import eos_token_ids
+from lightalign.modules.sampling.completions import eos_token_ids
 from lightalign.modules.losses.entropy import token_entropies
 from lightalign.modules.losses.advantages import gae, masked_mean, token_rewards, whiten
 from lightalign.modules.losses.ppo import (AdaptiveKLController, FixedKLController, ScoreProcessor, clipped_policy_loss,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from lightalign.modules.training.policy import PolicyModule
-from lightalign.modules.adaptations.layouts import sft_logits
+from lightalign.modules.training.sft_forward import sft_logits
 
 from lightalign.datamodules.collators import IGNORE_INDEX  # (defined once: the label the collators write)
 

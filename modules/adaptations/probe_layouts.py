@@ -73,8 +73,10 @@ def layout_logps(layout: str, model: torch.nn.Module, seqs: ProbeSequences) -> l
     from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator
     from lightalign.datamodules.preference import PreferenceCollator
     from lightalign.datamodules.shared_prefix import SharedPromptCollator
-    from lightalign.modules.adaptations.dpo_batches import completion_token_logps
-    from lightalign.modules.adaptations.layouts import grpo_token_logps, packed_completion_batch, prompt_group_batch, sft_logits
+    from lightalign.modules.training.preference_forward import completion_token_logps
+    from lightalign.modules.adaptations.layouts import packed_completion_batch, prompt_group_batch
+    from lightalign.modules.training.rollout_forward import grpo_token_logps
+    from lightalign.modules.training.sft_forward import sft_logits
 
     if layout in ("padded", "padding_free", "packed"):
         rows = _sft_rows(seqs)
@@ -166,7 +168,7 @@ def greedy_tokens(model: torch.nn.Module, backend: str, seqs: ProbeSequences, sh
     """Greedy completions of ``seqs.prompts`` (two per prompt, rows grouped by prompt) on ``backend``
     (``samplers.sample_groups``; ``shared_prefill``: ``generate`` with the shared prompt prefill), each cut
     after its first EOS."""
-    from lightalign.modules.generation.samplers import sample_groups
+    from lightalign.modules.sampling.samplers import sample_groups
 
     width = max(map(len, seqs.prompts))
     ids = torch.zeros(len(seqs.prompts), width, dtype=torch.long)

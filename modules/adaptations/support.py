@@ -209,7 +209,7 @@ def native_packing_exact(model: torch.nn.Module) -> bool:
     return measured(model, "padding_free", attn_implementation="sdpa").exact
 
 
-layouts.native_packing_exact = native_packing_exact  # the layouts ask the probe (see native_packing_exact)
+layouts.native_packing_exact = native_packing_exact  # the packed forwards ask the probe (see native_packing_exact)
 
 
 def packed_gpu_attention(model: torch.nn.Module, device: torch.device) -> str | None:

@@ -27,8 +27,8 @@ from lightalign.modules.agent.tools import (ToolCall, check_unique_names, resolv
 from lightalign.datamodules.prompt import left_pad
 from lightalign.modules.agent.response_templates import check_round_trip, choose_response_template
 from lightalign.modules.agent.turns import check_tool_template, parse_turn, tool_result_ids
-from lightalign.modules.generation.samplers import Sampler, sample_groups
-from lightalign.modules.generation.sampling import cut_after_eos, eos_token_ids
+from lightalign.modules.sampling.samplers import Sampler, sample_groups
+from lightalign.modules.sampling.completions import cut_after_eos, eos_token_ids
 from lightalign.rewards.deadline import map_with_deadline
 
 TOOL_STATS = ("tools/call_frequency", "tools/failure_frequency")

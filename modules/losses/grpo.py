@@ -17,7 +17,7 @@ from lightalign.modules.losses.grpo_surrogates import (IMPORTANCE_SAMPLING_LEVEL
                                                        off_policy_mask)
 from lightalign.modules.losses.registry import (ENTROPY_MASK, IMPORTANCE_SAMPLING_RATIO, POLICY_LOSSES, PolicyInputs,
                                                 aggregation, normalises_by_step_tokens, policy_loss)
-from lightalign.modules.offpolicy.correction import check_ratio_shape
+from lightalign.modules.losses.importance_sampling import check_ratio_shape
 
 __all__ = ["GRPOLossConfig", "GRPO_LOSS_TYPES", "grpo_loss", "normalises_by_step_tokens"]
 

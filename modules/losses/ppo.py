@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lightalign.modules.losses.advantages import RunningRewardNormalizer, masked_mean
-from lightalign.modules.offpolicy.correction import check_ratio_shape
+from lightalign.modules.losses.importance_sampling import check_ratio_shape
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "ScoreProcessor", "clipped_policy_loss", "clipped_value_loss",
            "explained_variance"]

@@ -13,7 +13,7 @@ import torch
 from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.agent.episodes import ToolKnobs, ToolRollouts
 from lightalign.modules.adaptations.layouts import packed_completion_batch, prompt_group_batch
-from lightalign.modules.offpolicy.component import AsyncRolloutKnobs, CloseSampler
+from lightalign.modules.rollout.offpolicy.component import AsyncRolloutKnobs, CloseSampler
 from lightalign.modules.rollout.module import OnlineRLModule
 
 

@@ -21,10 +21,9 @@ import torch
 from lightalign.knobs import method_knobs, takes_knobs
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
-from lightalign.modules.generation.sampling import sample_completions
-from lightalign.modules.generation.config import RolloutSamplingKnobs, SamplingConfig
-from lightalign.modules.offpolicy.component import OffPolicyRollouts
-from lightalign.modules.offpolicy.correction import ImportanceSamplingKnobs
+from lightalign.modules.sampling.config import RolloutSamplingKnobs, SamplingConfig
+from lightalign.modules.rollout.offpolicy.component import OffPolicyRollouts
+from lightalign.modules.losses.importance_sampling import ImportanceSamplingKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs
 from lightalign.modules.rollout.buffer import RolloutBuffer, RolloutKnobs, check_generation_arithmetic, split_rollout
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
@@ -214,11 +213,14 @@ class OnlineRLModule(SamplingModule):
         self.sampling_backend()
         return [self.sampling_note, *extra]
 
+    def largest_group(self) -> int:
+        """The most completions per prompt the run samples (training or validation)."""
+        hp = self.hparams
+        return max(hp.num_generations, hp.num_generations_eval or hp.num_generations)
+
     def sampling_backend(self) -> str:
         """The run's sampler, decided once per fit (``Sampling.backend``)."""
-        hp = self.hparams
-        return self.sampling.backend(self.model, largest_group=max(hp.num_generations,
-                                                                   hp.num_generations_eval or hp.num_generations))
+        return self.sampling.backend(self.model, largest_group=self.largest_group())
 
     @property
     def external_sampler(self) -> Any:
@@ -233,17 +235,17 @@ class OnlineRLModule(SamplingModule):
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], num_generations: int, return_logprobs: bool = False) -> dict[str, Any]:
         """Sample ``num_generations`` completions per prompt on the run's sampler (the vLLM engine's with
-        ``use_vllm``)."""
-        sampler = self.external_sampler if self.external_sampler is not None else self.sampling_backend()
+        ``use_vllm``), through ``Sampling`` as every sampling method does."""
         if self.tool_rollouts is not None:  # multi-turn: tool calls and results between sampled turns
             datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
             return self.tool_rollouts.sample(
-                self.model, self.tokenizer, batch, num_generations, backend=sampler,
+                self.model, self.tokenizer, batch, num_generations,
+                backend=self.sampling.sampler(self.model, largest_group=self.largest_group()),
                 sampling=self.sampling.sampling_kwargs(), return_logprobs=return_logprobs,
                 max_prompt_length=getattr(datamodule, "max_prompt_length", None),
                 chat_template_kwargs=getattr(datamodule, "chat_template_kwargs", None))
-        return sample_completions(self.model, self.tokenizer, batch, num_generations, backend=sampler,
-                                  return_logprobs=return_logprobs, **self.sampling.sampling_kwargs())
+        return self.sampling.sample(self.model, self.tokenizer, batch, num_generations,
+                                    largest_group=self.largest_group(), return_logprobs=return_logprobs)
 
     def sample_rollout(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This step's rollout: sampled now by the policy, or by the off-policy sampler (vLLM, ahead)."""
@@ -260,7 +262,7 @@ class OnlineRLModule(SamplingModule):
                     entropy_grad: bool = False):
         """Per-token log-probs of the completion tokens ``[B, T]`` and, ``with_entropy``, their per-token entropies
         ``[B, T]`` (0 under the completion mask; differentiable only with ``entropy_grad``)."""
-        from lightalign.modules.adaptations.layouts import grpo_forward
+        from lightalign.modules.training.rollout_forward import grpo_forward
         from lightalign.modules.losses.entropy import token_entropies
         from lightalign.modules.training.logprobs import scatter_to_sequences
 

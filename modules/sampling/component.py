@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightalign.modules.generation.config import SamplingConfig
+from lightalign.modules.sampling.config import SamplingConfig
 
 VALIDATION_SEED_STRIDE = 100_003  # validation batch i at optimizer step s samples with seed s * stride + i
 
@@ -51,7 +51,7 @@ class Sampling:
     def backend(self, model: torch.nn.Module, who: str = "policy", largest_group: int = 1) -> str:
         """The sampler of ``who``'s completions, decided on ``model`` the first time this fit (``choose_sampler``);
         ``largest_group``: the most completions per prompt it samples."""
-        from lightalign.modules.rollout.sampler_choice import choose_sampler
+        from lightalign.modules.sampling.choice import choose_sampler
 
         if who not in self.chosen:
             self.chosen[who] = choose_sampler(model, self.config, largest_group)
@@ -70,7 +70,7 @@ class Sampling:
     def sample(self, model: torch.nn.Module, tokenizer: Any, batch: dict[str, Any], num_generations: int,
                who: str = "policy", largest_group: int | None = None, **extra: Any) -> dict[str, Any]:
         """``num_generations`` completions per prompt of ``batch`` from ``model`` on ``who``'s sampler."""
-        from lightalign.modules.generation.sampling import sample_completions
+        from lightalign.modules.sampling.completions import sample_completions
 
         backend = self.sampler(model, who, largest_group or num_generations)
         return sample_completions(model, tokenizer, batch, num_generations, backend=backend, **extra,

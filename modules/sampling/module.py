@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from lightalign.knobs import takes_knobs
-from lightalign.modules.generation.config import SamplingConfig, SamplingKnobs
-from lightalign.modules.generation.vllm import VLLMKnobs, check_vllm_knobs
+from lightalign.modules.sampling.config import SamplingConfig, SamplingKnobs
+from lightalign.modules.sampling.vllm import VLLMKnobs, check_vllm_knobs
 from lightalign.modules.sampling.component import Sampling
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.training.stat_metrics import loggers_write_this_step, read_every_step
@@ -119,7 +119,7 @@ class SamplingModule(PolicyModule):
     def configure_callbacks(self) -> list:
         callbacks = super().configure_callbacks()
         if self.knobs.vllm.use_vllm:  # the engines, their weight pushes, their samplers (VLLMRollouts)
-            from lightalign.modules.generation.vllm_engines import VLLMRollouts
+            from lightalign.modules.sampling.vllm_engines import VLLMRollouts
 
             callbacks.append(VLLMRollouts())
         return callbacks

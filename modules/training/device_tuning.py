@@ -37,7 +37,7 @@ TABLE: dict[str, Tuned] = {
         measured="bench/grpo.py --shape reasoning --threads 2 --steps 8 --warmup 2 --repeats 2 (small model, idle, "
                  "2026-11-24): compact 3.02-3.19 completions/s against generate 1.94 on the whole GRPO step; "
                  "docs/performance.md 'The reasoning workload at 2 threads, idle'",
-        read_by="modules/generation/backends.py (the default backend)"),
+        read_by="modules/sampling/choice.py (the default backend)"),
     "compact_fraction": Tuned(
         value=0.25, neutral=0.0, device="cpu",
         tunes="compact backend: the share of live rows that must have finished before they are gathered out "
@@ -45,21 +45,21 @@ TABLE: dict[str, Tuned] = {
         measured="bench/generation.py (small model, 2026-11-23, contended): compacting at every finished row and at a "
                  "quarter of the live rows measured the same (4.15 vs 4.07 CPU ms per token); a quarter makes fewer "
                  "cache copies; docs/performance.md 'The compact backend'",
-        read_by="modules/generation/compact.py (compact_groups)"),
+        read_by="modules/sampling/compact.py (compact_groups)"),
     "compact_grow_cache": Tuned(
         value=True, neutral=False, device="cpu",
         tunes="compact backend: the cache's plain layers get room for the whole completion up front (grow_in_place; "
               "bitwise the same tokens and log-probs either way)",
         measured="GRPO generation, small model, 2 threads, idle (2026-11-24): 1.90 -> 1.83 ms per completion token "
                  "(~4%); docs/performance.md 'In-place KV cache'",
-        read_by="modules/generation/compact.py (compact_groups)"),
+        read_by="modules/sampling/compact.py (compact_groups)"),
     "compact_prepack_linears": Tuned(
         value=True, neutral=False, device="cpu",
         tunes="compact backend: plain float32 nn.Linear layers run on oneDNN-prepacked weights while sampling "
               "(packed_linears)",
         measured="GRPO generation, small model, 2 threads, idle (2026-11-24): 2.32 -> 1.86 ms per completion token "
                  "(1.25x), the same tokens in 5 of 5 seeded rollouts; docs/performance.md 'Prepacked linears'",
-        read_by="modules/generation/compact.py (compact_groups)"),
+        read_by="modules/sampling/compact.py (compact_groups)"),
     "compact_prepack_min_mib": Tuned(
         value=116, neutral=None, device="cpu",
         tunes="compact backend: the linears are prepacked only when a model's eligible linear weights hold at least "
@@ -69,7 +69,7 @@ TABLE: dict[str, Tuned] = {
                  "(3.9 MiB of linear weights) 85.8 ms prepacked vs 53.7 ms plain for 8 new tokens, 273.8 vs 224.3 ms "
                  "for 32; the small model (116 MiB) gains 1.25x (compact_prepack_linears). Sizes between the two "
                  "were not measured: they stay unpacked; docs/performance.md 'Prepacked linears'",
-        read_by="modules/generation/compact.py (compact_groups)"),
+        read_by="modules/sampling/compact.py (compact_groups)"),
     "distill_padding_free": Tuned(
         value=True, neutral=False, device="cpu",
         tunes="DistillModule: padding_free when it is unset (rows packed into one, no padding through the student "
@@ -83,7 +83,7 @@ TABLE: dict[str, Tuned] = {
         tunes="the batch size oneDNN's prepacked weight layout is chosen for",
         measured="python bench/packed_linear.py (the small model's 24 MLP matrices, 1-2 threads): hints 8 and 32 "
                  "measured the same from 1 to 32 rows; docs/performance.md 'Prepacked linears'",
-        read_by="modules/generation/packed_linear.py (packed_linears)"),
+        read_by="modules/sampling/packed_linear.py (packed_linears)"),
     "static_prompt_bucket": Tuned(
         value=32, neutral=1, device="cpu",
         tunes="static backend: prompts are left-padded to a multiple of this many tokens so rollouts reuse the "
@@ -91,7 +91,7 @@ TABLE: dict[str, Tuned] = {
         measured="not a timed figure: chosen with the static backend (2026-11-23) because inductor's first "
                  "compilation of the decode step took about 4 minutes on the tiny model on this machine; "
                  "docs/performance.md 'Generation backends on the reasoning workload'",
-        read_by="modules/generation/static.py (bucket_prompts)"),
+        read_by="modules/sampling/static.py (bucket_prompts)"),
     "min_saved_scores_per_call": Tuned(
         value=32768, neutral=None, device="cpu",
         tunes="shared-prefix rows (DPO pairs, GRPO groups) under sdpa_varlen: one SDPA call per segment when each "

@@ -147,12 +147,15 @@ def mean_entropy(logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor | N
     return (torch.logsumexp(flat, -1) - (probs * flat).sum(-1)).mean()
 
 
+def padded_position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of left-padded rows, as ``generate`` counts them: ``cumsum(mask) - 1`` (padding at 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
     """The logits ``[B, T, V]`` predicting each completion token of padded ``[left-padded prompt, completion]``
     rows (positions counted from each row's first real token, as the samplers used), a view of the model's output:
     no copy, untempered."""
-    from lightalign.modules.adaptations.layouts import padded_position_ids
-
     t = rows["completion_ids"].shape[1]
     input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
     attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightalign.modules.adaptations.layouts import grpo_forward
+from lightalign.modules.training.rollout_forward import grpo_forward
 
 __all__ = ["VALUE_HEAD_FILE", "ValueHead", "find_hidden_size", "hidden_size_from_folder", "load_value_head",
            "policy_forward"]

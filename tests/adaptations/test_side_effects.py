@@ -137,7 +137,7 @@ def test_compact_swaps_classes_only_on_the_cache_it_creates(monkeypatch):
     from transformers.cache_utils import DynamicLayer
 
     from helpers.conformance_models import build
-    from lightalign.modules.generation import compact
+    from lightalign.modules.sampling import compact
 
     model = build("llama")
     prompts = torch.tensor([[11, 12, 13, 14, 15], [0, 0, 21, 22, 23]])

@@ -269,7 +269,7 @@ def test_padding_free_unset_is_the_cpu_default_and_steps_back_on_an_inexact_teac
     the teacher not probed -> the second run packs, fails; the default read as false -> the first run pads, fails."""
     from lightalign.modules.adaptations import support
     from lightalign.modules.adaptations.probe import Verdict
-    from lightalign.modules.distill_rows import default_padding_free
+    from lightalign.modules.distill import default_padding_free
 
     teacher = load_causal_lm(str(teacher_dir)).eval()
     module = _module(tiny_dir, teacher, lmbda=0.0)
@@ -343,7 +343,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_any_weights_load(tiny
 
 def test_the_vocabulary_of_a_zero3_partitioned_model_is_its_full_size(tiny_dir):
     """Under DeepSpeed ZeRO-3 a parameter is an empty placeholder carrying its full shape as ``ds_shape``: the built
-    student's vocabulary is that, not 0 (a 0 refused every teacher; tests/training/test_scale.py runs ZeRO-3)."""
+    student's vocabulary is that, not 0 (a 0 refused every teacher; tests/strategies/test_scale.py runs ZeRO-3)."""
     from lightalign.modules.reference.vocabulary import model_vocab_size
 
     model = load_causal_lm(str(tiny_dir), from_config=True)

@@ -1,5 +1,5 @@
 """``use_vllm: true`` on a CPU machine, with an engine that stands in for vLLM at its ``generate`` boundary (the real
-engine runs only in the ``gpu`` tests; tests/generation/test_vllm.py tests the engines themselves).
+engine runs only in the ``gpu`` tests; tests/sampling/test_vllm.py tests the engines themselves).
 
 ``vllm_module(cls, monkeypatch, engines, ...)`` builds a sampling method (online RL, distillation, online DPO) with
 ``use_vllm=True`` (the construction's CUDA and vllm-installed checks pass, for that call only) whose ``VLLMRollouts``
@@ -66,8 +66,8 @@ class ShiftedPolicyEngine:
 
 def vllm_module(cls, monkeypatch, engines: list, *args, **knobs):
     """``cls(*args, use_vllm=True, **knobs)`` on this machine, sampling through a ``ShiftedPolicyEngine``."""
-    from lightalign.modules.generation import vllm_engines
-    from lightalign.modules.generation.vllm import check_vllm_knobs
+    from lightalign.modules.sampling import vllm_engines
+    from lightalign.modules.sampling.vllm import check_vllm_knobs
     from lightalign.modules.sampling import module as sampling_module
 
     def factory(module, trainer, who="policy", model_path=None):

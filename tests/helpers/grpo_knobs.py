@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lightalign.modules.generation.config import SamplingKnobs
+from lightalign.modules.sampling.config import SamplingKnobs
 from lightalign.modules.losses.entropy import EntropyKnobs
 from lightalign.modules.losses.grpo import GRPOLossConfig, grpo_loss
 from lightalign.modules.losses.kl_penalty import KLKnobs

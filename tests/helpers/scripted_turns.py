@@ -87,7 +87,7 @@ class ScriptedTurns:
                   top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, share_prefill=True, continuous_config=None,
                   **other):
         """``ids`` after every context, ``num_generations`` times each, in ``Samples``' format."""
-        from lightalign.modules.generation.samplers import Samples
+        from lightalign.modules.sampling.samplers import Samples
 
         if (top_p, top_k or 0, min_p, repetition_penalty) != (1.0, 0, None, 1.0) or other:
             raise ValueError(f"ScriptedTurns reports the plain sampling distribution's log-probs; got top_p={top_p}, "

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from helpers.rewards import varied_reward
-from lightalign.modules.adaptations.layouts import grpo_forward
-from lightalign.modules.offpolicy.ahead import SamplerProcessError
-from lightalign.modules.offpolicy.correction import importance_sampling_ratio
+from lightalign.modules.training.rollout_forward import grpo_forward
+from lightalign.modules.rollout.offpolicy.ahead import SamplerProcessError
+from lightalign.modules.losses.importance_sampling import importance_sampling_ratio
 
 pytestmark = pytest.mark.multiprocess
 
@@ -267,7 +267,7 @@ def test_max_staleness_0_trains_bit_for_bit_as_the_plain_synchronous_loop(tmp_pa
 
 
 def test_rollouts_kept_in_a_checkpoint_are_dropped_with_a_note_when_resumed_synchronously(caplog):
-    from lightalign.modules.offpolicy.component import OffPolicyRollouts
+    from lightalign.modules.rollout.offpolicy.component import OffPolicyRollouts
 
     state = {"ahead_rollouts": {2: {"rollout": {}, "version": 1, "seconds": 0.1}}}
     synchronous, ahead = OffPolicyRollouts(max_staleness=0), OffPolicyRollouts(max_staleness=1)

@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.rewards import varied_reward
-from lightalign.modules.adaptations.layouts import grpo_forward
-from lightalign.modules.generation.vllm_engines import ServerEngine
+from lightalign.modules.training.rollout_forward import grpo_forward
+from lightalign.modules.sampling.vllm_engines import ServerEngine
 
 GATE_SECONDS = 20.0
 
@@ -95,7 +95,7 @@ def vllm_server_module(grpo_module, **knobs):
 @pytest.fixture
 def engines(monkeypatch):
     """The engines the run's own ``VLLMRollouts`` (added by the module for ``use_vllm``) builds: stand-ins."""
-    from lightalign.modules.generation import vllm_engines
+    from lightalign.modules.sampling import vllm_engines
 
     made = Engines()
     monkeypatch.setattr(vllm_engines, "build_engine",

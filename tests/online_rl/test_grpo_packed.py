@@ -159,7 +159,7 @@ def test_packed_loss_grads_equal_padded_across_families(name):
     per-sequence attention keeps its packed sequences apart): the loss's gradients equal the padded layout's."""
     from helpers.conformance_models import build
     from lightalign.modules.adaptations import adapt_model, check_layout
-    from lightalign.modules.adaptations.layouts import grpo_forward
+    from lightalign.modules.training.rollout_forward import grpo_forward
 
     model = build(name).train()
     adapt_model(model)

@@ -13,7 +13,7 @@ import torch
 from lightalign.modules.losses.grpo import grpo_loss
 from lightalign.modules.losses.ppo import clipped_policy_loss
 from lightalign.modules.losses.rloo import rloo_loss
-from lightalign.modules.offpolicy.correction import (IMPORTANCE_SAMPLING_MODES, check_importance_sampling_knobs,
+from lightalign.modules.losses.importance_sampling import (IMPORTANCE_SAMPLING_MODES, check_importance_sampling_knobs,
                                                      importance_sampling_ratio, sampling_mismatch)
 
 NAN, INF = float("nan"), float("inf")

@@ -13,8 +13,8 @@ import torch
 from helpers.fake_vllm import offset, vllm_module
 from helpers.rewards import varied_reward
 from lightalign.modules import ppo as ppo_module
-from lightalign.modules.generation.vllm_engines import VLLMRollouts
-from lightalign.modules.offpolicy.correction import importance_sampling_ratio
+from lightalign.modules.sampling.vllm_engines import VLLMRollouts
+from lightalign.modules.losses.importance_sampling import importance_sampling_ratio
 from lightalign.modules.ppo import PPOModule
 
 POLICY_LOSS = ppo_module.clipped_policy_loss

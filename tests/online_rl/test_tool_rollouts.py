@@ -98,14 +98,15 @@ def test_rollout_logps_equal_the_trainers_over_tool_turns(tiny_model, tokenizer,
 
     The first turn is the scripted call (its log-probs a plain forward's), so every trajectory has a tool result and
     a turn after it that the backend samples: the budget leaves that turn at least one token. The static backend's
-    decode step is compiled with torch.compile's eager backend, as in tests/generation: the same graph capture and
+    decode step is compiled with torch.compile's eager backend, as in tests/sampling: the same graph capture and
     static cache, without inductor's code generation (about 40 s on a cold cache).
 
     Tolerance: both sides compute the same float32 log-softmax of the same model on the same ids; they differ only in
     how the attention and matmul sums are split (a KV cache one token at a time against one pass), rounding of
     relative size ~1e-6 on logits of magnitude < 10, far below ``atol=2e-4``."""
-    import lightalign.modules.generation.static as static
-    from lightalign.modules.adaptations.layouts import grpo_forward, packed_completion_batch
+    import lightalign.modules.sampling.static as static
+    from lightalign.modules.adaptations.layouts import packed_completion_batch
+    from lightalign.modules.training.rollout_forward import grpo_forward
     from lightalign.modules.agent.episodes import ToolRollouts
     from lightalign.modules.agent.turns import tool_result_ids
 

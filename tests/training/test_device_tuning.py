@@ -53,7 +53,7 @@ def test_an_unknown_name_is_refused_naming_the_table():
 def test_static_buckets_prompts_by_the_prompts_device():
     """Mutation: bucket_prompts reading the CPU entry everywhere (or its old constant) -> the meta prompts are
     padded too; the CPU's own value not read from the table -> the override below does nothing."""
-    from lightalign.modules.generation.static import bucket_prompts
+    from lightalign.modules.sampling.static import bucket_prompts
 
     ids, mask = torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
     assert bucket_prompts(ids, mask, 0)[0].shape == (2, 32)
@@ -61,7 +61,7 @@ def test_static_buckets_prompts_by_the_prompts_device():
 
 
 def test_static_reads_the_table_on_cpu(monkeypatch):
-    from lightalign.modules.generation.static import bucket_prompts
+    from lightalign.modules.sampling.static import bucket_prompts
 
     set_tuned(monkeypatch, "static_prompt_bucket", 8)
     ids = torch.ones(1, 5, dtype=torch.long)
@@ -74,7 +74,7 @@ def test_compact_takes_its_defaults_from_the_prompts_device(monkeypatch, device)
     cache and the packed linears; elsewhere compaction at once and neither speed-up. Mutation: compact_groups
     defaulting to the CPU values (the old constants) -> the meta case fails."""
     from helpers.conformance_models import build
-    from lightalign.modules.generation import compact, packed_linear
+    from lightalign.modules.sampling import compact, packed_linear
 
     seen, packed = {}, []
     names = list(inspect.signature(compact._sample).parameters)
@@ -95,7 +95,7 @@ def test_compact_packs_only_models_with_at_least_the_measured_linear_weights(mon
     Mutation: the size check dropped -> the smaller one is packed, fails."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightalign.modules.generation import compact, packed_linear
+    from lightalign.modules.sampling import compact, packed_linear
 
     packed = []
     monkeypatch.setattr(compact, "_sample", lambda *args: (None, None))
@@ -114,7 +114,7 @@ def test_compact_packs_only_models_with_at_least_the_measured_linear_weights(mon
 
 def test_packed_linears_read_the_rows_hint_from_the_table(monkeypatch):
     """Mutation: packed_linears defaulting to the module constant -> the hint stays 32."""
-    from lightalign.modules.generation import packed_linear
+    from lightalign.modules.sampling import packed_linear
 
     if not packed_linear.available():
         pytest.skip("oneDNN is not built in")

@@ -235,7 +235,7 @@ def test_a_python_run_resumed_with_ckpt_path_last_continues_its_folder(tmp_path,
 
 def test_max_steps_zero_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     """Lightning stops at once at max_steps=0 and the export would write the untrained model with a model card:
-    refused in the Python API as on the console (``runs.fit_run``; mutation: the check left in the CLI only -> the
+    refused in the Python API as on the console (``run_fit.fit_run``; mutation: the check left in the CLI only -> the
     Python fit exports random weights)."""
     from lightalign import SFTDataModule, SFTModule, Trainer
     from lightalign.runs import RunError

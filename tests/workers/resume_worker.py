@@ -207,7 +207,7 @@ def main() -> None:
                        **({"flush_logs_every_n_steps": 1} if args.continue_log else {}))
     if args.continue_log:
         callbacks.append(CompletionSamples(every_n_steps=1))
-        if args.resume and int(os.environ.get("LOCAL_RANK", "0")) == 0:  # as runs.prepare_resume does for a run
+        if args.resume and int(os.environ.get("LOCAL_RANK", "0")) == 0:  # as run_fit.prepare_resume does for a run
             continue_metrics_csv(logger, torch.load(out / "ckpt" / "last.ckpt", weights_only=True)["global_step"])
     validation = dict(val_check_interval=args.val_every, limit_val_batches=1) if args.val_every else {}
     plugins = [DyingCheckpointIO.make(args.die_during_save)] if args.die_during_save else None

@@ -1,5 +1,5 @@
 """Train SFT, DPO, GRPO, PPO, distillation or online DPO for a few steps under one strategy and dump the weights (used
-by tests/training/test_scale.py).
+by tests/strategies/test_scale.py).
 
 python tests/workers/scale_worker.py --strategy ddp --devices 2 --out DIR [--methods sft,dpo,grpo] [--batch-mult 2]
     [--resume-check [STRATEGY ...]] [--fail-at-step N --fail-mode exit|hang --timeout-s S] [--batched-sampling]

@@ -1,4 +1,4 @@
-"""The sampler interface (modules/generation/samplers.py): one call signature, refusals at construction naming the
+"""The sampler interface (modules/sampling/samplers.py): one call signature, refusals at construction naming the
 backend, the knob and one that serves it, and a sampler's error reaching the user (no backend swapped in)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import inspect
 import pytest
 
 from lightalign import PPOModule, RLOOModule
-from lightalign.modules.generation.samplers import SAMPLERS, Sampler, get_sampler
+from lightalign.modules.sampling.samplers import SAMPLERS, Sampler, get_sampler
 
 
 def test_every_sampler_has_the_interface_signature():
     reference = inspect.signature(Sampler.sample)
-    from lightalign.modules.generation.vllm_engines import VLLMSampler
+    from lightalign.modules.sampling.vllm_engines import VLLMSampler
 
     for cls in [*SAMPLERS.values(), VLLMSampler]:
         assert issubclass(cls, Sampler)
@@ -50,8 +50,8 @@ def test_unknown_backend_names_the_registered_ones():
 def test_a_sampler_error_is_an_error(grpo_module, prompt_data, quiet_trainer, monkeypatch, backend):
     """A sampler that raises stops the run with its own error: no other backend is swapped in (the mutation: a
     catch-all fallback to generate in the rollout makes this fail)."""
-    import lightalign.modules.generation.compact as compact
-    import lightalign.modules.generation.generate as generate
+    import lightalign.modules.sampling.compact as compact
+    import lightalign.modules.sampling.generate as generate
 
     calls = []
     module = grpo_module(generation_backend=backend, generation_batch_size=8)
@@ -89,7 +89,7 @@ def test_sampling_knobs_out_of_range_are_refused_at_construction(grpo_module, kn
 
 
 def test_an_asked_one_process_backend_is_refused_at_fit_start_under_several_processes(grpo_module, monkeypatch):
-    import lightalign.modules.generation.samplers as samplers
+    import lightalign.modules.sampling.samplers as samplers
 
     module = grpo_module(generation_backend="compact")
     module.configure_model()

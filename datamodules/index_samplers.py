@@ -1,5 +1,6 @@
-"""Resumable samplers: the order of an epoch is a pure function of (seed, epoch), so a run restarted from a
-checkpoint mid-epoch skips exactly the batches it had trained on — no batch repeated, none lost.
+"""Resumable index samplers of the dataloaders (which rows, in which order; not token sampling): the order of an
+epoch is a pure function of (seed, epoch), so a run restarted from a checkpoint mid-epoch skips exactly the batches
+it had trained on — no batch repeated, none lost.
 
 Lightning calls ``set_epoch`` on ``dataloader.sampler`` / ``dataloader.batch_sampler.sampler`` each epoch; the
 datamodule calls ``resume(epoch, n)`` when it is restored from a checkpoint.

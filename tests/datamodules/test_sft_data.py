@@ -190,7 +190,7 @@ def test_user_collator_is_used(tiny_dir, data_dir):
 
 # ------------------------------------------------------------------------------------------ group_by_length
 def test_length_grouped_sampler_sorts_mega_batches_and_covers_every_row():
-    from lightalign.datamodules.samplers import EpochSampler, LengthGroupedSampler
+    from lightalign.datamodules.index_samplers import EpochSampler, LengthGroupedSampler
 
     lengths = [(i * 37) % 101 + 1 for i in range(64)]
     sampler = LengthGroupedSampler(lengths, batch_size=4, mega_batch_mult=4, seed=1)  # mega-batch: 16 rows
@@ -273,7 +273,7 @@ def test_loaders_draw_nothing_from_the_global_rng_and_seed_workers_by_epoch_and_
     resumed.sampler.set_epoch(2)
     next(iter(resumed))
     assert seeds[3] != seeds[2] != seeds[1] != seeds[0] and seeds[4] == seeds[2]
-    from lightalign.datamodules.samplers import EpochSampler
+    from lightalign.datamodules.index_samplers import EpochSampler
     from lightalign.datamodules.step_loader import SeededLoader
 
     for rank in (0, 1):

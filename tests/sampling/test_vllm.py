@@ -13,7 +13,7 @@ import torch
 
 from helpers.rewards import ranked_reward
 
-from lightalign.modules.generation.vllm import (check_vllm_knobs, padded_completions, vllm_sampling_params,
+from lightalign.modules.sampling.vllm import (check_vllm_knobs, padded_completions, vllm_sampling_params,
                                                 vllm_weight_name, vllm_weights)
 
 
@@ -97,9 +97,9 @@ def test_lora_weights_pushed_merged_under_the_base_names(tiny_model):
 
 
 def test_engine_completions_become_the_rollout_cut_at_eos_or_their_end(tokenizer):
-    """The vllm sampler's contract (generation/samplers.py): padded ids and each completion's length; a completion
+    """The vllm sampler's contract (sampling/samplers.py): padded ids and each completion's length; a completion
     without EOS that ends before the longest (the engine's context limit) keeps only its own tokens."""
-    from lightalign.modules.generation.sampling import cut_after_eos
+    from lightalign.modules.sampling.completions import cut_after_eos
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
@@ -134,7 +134,7 @@ class RecordingEngine:
 
 def test_fit_pushes_weights_after_each_optimizer_step_and_samples_through_the_engine(grpo_module, quiet_trainer,
                                                                                      prompt_data):
-    from lightalign.modules.generation.vllm_engines import VLLMRollouts
+    from lightalign.modules.sampling.vllm_engines import VLLMRollouts
 
     # rewards that differ inside every group by construction: the advantages are non-zero, so the policy moves
     module = grpo_module(max_completion_length=5, temperature=0.9, reward_funcs=[ranked_reward])
@@ -188,8 +188,8 @@ class LogprobEngine:
 def _vllm_rollout(tokenizer, engine, return_logprobs):
     from types import SimpleNamespace
 
-    from lightalign.modules.generation.sampling import sample_completions
-    from lightalign.modules.generation.vllm_engines import VLLMSampler
+    from lightalign.modules.sampling.completions import sample_completions
+    from lightalign.modules.sampling.vllm_engines import VLLMSampler
 
     model = torch.nn.Linear(1, 1)  # the engine samples; the rollout reads only the generation config's EOS
     model.generation_config = SimpleNamespace(eos_token_id=EOS)
@@ -269,7 +269,7 @@ def _fake_vllm(built, sampled_with):
 def test_colocated_engine_is_built_for_processed_logprobs_and_reads_the_sampled_tokens(monkeypatch):
     import sys
 
-    from lightalign.modules.generation.vllm_engines import ColocatedEngine
+    from lightalign.modules.sampling.vllm_engines import ColocatedEngine
 
     built, sampled_with = {}, []
     module, expected = _fake_vllm(built, sampled_with)
@@ -346,7 +346,7 @@ def vllm_server():
 
 
 def test_server_engine_asks_for_logprobs_and_reads_them_back(vllm_server):
-    from lightalign.modules.generation.vllm_engines import ServerEngine
+    from lightalign.modules.sampling.vllm_engines import ServerEngine
 
     engine = ServerEngine(vllm_server["url"], group_port=51216, timeout=10, sender=True)
     params = vllm_sampling_params(num_generations=2, temperature=0.7, top_p=1.0, top_k=None, min_p=None,
@@ -361,7 +361,7 @@ def test_server_engine_asks_for_logprobs_and_reads_them_back(vllm_server):
 
 
 def test_server_without_processed_logprobs_is_refused_only_when_logprobs_are_asked(vllm_server):
-    from lightalign.modules.generation.vllm_engines import ServerEngine
+    from lightalign.modules.sampling.vllm_engines import ServerEngine
 
     vllm_server["mode"] = "raw_logprobs"
     engine = ServerEngine(vllm_server["url"], group_port=51216, timeout=10, sender=True)
@@ -385,7 +385,7 @@ def test_colocated_engine_samples_and_takes_pushed_weights(tiny_dir, tmp_path):
     pushed are perturbed."""
     pytest.importorskip("vllm")
     from lightalign.hub import load_causal_lm, load_tokenizer
-    from lightalign.modules.generation.vllm_engines import ColocatedEngine
+    from lightalign.modules.sampling.vllm_engines import ColocatedEngine
 
     torch.manual_seed(0)
     model = load_causal_lm(str(tiny_dir), from_config=True)

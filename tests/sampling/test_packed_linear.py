@@ -1,4 +1,4 @@
-"""The compact backend's prepacked linears (modules/generation/packed_linear.py): the same product as ``F.linear`` up to float32
+"""The compact backend's prepacked linears (modules/sampling/packed_linear.py): the same product as ``F.linear`` up to float32
 rounding, on exactly the modules it may replace, restored on exit, never where a call needs a gradient or autocast."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lightalign.modules.generation.packed_linear as pl
+import lightalign.modules.sampling.packed_linear as pl
 from helpers.conformance_models import build
 
 pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch has no oneDNN")

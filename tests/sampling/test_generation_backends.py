@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightalign.modules.generation.sampling import sample_completions, sample_groups
-from lightalign.modules.adaptations.layouts import grpo_forward
+from lightalign.modules.sampling.completions import sample_completions, sample_groups
+from lightalign.modules.training.rollout_forward import grpo_forward
 
 BACKENDS = ["generate", "continuous", "static", "compact"]
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 13, 14]])  # left-padded
@@ -19,7 +19,7 @@ EOS = 2
 def eager_compile(monkeypatch):
     """The static backend's decode step compiled with torch.compile's eager backend: the same graph capture and
     static cache, without minutes of C++ code generation on a shared CPU."""
-    import lightalign.modules.generation.static as static
+    import lightalign.modules.sampling.static as static
 
     monkeypatch.setattr(static, "COMPILE_BACKEND", "eager")
 
@@ -175,7 +175,7 @@ def test_knobs_a_backend_cannot_honour_are_refused(tiny_dir, knobs, message):
 
 def test_grpo_module_samples_on_its_backend(grpo_module, prompt_data, kwargs_spy):
     """The module's knobs reach the backend: TRL's use_transformers_continuous_batching and its config."""
-    import lightalign.modules.generation.continuous as continuous
+    import lightalign.modules.sampling.continuous as continuous
 
     seen = kwargs_spy(continuous, "continuous_batching_groups")
     data = prompt_data(batch_size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightalign.modules.generation.generate import generate_groups, prefill_shared_cache
+from lightalign.modules.sampling.generate import generate_groups, prefill_shared_cache
 
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 13, 14]])  # left-padded
 

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator, Literal
 import torch
 
 from lightalign.knobs import KnobGroup, knob
-from lightalign.modules.generation.samplers import Samples
+from lightalign.modules.sampling.samplers import Samples
 
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")

@@ -1,5 +1,5 @@
 """use_vllm for distillation and online DPO, up to the GPU boundary (the engines are stand-ins at their ``generate`` /
-``load_weights`` boundary, tests/helpers/fake_vllm.py; the real engines run only in tests/generation/test_vllm.py's
+``load_weights`` boundary, tests/helpers/fake_vllm.py; the real engines run only in tests/sampling/test_vllm.py's
 ``gpu`` test): each model that samples gets an engine, the trained one's weights pushed at fit start and after every
 optimizer step, a seq_kd teacher's once; the completions trained on are the engines'; on-policy distillation takes
 the engine's log-probs as the sampler's (as TRL's IW-OPD), with ``iw_opd_gamma``'s weights; the refusals (no CUDA
@@ -166,7 +166,7 @@ def length_reward(prompts, completions, **columns):
 
 def test_online_dpo_samples_the_pair_on_the_policys_engine(tiny_dir, data_dir, monkeypatch):
     from lightalign import OnlineDPOModule
-    from lightalign.modules.generation.vllm import VLLMConfig
+    from lightalign.modules.sampling.vllm import VLLMConfig
 
     engines: list = []
     torch.manual_seed(0)
@@ -221,7 +221,7 @@ def test_vllm_and_iw_opd_refusals_before_the_model_loads(tiny_dir, monkeypatch, 
 
 def test_the_engine_memory_share_defaults_to_the_methods_trl_default(tiny_dir):
     from lightalign import GRPOModule
-    from lightalign.modules.generation.vllm import VLLMConfig
+    from lightalign.modules.sampling.vllm import VLLMConfig
 
     grpo = GRPOModule(str(tiny_dir), from_config=True, reward_funcs=[length_reward])
     assert VLLMConfig.of(grpo).vllm_gpu_memory_utilization == 0.3  # GRPOConfig's, as before the knob moved

@@ -73,7 +73,7 @@ class Reply:
 def serve(requests: Any, replies: Any, spec: ModelSpec, tokenizer: Any, backend: str, sampling: dict[str, Any],
           threads: int) -> None:
     """The sampling process's loop (``multiprocessing`` spawn target)."""
-    from lightalign.modules.generation.sampling import sample_completions
+    from lightalign.modules.sampling.completions import sample_completions
 
     torch.set_num_threads(threads)
     torch.set_grad_enabled(False)

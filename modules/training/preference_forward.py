@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from lightalign.modules.adaptations.layouts import sft_logits
 from lightalign.modules.training.logprobs import (
     completion_logps,
     log_sum_squared_probs,
@@ -14,6 +13,8 @@ from lightalign.modules.training.logprobs import (
     selective_log_softmax,
     shared_prefix_logits,
 )
+from lightalign.modules.training.sft_forward import sft_logits
+
 
 def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> bool:
     return "target_logit_index" in batch

@@ -25,10 +25,10 @@ from typing import Any, Iterator
 
 import torch
 
-from lightalign.modules.generation.vllm import vllm_weights
+from lightalign.modules.sampling.vllm import vllm_weights
 from lightalign.process_death import died
-from lightalign.modules.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessDied, SamplerProcessError
-from lightalign.modules.offpolicy.worker import ModelSpec, Probe, Reply, Request, serve
+from lightalign.modules.rollout.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessDied, SamplerProcessError
+from lightalign.modules.rollout.offpolicy.worker import ModelSpec, Probe, Reply, Request, serve
 
 START_TIMEOUT = 600.0  # seconds the sampling process may take to import and report ready
 COPY_TOLERANCE = 1e-4  # max |log-prob difference| between the policy and its sampling copy (threads, kernels)

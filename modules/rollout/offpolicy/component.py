@@ -24,12 +24,12 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightalign.modules.generation.sampling import eos_token_ids
-from lightalign.modules.generation.vllm_engines import push_weights
-from lightalign.modules.offpolicy.ahead import AheadSampler
-from lightalign.modules.offpolicy.correction import (importance_sampling_ratio,
+from lightalign.modules.sampling.completions import eos_token_ids
+from lightalign.modules.sampling.vllm_engines import push_weights
+from lightalign.modules.rollout.offpolicy.ahead import AheadSampler
+from lightalign.modules.losses.importance_sampling import (importance_sampling_ratio,
                                                     sampling_mismatch)
-from lightalign.modules.offpolicy.engine_ahead import EngineAhead
+from lightalign.modules.rollout.offpolicy.engine_ahead import EngineAhead
 from lightalign.modules.rollout.scoring import metric_key
 
 MISMATCH_STATS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "sampling/kl")

@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from lightalign.modules.generation.generate import SAMPLING_KNOBS
+from lightalign.modules.sampling.generate import SAMPLING_KNOBS
 
 BASIC_KNOBS = tuple(k for k in SAMPLING_KNOBS if k != "repetition_penalty")  # what continuous batching applies
 
@@ -71,7 +71,7 @@ class GenerateSampler(Sampler):
 
     def sample(self, model, prompt_ids, prompt_mask, num_generations, *, eos, pad_token_id, max_new_tokens,
                share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
-        from lightalign.modules.generation.generate import generate_groups
+        from lightalign.modules.sampling.generate import generate_groups
         from lightalign.strategies.sharding import generation_context
 
         with generation_context(model) as extra:  # full parameters under FSDP2 / ZeRO-3, released after
@@ -93,7 +93,7 @@ class StaticSampler(GenerateSampler):
 
     def sample(self, model, prompt_ids, prompt_mask, num_generations, *, eos, pad_token_id, max_new_tokens,
                share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
-        from lightalign.modules.generation.static import bucket_prompts, static_generate_kwargs
+        from lightalign.modules.sampling.static import bucket_prompts, static_generate_kwargs
 
         prompt_ids, prompt_mask = bucket_prompts(prompt_ids, prompt_mask, pad_token_id)
         return super().sample(model, prompt_ids, prompt_mask, num_generations, eos=eos, pad_token_id=pad_token_id,
@@ -113,13 +113,13 @@ class CompactSampler(Sampler):
         return super().refusal(**knobs)
 
     def check_model(self, model):
-        from lightalign.modules.generation.compact import check_compact_model
+        from lightalign.modules.sampling.compact import check_compact_model
 
         check_compact_model(model)
 
     def sample(self, model, prompt_ids, prompt_mask, num_generations, *, eos, pad_token_id, max_new_tokens,
                share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
-        from lightalign.modules.generation.compact import compact_groups
+        from lightalign.modules.sampling.compact import compact_groups
         from lightalign.strategies.sharding import generation_context
 
         with generation_context(model):  # full parameters under FSDP2 / ZeRO-3 (one process), released after
@@ -141,14 +141,14 @@ class ContinuousSampler(Sampler):
         if cache_implementation is not None:
             return "cache_implementation", "continuous batching uses its own paged cache"
         if continuous_config is not None:
-            from lightalign.modules.generation.continuous import check_continuous_config
+            from lightalign.modules.sampling.continuous import check_continuous_config
 
             check_continuous_config(continuous_config)
         return None
 
     def sample(self, model, prompt_ids, prompt_mask, num_generations, *, eos, pad_token_id, max_new_tokens,
                share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
-        from lightalign.modules.generation.continuous import continuous_batching_groups
+        from lightalign.modules.sampling.continuous import continuous_batching_groups
 
         unknown = set(sampling) - set(SAMPLING_KNOBS)
         if sampling.get("repetition_penalty", 1.0) != 1.0 or unknown:

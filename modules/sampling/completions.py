@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightalign.modules.generation.samplers import Sampler, Samples, sample_groups
+from lightalign.modules.sampling.samplers import Sampler, Samples, sample_groups
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

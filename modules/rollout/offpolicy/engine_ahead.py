@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from lightalign.modules.generation.sampling import assemble_rollout
-from lightalign.modules.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessError
+from lightalign.modules.sampling.completions import assemble_rollout
+from lightalign.modules.rollout.offpolicy.bookkeeping import RolloutsAhead, SamplerProcessError
 
 
 class EngineAhead(RolloutsAhead):

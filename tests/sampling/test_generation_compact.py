@@ -1,4 +1,4 @@
-"""The ``compact`` generation backend (modules/generation/compact.py): finished rows leave the batch and no row's
+"""The ``compact`` generation backend (modules/sampling/compact.py): finished rows leave the batch and no row's
 completion changes for it. Greedy equals ``model.generate(do_sample=False)`` token for token on GPT-2 (learned
 positions) and Llama with rows ending at different lengths; each row equals its prompt generated alone; a logits
 processor knob changes the tokens as transformers' processor does; models without a plain KV cache are refused.
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers.conformance_models import build
-from lightalign.modules.generation.generate import forward_cache_kwarg
-from lightalign.modules.generation.samplers import sample_groups
-from lightalign.modules.generation.compact import compact_groups
+from lightalign.modules.sampling.generate import forward_cache_kwarg
+from lightalign.modules.sampling.samplers import sample_groups
+from lightalign.modules.sampling.compact import compact_groups
 
 # left-padded prompts of 5, 3 and 4 tokens (pad 0)
 PROMPTS = torch.tensor([[11, 12, 13, 14, 15], [0, 0, 21, 22, 23], [0, 31, 32, 33, 34]])
@@ -92,7 +92,7 @@ def test_the_in_place_cache_samples_exactly_what_the_growing_one_does(name, shar
     sliding-window layer keeps its own cache type."""
     from transformers import DynamicCache
 
-    from lightalign.modules.generation.compact import grow_in_place
+    from lightalign.modules.sampling.compact import grow_in_place
 
     model = build(name)
     eos, ends = spread_eos(model)
@@ -141,7 +141,7 @@ def test_top_p_matches_transformers_warper_on_the_same_logits():
     """The processed scores the loop samples from are transformers' TopP(Temperature(logits))."""
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
-    from lightalign.modules.generation.compact import logits_processors
+    from lightalign.modules.sampling.compact import logits_processors
 
     model = build("llama")
     torch.manual_seed(0)
@@ -178,7 +178,7 @@ def test_refuses_a_model_without_a_plain_kv_cache():
 
 
 def test_refuses_several_processes_and_unknown_knobs(monkeypatch):
-    import lightalign.modules.generation.samplers as samplers
+    import lightalign.modules.sampling.samplers as samplers
 
     model = build("llama")
     with pytest.raises(ValueError, match="applies only .* got \\['no_repeat_ngram_size'\\]"):
@@ -191,7 +191,7 @@ def test_refuses_several_processes_and_unknown_knobs(monkeypatch):
 
 def test_grpo_module_samples_on_compact(grpo_module, prompt_data, kwargs_spy):
     """generation_backend: compact reaches the loop with the module's sampling knobs (repetition_penalty too)."""
-    import lightalign.modules.generation.compact as compact
+    import lightalign.modules.sampling.compact as compact
 
     seen = kwargs_spy(compact, "compact_groups")
     data = prompt_data(batch_size=2)
@@ -221,7 +221,7 @@ def test_console_fits_on_compact(repo, tmp_path):
 ])
 def test_the_cpu_default_is_compact_unless_only_generate_can_serve(grpo_module, prompt_data, knobs, backend,
                                                                    monkeypatch, recwarn):
-    import lightalign.modules.generation.sampling as generation
+    import lightalign.modules.sampling.completions as generation
 
     seen = {}
     real = generation.sample_groups
@@ -240,8 +240,8 @@ def test_the_default_is_generate_for_a_model_compact_cannot_sample_from(grpo_mod
                                                                         recwarn):
     """(A recurrent or hybrid-cache model: compact's check refuses it; the default then picks generate, silently,
     while an explicit generation_backend: compact is refused, naming the alternative.)"""
-    import lightalign.modules.generation.sampling as generation
-    import lightalign.modules.generation.compact as compact
+    import lightalign.modules.sampling.completions as generation
+    import lightalign.modules.sampling.compact as compact
 
     def refuse(model):
         raise ValueError("generation_backend 'compact' cannot sample from 'x': it keeps a recurrent state, not a KV "

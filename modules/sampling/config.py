@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from lightalign.knobs import KnobGroup, knob
 
-from lightalign.modules.generation.samplers import get_sampler, refuse_knobs
+from lightalign.modules.sampling.samplers import get_sampler, refuse_knobs
 
 # generate() arguments the rollout sets itself: a generation_kwargs entry for one of them is refused, naming the knob.
 OWNED_GENERATION_KEYS = {
@@ -166,7 +166,7 @@ class SamplingConfig:
                              "(share_prefill hands generate a DynamicCache holding the shared prompt prefill).")
         if self.backend is None and self.continuous_config is not None:
             # the default may be any backend: only the continuous config is checked here; a knob the default cannot
-            # honour makes the default step back to generate at fit start (backends.effective_backend)
+            # honour makes the default step back to generate at fit start (choice.effective_backend)
             raise ValueError("transformers_continuous_batching_config is set but the generation backend is 'the "
                              "default'; set generation_backend: continuous (or "
                              "use_transformers_continuous_batching: true), or drop the config.")

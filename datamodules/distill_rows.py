@@ -1,6 +1,5 @@
 """The rows of ``DistillModule``: the data's completions tokenised as SFT tokenises them, right-padded into tensors,
-the data's own column names (without the datamodule's tokenisation columns) for its refusals, and whether the rows
-are packed when ``padding_free`` is unset (``default_padding_free``)."""
+and the data's own column names (without the datamodule's tokenisation columns) for its refusals."""
 
 from __future__ import annotations
 
@@ -46,20 +45,3 @@ def data_columns(columns: list[str]) -> list[str]:
     """The data's own columns, without those the datamodule's tokenisation added (``*_input_ids`` ...)."""
     return sorted(c for c in columns if not c.endswith(("_input_ids", "_attention_mask")))
 
-
-def default_padding_free(student: torch.nn.Module, teacher: torch.nn.Module, device: torch.device,
-                         longest: int | None) -> tuple[bool, str | None]:
-    """DistillModule's ``padding_free`` when it is unset: the device's measured default (``distill_padding_free``
-    in ``tuned``'s table), and padded rows when the student or the teacher does not run the packed layout
-    exactly (measured on a probe of its class, ``adaptations.check_layout``). Returns (packed, the fit-start note)."""
-    from lightalign.modules.adaptations.support import LayoutRefused, check_layout
-    from lightalign.modules.training.device_tuning import tuned
-
-    if not tuned("distill_padding_free", device):
-        return False, None
-    for who, model in (("student", student), ("teacher", teacher)):
-        try:
-            check_layout(model, "grpo_packed", max_tokens=longest)
-        except LayoutRefused as refused:
-            return False, f"padded rows: the default padding_free is not exact on the {who}: {refused}"
-    return True, "padding_free (the CPU default)"

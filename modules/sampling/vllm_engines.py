@@ -36,9 +36,9 @@ from typing import Any, Callable, Iterator
 import lightning as L
 import torch
 
-from lightalign.modules.generation.generate import SAMPLING_KNOBS
-from lightalign.modules.generation.samplers import Sampler
-from lightalign.modules.generation.vllm import (INSTALL_HINT, VLLMConfig, padded_completions, vllm_sampling_params,
+from lightalign.modules.sampling.generate import SAMPLING_KNOBS
+from lightalign.modules.sampling.samplers import Sampler
+from lightalign.modules.sampling.vllm import (INSTALL_HINT, VLLMConfig, padded_completions, vllm_sampling_params,
                                                 vllm_weights)
 
 

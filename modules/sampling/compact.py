@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from lightalign.modules.generation.generate import SAMPLING_KNOBS
+from lightalign.modules.sampling.generate import SAMPLING_KNOBS
 from lightalign.modules.training.device_tuning import tuned
 
 
@@ -169,12 +169,12 @@ def compact_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask
     Unset (None), each is the value measured for the prompts' device type (``tuned``'s table): on the
     CPU a quarter, on (for a model with at least ``compact_prepack_min_mib`` of eligible linear weights), on;
     elsewhere 0 (at once), off, off."""
-    from lightalign.modules.generation.packed_linear import packed_linears
+    from lightalign.modules.sampling.packed_linear import packed_linears
 
     device = prompt_ids.device
     compact_fraction = tuned("compact_fraction", device) if compact_fraction is None else compact_fraction
     if prepack is None:  # measured to pay off on large weights only (compact_prepack_min_mib)
-        from lightalign.modules.generation.packed_linear import eligible_mib
+        from lightalign.modules.sampling.packed_linear import eligible_mib
 
         prepack = bool(tuned("compact_prepack_linears", device)) and eligible_mib(model) >= tuned(
             "compact_prepack_min_mib", device)
@@ -189,7 +189,7 @@ def _sample(model, prompt_ids, prompt_mask, num_generations, eos_token_ids, pad_
             share_prefill, return_logprobs, compact_fraction, grow_cache, sampling):
     from transformers import DynamicCache
 
-    from lightalign.modules.generation.generate import forward_cache_kwarg, prefill_shared_cache
+    from lightalign.modules.sampling.generate import forward_cache_kwarg, prefill_shared_cache
 
     processors = logits_processors(model, prompt_ids.shape[1], eos_token_ids, pad_token_id, **sampling)
     device = prompt_ids.device
