@@ -6,10 +6,6 @@ YAML names reward functions by import path (``lightalign.rewards.accuracy_reward
 
 from __future__ import annotations
 
-import dataclasses
-
-from lightalign.knobs import KnobGroup, knob
-
 import functools
 import importlib
 import math
@@ -31,40 +27,6 @@ __all__ = [
     "reward_func_names",
 ]
 
-
-@dataclasses.dataclass(frozen=True)
-class RewardKnobs(KnobGroup):
-    """The reward functions of an online method and how each call is run."""
-
-    group = "rewards"
-    reward_funcs: list[str | Callable] | str | Callable | None = knob(
-        None, "reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables, import paths "
-              "(``lightalign.rewards.accuracy_reward``, ``mypkg.rewards:fn``) or reward-model folders (``RewardModule`` "
-              "exports). ``None`` marks a completion a function cannot score.", saved=False)
-    reward_weights: list[float] | None = knob(None, "one weight per reward function (default 1 each); the reward is "
-                                                    "their weighted sum.")
-    reward_timeout: float | None = knob(
-        300.0, "seconds each reward function call may take (the functions of a rollout are called at once, each once "
-               "on the whole batch, on threads); a call that has not returned by then stops training with an error "
-               "naming the function, or scores with ``reward_fallback_value``. None: no limit.")
-    reward_fallback_value: float | None = knob(
-        None, "the reward of every row of a call that raised or timed out, and of each NaN or infinite value a "
-              "function returns (None still means \"not applicable\"). Each substitution is counted in "
-              "``reward/<function>/fallbacks`` and the first per function is warned about. None: such a call stops "
-              "training with an error naming the function (and the failing row, or the limit). A result of the wrong "
-              "length or a non-numeric value is always an error.")
-
-    def check(self) -> None:
-        from lightalign.rewards.runner import check_reward_call_knobs
-
-        check_reward_call_knobs(self.reward_timeout, self.reward_fallback_value)
-
-    def resolved(self) -> list[Callable]:
-        """The reward functions, imported or loaded, their weights checked against them."""
-        given = [] if self.reward_funcs is None else self.reward_funcs
-        funcs = resolve_reward_funcs(list(given if isinstance(given, (list, tuple)) else [given]))
-        check_reward_weights(funcs, self.reward_weights)
-        return funcs
 
 class RewardImportError(ImportError):
     """A reward function named by an import path that does not lead to one (the user's input: the message says

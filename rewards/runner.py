@@ -14,6 +14,8 @@ would hide for the whole run.
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import math
 import numbers
@@ -26,7 +28,8 @@ import torch
 
 from lightalign.rewards.calling import (CallTimeout, RewardFunctionError, call_reward_functions, describe_failed_call,
                                         short_repr)
-from lightalign.rewards.resolve import check_reward_weights, reward_func_names
+from lightalign.knobs import KnobGroup, knob
+from lightalign.rewards.resolve import check_reward_weights, resolve_reward_funcs, reward_func_names
 
 __all__ = ["FallbackReport", "RewardFunctionError", "RewardScores", "check_reward_call_knobs", "compute_rewards"]
 
@@ -50,6 +53,38 @@ class RewardScores(NamedTuple):
     total: torch.Tensor
     fallbacks: dict[str, FallbackReport]
 
+
+@dataclasses.dataclass(frozen=True)
+class RewardKnobs(KnobGroup):
+    """The reward functions of an online method and how each call is run."""
+
+    group = "rewards"
+    reward_funcs: list[str | Callable] | str | Callable | None = knob(
+        None, "reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables, import paths "
+              "(``lightalign.rewards.accuracy_reward``, ``mypkg.rewards:fn``) or reward-model folders (``RewardModule`` "
+              "exports). ``None`` marks a completion a function cannot score.", saved=False)
+    reward_weights: list[float] | None = knob(None, "one weight per reward function (default 1 each); the reward is "
+                                                    "their weighted sum.")
+    reward_timeout: float | None = knob(
+        300.0, "seconds each reward function call may take (the functions of a rollout are called at once, each once "
+               "on the whole batch, on threads); a call that has not returned by then stops training with an error "
+               "naming the function, or scores with ``reward_fallback_value``. None: no limit.")
+    reward_fallback_value: float | None = knob(
+        None, "the reward of every row of a call that raised or timed out, and of each NaN or infinite value a "
+              "function returns (None still means \"not applicable\"). Each substitution is counted in "
+              "``reward/<function>/fallbacks`` and the first per function is warned about. None: such a call stops "
+              "training with an error naming the function (and the failing row, or the limit). A result of the wrong "
+              "length or a non-numeric value is always an error.")
+
+    def check(self) -> None:
+        check_reward_call_knobs(self.reward_timeout, self.reward_fallback_value)
+
+    def resolved(self) -> list[Callable]:
+        """The reward functions, imported or loaded, their weights checked against them."""
+        given = [] if self.reward_funcs is None else self.reward_funcs
+        funcs = resolve_reward_funcs(list(given if isinstance(given, (list, tuple)) else [given]))
+        check_reward_weights(funcs, self.reward_weights)
+        return funcs
 
 def check_reward_call_knobs(reward_timeout: float | None, reward_fallback_value: float | None) -> None:
     """Refuse a time limit that is not a positive number of seconds, and a fallback that is not a finite number."""

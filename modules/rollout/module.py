@@ -31,7 +31,7 @@ from lightalign.modules.rollout.state import load_rollout_state, save_rollout_st
 from lightalign.modules.sampling.module import SamplingModule
 from lightalign.modules.training.stat_metrics import StatMetrics
 from lightalign.rewards import reward_func_names
-from lightalign.rewards.resolve import RewardKnobs
+from lightalign.rewards.runner import RewardKnobs
 
 ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
