@@ -283,13 +283,13 @@ def prepare_resume(trainer: L.Trainer, ckpt_path: str, module: L.LightningModule
     if step == trainer.max_steps:
         export = callback_of(trainer, HFExport)
         # a checkpoint outside this config's run folders starts a new folder, where no export exists yet
-        target = None if export is None else Path(export.output_dir) if export.output_dir \
+        export_dir = None if export is None else Path(export.output_dir) if export.output_dir \
             else run / "hf_model" if run else None
-        if export is None or not export.enabled or (target is not None and target.exists()):
+        if export is None or not export.enabled or (export_dir is not None and export_dir.exists()):
             raise ResumeError(f"Checkpoint '{path}' is at step {step} = --trainer.max_steps: that run is finished. "
                               f"Raise --trainer.max_steps above {step} to train further.")
         rank_zero_info(f"Checkpoint '{path}' is at --trainer.max_steps ({step}): nothing left to train; writing "
-                       f"the Hugging Face export the interrupted run did not finish ({target or 'in a new run folder'}).")
+                       f"the Hugging Face export the interrupted run did not finish ({export_dir or 'in a new run folder'}).")
     del checkpoint
     if run is not None:
         pin_version(trainer, version_of(run))

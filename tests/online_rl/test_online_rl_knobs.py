@@ -9,13 +9,18 @@ import re
 import pytest
 
 from lightalign import GRPOModule, PPOModule, RLOOModule
+from lightalign.knobs import method_knobs
 from lightalign.modules.rollout.critic_free import CriticFreeModule
 from lightalign.modules.rollout.module import OnlineRLModule
 
 
 def own_knobs(cls) -> set[str]:
-    return {n for n, p in inspect.signature(cls.__init__).parameters.items()
-            if n not in ("self", "model_name_or_path") and p.kind is not p.VAR_KEYWORD}
+    """The knobs of the groups ``cls`` adds to its parent's (``takes_knobs``) and those it gives a default of its
+    own."""
+    inherited = getattr(cls.__mro__[1], "knob_defaults", {})
+    defaults = cls.__dict__.get("knob_defaults", inherited)
+    restated = {name for name, value in defaults.items() if name not in inherited or inherited[name] != value}
+    return {n for group in cls.__dict__.get("own_knob_groups", ()) for n in group.knob_names()} | restated
 
 
 def listed(help_text: str) -> set[str]:
@@ -52,7 +57,8 @@ def test_python_api_names_the_knob_a_method_does_not_have(tiny_dir):
 
 def test_methods_share_one_definition_of_each_shared_knob():
     """A shared knob is declared once (OnlineRLModule); a method restates only the ones whose TRL default differs."""
-    restated = {cls: own_knobs(cls) & own_knobs(OnlineRLModule) for cls in (GRPOModule, RLOOModule, PPOModule)}
+    shared = set(method_knobs(OnlineRLModule))
+    restated = {cls: own_knobs(cls) & shared for cls in (GRPOModule, RLOOModule, PPOModule)}
     assert restated == {GRPOModule: set(), RLOOModule: {"num_generations"},
                         PPOModule: {"num_generations", "temperature"}}
     defaults = {cls: inspect.signature(cls.__init__).parameters for cls in (RLOOModule, PPOModule)}
