@@ -1,0 +1,158 @@
+"""Knob groups: each knob has one definition (a field of one ``KnobGroup``), one default, one description and one
+validation (the group's ``check``, at construction); a method's constructor and ``--model.help`` come from its
+groups (``takes_knobs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import lightalign
+from lightalign.knobs import KnobGroup, knob, method_knobs, takes_knobs
+from lightalign.modules.training.policy import PolicyModule
+
+# The same name for different ideas in different methods (TRL's names): never two of them in one method.
+SAME_NAME_OTHER_IDEA: dict[str, int] = {
+    # GRPO/RLOO's KL coefficient (``KLKnobs``, 0 = no reference); distillation's point between forward and reverse
+    # KL (``DistillLossKnobs``); online DPO's implicit-reward temperature, one value per epoch (``OnlineDPOLossKnobs``)
+    "beta": 3,
+    # GRPO's policy loss (``GRPOLossConfig``), distillation's divergence (``DistillLossKnobs``), online DPO's pair
+    # loss (``OnlineDPOLossKnobs``): each method's own list of losses
+    "loss_type": 3,
+    # online RL's micro-batch layout, off unless asked (``RolloutLayoutKnobs``); distillation's rows, unset = the
+    # device's measured default decided at fit start on student and teacher (``DistillLayoutKnobs``)
+    "padding_free": 2,
+}
+
+
+def all_groups() -> set[type[KnobGroup]]:
+    for info in pkgutil.walk_packages(lightalign.__path__, "lightalign."):
+        top = info.name.split(".")[1]
+        if top in ("setup", "tests", "bench", "examples", "assets", "docs", "configs", "runs"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError:  # an optional extra (vllm, deepspeed ...) this environment does not have
+            continue
+    found, todo = set(), list(KnobGroup.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls.__module__.startswith("lightalign."):
+            found.add(cls)
+        todo += cls.__subclasses__()
+    return found
+
+
+def method_classes() -> list[type]:
+    from lightalign import modules
+
+    return [getattr(modules, name) for name in modules.__all__
+            if isinstance(getattr(modules, name), type) and issubclass(getattr(modules, name), PolicyModule)]
+
+
+def test_each_knob_is_defined_by_one_group():
+    """A name defined by two groups is a second definition (a second default, a second description), unless the
+    name means another idea in another method (``SAME_NAME_OTHER_IDEA``). Mutation: declare ``learning_rate`` in a
+    second group -> this test names both."""
+    defined: dict[str, list[str]] = {}
+    for group in all_groups():
+        for name in group.knob_names():
+            defined.setdefault(name, []).append(f"{group.__module__}.{group.__qualname__}")
+    twice = {name: where for name, where in defined.items() if len(where) > SAME_NAME_OTHER_IDEA.get(name, 1)}
+    assert not twice, f"knobs defined more than once: {twice}"
+
+
+def test_every_knob_has_a_description_and_a_group_name():
+    for group in all_groups():
+        assert group.group, group
+        for field in group.knob_fields():
+            assert field.metadata.get("doc"), f"{group.__name__}.{field.name} has no description"
+
+
+@pytest.mark.parametrize("cls", method_classes(), ids=lambda c: c.__name__)
+def test_a_methods_knobs_come_from_its_groups_once(cls):
+    """The constructor of every method lists each knob of its groups once, and nothing a group does not define
+    (a parameter declared again in a subclass's ``__init__`` would be a second definition)."""
+    params = [n for n in inspect.signature(cls).parameters]
+    assert len(params) == len(set(params))
+    knobs = method_knobs(cls)
+    stray = [n for n in params if n not in knobs]
+    assert not stray, f"{cls.__name__} takes {stray} outside its knob groups"
+    assert set(knobs) == set(params)
+
+
+def test_two_groups_defining_one_knob_are_refused_when_the_class_is_made():
+    @dataclasses.dataclass(frozen=True)
+    class A(KnobGroup):
+        group = "a"
+        lr: float = knob(1.0, "a rate")
+
+    @dataclasses.dataclass(frozen=True)
+    class B(KnobGroup):
+        group = "b"
+        lr: float = knob(2.0, "another rate")
+
+    with pytest.raises(TypeError, match="'lr' is defined by both A and B"):
+        @takes_knobs(A, B)
+        class Twice:
+            pass
+
+
+def test_the_signature_defaults_descriptions_and_checks_come_from_the_groups():
+    @dataclasses.dataclass(frozen=True)
+    class Loss(KnobGroup):
+        group = "loss"
+        beta: float = knob(0.1, "the strength")
+
+        def check(self) -> None:
+            if self.beta < 0:
+                raise ValueError("beta must be >= 0")
+
+    built = []
+
+    class Base:
+        def construct_from_knobs(self, given):
+            self.knobs = {g.group: g.from_values(given) for g in type(self).knob_groups}
+            built.append(self)
+
+    @takes_knobs(Loss, defaults={"beta": 0.5})
+    class Method(Base):
+        """A method."""
+
+    signature = inspect.signature(Method)
+    assert list(signature.parameters) == ["beta"] and signature.parameters["beta"].default == 0.5
+    assert "beta: the strength" in Method.__init__.__doc__ and "beta: the strength" in Method.__doc__
+    assert Method().knobs["loss"].beta == 0.5  # the method's default
+    assert Method(beta=0.2).knobs["loss"].beta == 0.2
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        Method(beta=-1.0)
+    with pytest.raises(TypeError):
+        Method(gamma=1.0)
+    with pytest.raises(TypeError, match="none of its knob groups defines"):
+        takes_knobs(Loss, defaults={"gamma": 1})(type("Other", (Base,), {}))
+
+
+def test_a_group_is_checked_at_construction_before_any_model_loads(tiny_dir):
+    from lightalign import SFTModule
+
+    with pytest.raises(ValueError, match="lr_scheduler_type='cosinus' is unknown"):
+        SFTModule(str(tiny_dir), from_config=True, lr_scheduler_type="cosinus")
+    module = SFTModule(str(tiny_dir), from_config=True, learning_rate=1e-3)
+    assert module.model is None  # built later, by configure_model
+    assert module.knobs.optimization.learning_rate == 1e-3 == module.hparams.learning_rate
+
+
+def test_a_subclass_s_own_init_arguments_are_saved_as_hyperparameters(tiny_dir):
+    from lightalign import SFTModule
+
+    class MySFT(SFTModule):
+        def __init__(self, my_weight: float = 0.5, **kwargs):
+            super().__init__(**kwargs)
+            self.my_weight = my_weight
+
+    module = MySFT(my_weight=0.25, model_name_or_path=str(tiny_dir), from_config=True)
+    assert module.hparams.my_weight == 0.25 and module.hparams.from_config is True
