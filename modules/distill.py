@@ -15,31 +15,61 @@ component's loading, freezing and placement of a separate frozen model (``Refere
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+from typing import Any
 
 import torch
 
 from lightalign.datamodules.distill_rows import data_columns, right_pad, tokenize_completions
 from lightalign.datamodules.formats import DataFormatError
-from lightalign.modules.losses.distill import (DEFAULT_CHUNK_SIZE, generalized_jsd_loss,
+from lightalign.knobs import KnobGroup, knob, takes_knobs
+from lightalign.modules.losses.distill import (DISTILL_LOSS_TYPES, DistillLossKnobs, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
 from lightalign.modules.adaptations.layouts import packed_completion_batch
 from lightalign.modules.training.rollout_forward import packed_logits
 from lightalign.modules.rollout.offpolicy.component import MISMATCH_STATS, update_mismatch_stats
 from lightalign.modules.reference.component import Reference
 from lightalign.modules.reference.model import freeze
+from lightalign.modules.reference.teacher import TeacherKnobs
 from lightalign.modules.reference.vocabulary import check_same_vocabulary, describe_model
 from lightalign.modules.sampling.module import SamplingModule
 from lightalign.modules.training.logprobs import completion_logits, scatter_to_sequences, selective_log_softmax
 from lightalign.modules.training.stat_metrics import StatMetrics
 
-DISTILL_LOSS_TYPES = ("gkd", "on_policy")
+__all__ = ["DISTILL_LOSS_TYPES", "DistillLayoutKnobs", "DistillModule"]
 
 
+@dataclasses.dataclass(frozen=True)
+class DistillLayoutKnobs(KnobGroup):
+    """The layout of the rows student and teacher run on. Not online RL's ``padding_free`` (``RolloutLayoutKnobs``):
+    unset here means the device's measured default, decided at fit start on both models."""
+
+    group = "distill_layout"
+    padding_free: bool | None = knob(
+        None, "the student and the teacher run on the rows with no padding: every ``[prompt, completion]`` one after "
+              "the other in one row, positions restarting at each, one attention call per sequence (``sdpa_varlen``), "
+              "logits only where a completion token is predicted. The same loss up to float32 rounding with fewer "
+              "tokens through both models (faster the more of the padded tokens are padding: measured, see "
+              "docs/distill.md 'Speed and memory against TRL'). Null (default): the device's measured default "
+              "(``distill_padding_free`` in ``tuned``'s table: on on the CPU, off elsewhere), and padded rows for a "
+              "student or teacher measured at fit start not to run it exactly (the fit-start line says which and "
+              "why). True: asked, refused at fit start on a student or teacher that cannot run it exactly (measured on "
+              "the model's class). False: padded rows. The name TRL's SFT and DPO use for the idea (TRL's GKD collator "
+              "pads).")
+
+
+@takes_knobs(TeacherKnobs, DistillLossKnobs, DistillLayoutKnobs,
+             defaults={"max_completion_length": 128, "temperature": 0.9, "disable_dropout": True})
 class DistillModule(SamplingModule):
     """Distil a frozen teacher into the policy (the student) on the prompts of ``PromptDataModule``.
 
-    TRL 1.16's ``GKDTrainer`` and on-policy distillation (docs/distill.md).
+    TRL 1.16's ``GKDTrainer`` and on-policy distillation (docs/distill.md). Its knobs: the teacher
+    (``TeacherKnobs``), the loss and the completions' source (``DistillLossKnobs``), the rows' layout
+    (``DistillLayoutKnobs``), on the shared sampling knobs. ``temperature`` (0.9 here) samples the student's and the
+    teacher's completions and divides both distributions in the loss (as TRL's ``DistillationTrainer``; TRL's
+    ``GKDTrainer`` samples at it but compares the distributions at 1); ``max_completion_length`` (128, TRL GKD's
+    ``max_new_tokens``) cuts the data's completions too; ``disable_dropout`` (on, TRL GKD's default) applies to the
+    student (the teacher is always in eval mode).
 
     Each training batch is ``data.batch_size`` prompts with one completion each; the loss of a batch is the mean
     over its completion tokens. Logged per optimizer step: ``train/loss``, ``train/divergence`` (the per-token
@@ -57,50 +87,6 @@ class DistillModule(SamplingModule):
     ``IWOPDTrainer``), no importance-sampling ratio corrects that: ``gkd`` compares the two distributions at every
     position whoever sampled, and ``on_policy``'s advantage takes the engine's log-prob of each token as the
     sampler's (TRL's ``rollout_logprobs``; a token the engine gave none for takes the student's).
-
-    Args:
-        teacher_model_name_or_path: the teacher: a hub name or a local folder with ``config.json`` and weights.
-            Its vocabulary must be the student's (checked from both configs before any weights load).
-        teacher_model: an already built teacher model (Python API only), instead of ``teacher_model_name_or_path``.
-        teacher_model_init_kwargs: ``from_pretrained`` arguments of the teacher (``dtype``, an 8/4-bit
-            ``quantization_config`` ...), as for a separately loaded reference model. The teacher is frozen, always
-            in eval mode, held outside the module (never optimised nor checkpointed) and placed like the reference.
-        loss_type: ``gkd``: the generalised Jensen-Shannon divergence over the vocabulary (``beta``);
-            ``on_policy``: the on-policy reverse-KL signal (per sampled token, teacher minus student log-prob as a
-            detached advantage of a policy-gradient loss); it trains on the student's own samples only (``lmbda``
-            1, no ``seq_kd``).
-        lmbda: the probability that a batch's completions are sampled by the student (TRL's name); otherwise the
-            teacher samples them (``seq_kd``) or the data's ``completion`` column is used. Drawn once per batch from
-            torch's RNG (a resumed run draws the same). Default (null): 0.5 (TRL GKD's) for ``gkd``, 1 for
-            ``on_policy``, which refuses any other value.
-        beta: ``gkd``: the divergence between forward KL(teacher || student) (0) and reverse KL(student || teacher)
-            (1); 0.5 is the Jensen-Shannon divergence. Unused by ``on_policy``.
-        temperature: sampling temperature of the student's and the teacher's completions, and the temperature both
-            distributions are divided by in the loss (as TRL's ``DistillationTrainer``; TRL's ``GKDTrainer`` samples
-            at it but compares the distributions at 1).
-        seq_kd: when the student does not sample a batch, the teacher samples it (sequence-level KD) instead of the
-            data's completions being used.
-        max_completion_length: sampled completion tokens at most (TRL GKD's ``max_new_tokens``); the data's
-            completions are cut to it too.
-        loss_chunk_size: tokens per chunk of the vocabulary-wide divergence (memory only, not the result).
-        padding_free: the student and the teacher run on the rows with no padding: every ``[prompt, completion]``
-            one after the other in one row, positions restarting at each, one attention call per sequence
-            (``sdpa_varlen``), logits only where a completion token is predicted. The same loss up to float32
-            rounding with fewer tokens through both models (faster the more of the padded tokens are padding: measured,
-            see docs/distill.md 'Speed and memory against TRL'). Null (default): the device's measured default
-            (``distill_padding_free`` in ``tuned``'s table: on on the CPU, off elsewhere), and padded rows for a student
-            or teacher measured at fit start not to run it exactly (the fit-start line says which and why). True: asked,
-            refused at fit start on a student or teacher that cannot run it exactly (measured on the model's class).
-            False: padded rows. The name TRL's SFT and DPO use for the idea (TRL's GKD collator pads).
-        disable_dropout: set every dropout probability of the student to 0 (TRL GKD's default; the teacher is
-            always in eval mode).
-        iw_opd_gamma: ``on_policy`` only: IW-OPD's weighting (TRL's ``IWOPDConfig.iw_opd_gamma``): each token's
-            advantage times ``1 + gamma (1 - share of the sequence's accumulated |advantage| before it)``, so the
-            tokens before the student strays get more weight. 0 is plain on-policy distillation (TRL's
-            ``IWOPDTrainer`` defaults to 0.5: set that for its IW-OPD).
-        **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
-            ``generation_kwargs``, ``generation_backend``, ``use_vllm`` and the ``vllm_*`` engine knobs:
-            ``SamplingModule``) and ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
     """
 
     method_name = "Distillation (GKD / on-policy)"
@@ -112,68 +98,29 @@ class DistillModule(SamplingModule):
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"teacher"}
     teacher: torch.nn.Module | None = None
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        teacher_model_name_or_path: str | None = None,
-        teacher_model: torch.nn.Module | None = None,
-        teacher_model_init_kwargs: dict[str, Any] | None = None,
-        loss_type: Literal["gkd", "on_policy"] = "gkd",
-        lmbda: float | None = None,
-        beta: float = 0.5,
-        temperature: float = 0.9,
-        seq_kd: bool = False,
-        max_completion_length: int = 128,
-        loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
-        padding_free: bool | None = None,
-        disable_dropout: bool = True,
-        iw_opd_gamma: float = 0.0,
-        **kwargs: Any,
-    ) -> None:
-        self.refuse_unknown_knobs(kwargs)
-        name = type(self).__name__
-        if loss_type not in DISTILL_LOSS_TYPES:
-            raise ValueError(f"loss_type={loss_type!r} is unknown; use one of {list(DISTILL_LOSS_TYPES)}.")
-        if lmbda is None:
-            lmbda = 1.0 if loss_type == "on_policy" else 0.5
-        if not 0.0 <= lmbda <= 1.0:
-            raise ValueError(f"lmbda is a probability (the share of batches the student samples), got {lmbda}.")
-        if loss_type == "on_policy" and (lmbda != 1.0 or seq_kd):
-            raise ValueError(f"loss_type='on_policy' trains on the student's own samples only: it needs lmbda 1 (got "
-                             f"{lmbda}) and seq_kd false (got {seq_kd}). Use loss_type 'gkd' to distil on teacher or "
-                             "dataset completions.")
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta must lie in [0, 1] (0 = forward KL, 1 = reverse KL, 0.5 = JSD), got {beta}.")
-        if not 0.0 <= iw_opd_gamma < float("inf"):
-            raise ValueError(f"iw_opd_gamma must be a finite number >= 0 (0: plain on-policy distillation), got "
-                             f"{iw_opd_gamma}.")
-        if iw_opd_gamma and loss_type != "on_policy":
-            raise ValueError(f"iw_opd_gamma={iw_opd_gamma} weights the per-token advantages of loss_type 'on_policy'; "
-                             f"loss_type {loss_type!r} has none. Set loss_type: on_policy, or drop iw_opd_gamma.")
-        if kwargs.get("use_vllm") and seq_kd:
-            if kwargs.get("vllm_mode", "colocate") == "server":
+    def check_knob_combinations(self) -> None:
+        """``seq_kd`` with ``use_vllm`` needs a colocated engine and a full-precision teacher by name; refused before
+        the sampling knobs are checked (``super()``, whose vLLM check also asks for a GPU): a combination that runs
+        nowhere is named before one this machine cannot run."""
+        vllm, loss, teacher = self.knobs.vllm, self.knobs.distill_loss, self.knobs.teacher
+        if vllm.use_vllm and loss.seq_kd:
+            if vllm.vllm_mode == "server":
                 raise ValueError("seq_kd with use_vllm samples the teacher's completions on a vLLM engine of its own, "
                                  "which lightalign builds colocated only (the server holds the student): use "
                                  "vllm_mode: colocate, or seq_kd: false.")
-            if teacher_model is not None or (teacher_model_init_kwargs or {}).get("quantization_config") is not None:
+            if teacher.teacher_model is not None or \
+                    (teacher.teacher_model_init_kwargs or {}).get("quantization_config") is not None:
                 raise ValueError("seq_kd with use_vllm loads the teacher into a vLLM engine from "
                                  "teacher_model_name_or_path in full precision: give the teacher by its folder or hub "
                                  "name, without a quantization_config, or set seq_kd: false.")
-        if loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be >= 1 token, got {loss_chunk_size}.")
-        if teacher_model is None and not teacher_model_name_or_path:
-            raise ValueError(f"{name} needs a teacher: teacher_model_name_or_path (a hub name or a local folder) or, "
-                             "in Python, teacher_model (a built model).")
-        if teacher_model is not None and teacher_model_name_or_path:
-            raise ValueError("Pass either teacher_model_name_or_path or teacher_model (a built model), not both.")
-        super().__init__(model_name_or_path, max_completion_length=max_completion_length, temperature=temperature,
-                         disable_dropout=disable_dropout, **kwargs)  # the sampling knobs are checked there
-        self.save_hyperparameters(ignore=["model", "teacher_model", "optimizer", "lr_scheduler", "eval_metrics"])
-        self.hparams.lmbda = lmbda
-        self.teacher_component = Reference(teacher_model_name_or_path, teacher_model_init_kwargs)
-        if teacher_model is not None:
-            self.teacher = freeze(teacher_model)
+        super().check_knob_combinations()
+
+    def compose(self) -> None:
+        super().compose()
+        teacher = self.knobs.teacher
+        self.teacher_component = Reference(teacher.teacher_model_name_or_path, teacher.teacher_model_init_kwargs)
+        if teacher.teacher_model is not None:
+            self.teacher = freeze(teacher.teacher_model)
         self.check_vocabularies()  # from the configs: before any weights load
         self.train_stats = StatMetrics(("loss", "divergence", "student_sampled", "teacher_sampled",
                                         "completions/mean_length", *(MISMATCH_STATS if self.hparams.use_vllm else ())))

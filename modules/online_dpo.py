@@ -10,19 +10,70 @@ with adapters off). TRL 1.16's ``OnlineDPOTrainer`` (docs/online_dpo.md).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 
+from lightalign.knobs import KnobGroup, knob, takes_knobs
+from lightalign.modules.losses.advantages import MissingEOSKnobs, apply_missing_eos_penalty
 from lightalign.modules.losses.dpo import dpo_loss
-from lightalign.modules.reference.component import Reference
+from lightalign.modules.reference.component import Reference, ReferenceKnobs
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
 from lightalign.modules.sampling.module import SamplingModule
 from lightalign.modules.training.stat_metrics import StatMetrics, metric_key
+from lightalign.rewards import reward_func_names
+from lightalign.rewards.resolve import RewardKnobs, import_object
+
+__all__ = ["ONLINE_DPO_LOSS_TYPES", "JudgeKnobs", "OnlineDPOLossKnobs", "OnlineDPOModule", "apply_missing_eos_penalty",
+           "beta_for_epoch", "chosen_rejected_rows", "judged_win_rate", "masked_sums", "pair_from_judge",
+           "pair_from_rewards"]
 
 ONLINE_DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineDPOLossKnobs(KnobGroup):
+    """Online DPO's loss on each sampled pair (``dpo_loss``'s ``sigmoid`` or ``ipo``) and its beta, per epoch."""
+
+    group = "online_dpo_loss"
+    beta: float | list[float] = knob(
+        0.1, "the DPO beta (deviation from the reference; for ``ipo`` the regulariser tau). A list gives one value per "
+             "epoch, the last reused after (TRL).")
+    loss_type: Literal["sigmoid", "ipo"] = knob(
+        "sigmoid", "``sigmoid`` (DPO) or ``ipo`` (length-normalised log-ratios, as the project's ``dpo_loss``); the "
+                   "other DPO loss types need offline pairs and are refused.")
+
+    def check(self) -> None:
+        if self.loss_type not in ONLINE_DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not available online: OnlineDPOModule takes "
+                             f"{list(ONLINE_DPO_LOSS_TYPES)} (as TRL's OnlineDPOTrainer); the other DPO loss types are "
+                             "DPOModule's, on offline preference pairs.")
+        betas = [self.beta] if isinstance(self.beta, (int, float)) else list(self.beta)
+        if not betas or any(not float(b) > 0 for b in betas):
+            raise ValueError(f"beta must be > 0, or a non-empty list of values > 0 (one per epoch), got {self.beta!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeKnobs(KnobGroup):
+    """A pairwise judge that ranks each pair instead of reward functions (TRL's ``BasePairwiseJudge``)."""
+
+    group = "judge"
+    judge: str | Callable | None = knob(
+        None, "a pairwise judge instead of rewards: a callable (or an object with a ``judge`` method, TRL's "
+              "``BasePairwiseJudge``) or its import path; called as ``judge(prompts, [[completion_a, completion_b], "
+              "...])`` with the data's prompts and the decoded completions, it returns per prompt the index (0 or 1) "
+              "of the better completion. At validation it also compares the policy with the reference "
+              "(``val/win_rate``).", saved=False)
+
+    def resolved(self) -> Any:
+        """The judge, imported when named by its path (None without one)."""
+        judge = import_object(self.judge, "judge") if isinstance(self.judge, str) else self.judge
+        if judge is not None and not callable(getattr(judge, "judge", judge)):
+            raise TypeError(f"judge must be callable (or have a judge method), got {type(judge).__name__}.")
+        return judge
 
 
 def beta_for_epoch(beta: float | Sequence[float], epoch: int) -> float:
@@ -32,13 +83,6 @@ def beta_for_epoch(beta: float | Sequence[float], epoch: int) -> float:
         return float(beta)
     values = list(beta)
     return float(values[min(epoch, len(values) - 1)])
-
-
-def apply_missing_eos_penalty(rewards: torch.Tensor, has_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
-    """``rewards`` with ``penalty`` subtracted where a completion has no EOS (TRL's ``missing_eos_penalty``)."""
-    if penalty is None:
-        return rewards
-    return rewards - penalty * (~has_eos.bool()).to(rewards.dtype)
 
 
 def pair_from_rewards(rewards: torch.Tensor) -> torch.Tensor:
@@ -91,12 +135,20 @@ TRAIN_STATS = ("loss", "objective/scores", "objective/scores_margin", "objective
                "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
 
+@takes_knobs(RewardKnobs, JudgeKnobs, OnlineDPOLossKnobs, MissingEOSKnobs, ReferenceKnobs,
+             defaults={"max_completion_length": 64, "temperature": 0.9, "disable_dropout": True})
 class OnlineDPOModule(SamplingModule):
     """Online DPO on the prompts of ``PromptDataModule``: two completions per prompt sampled from the policy, ranked
     by reward functions or a pairwise judge, the DPO loss on the (chosen, rejected) pair against the reference.
 
     TRL 1.16's ``OnlineDPOTrainer`` (docs/online_dpo.md). Each training batch is ``data.batch_size`` prompts (so
-    twice as many completions, one pair per prompt); the loss is the mean over the pairs.
+    twice as many completions, one pair per prompt); the loss is the mean over the pairs. Its knobs: the reward
+    functions (``RewardKnobs``, the online-RL methods' reward plumbing) or a judge (``JudgeKnobs``), exactly one of
+    them; the loss (``OnlineDPOLossKnobs``); ``missing_eos_penalty`` (``MissingEOSKnobs``, reward functions only);
+    the reference (``ReferenceKnobs``); on the shared sampling knobs, with TRL's defaults ``max_completion_length``
+    64 (TRL's ``max_new_tokens``), ``temperature`` 0.9 (the two completions' sampling only: the log-probs of the loss
+    are the model's own, untempered, as TRL's), ``disable_dropout`` on and ``vllm_gpu_memory_utilization`` 0.55 (TRL
+    ``OnlineDPOConfig``'s).
 
     Logged per optimizer step, with TRL's names under ``train/``: ``objective/scores`` (mean reward, after
     ``missing_eos_penalty``), ``objective/scores_margin`` (chosen minus rejected reward), ``objective/kl``,
@@ -108,36 +160,6 @@ class OnlineDPOModule(SamplingModule):
     functions only), ``val/contain_eos_token``, ``val/completions/mean_length``; with a judge, ``val/win_rate``: the
     share of held prompts on which the judge prefers the policy's (first) completion to one the reference model
     samples for the same prompt, the two shown to the judge in a random order (TRL's ``WinRateCallback``).
-
-    Args:
-        reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``: callables,
-            import paths, or ``RewardModel`` instances (the online-RL methods' reward plumbing). Either these or
-            ``judge``.
-        reward_weights: one weight per reward function (default 1 each); the reward is their weighted sum.
-        reward_timeout: seconds each reward function call may take (None: no limit).
-        reward_fallback_value: the reward of a call that raised or timed out, and of each NaN or None it returned
-            (None: such a call raises).
-        judge: a pairwise judge instead of rewards: a callable (or an object with a ``judge`` method, TRL's
-            ``BasePairwiseJudge``) or its import path; called as ``judge(prompts, [[completion_a, completion_b],
-            ...])`` with the data's prompts and the decoded completions, it returns per prompt the index (0 or 1) of
-            the better completion. At validation it also compares the policy with the reference (``val/win_rate``).
-        beta: the DPO beta (deviation from the reference; for ``ipo`` the regulariser tau). A list gives one value
-            per epoch, the last reused after (TRL).
-        loss_type: ``sigmoid`` (DPO) or ``ipo`` (length-normalised log-ratios, as the project's ``dpo_loss``); the
-            other DPO loss types need offline pairs and are refused.
-        missing_eos_penalty: subtracted from the reward of a completion that has no EOS (reward functions only).
-        max_completion_length: sampled completion tokens at most (TRL's ``max_new_tokens``).
-        temperature: sampling temperature of the two completions (the log-probs of the loss are the model's own,
-            untempered, as TRL's).
-        ref_model_name_or_path: a separately loaded reference model (default: a frozen copy of the policy; for a
-            LoRA policy, the base model with the adapters disabled).
-        ref_model_init_kwargs: ``from_pretrained`` arguments of the reference (e.g. an 8/4-bit
-            ``quantization_config``).
-        disable_dropout: set every dropout probability of the policy to 0 (TRL's default).
-        **kwargs: the shared sampling knobs (``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
-            ``generation_kwargs``, ``generation_backend``, ``use_vllm`` and the ``vllm_*`` engine knobs:
-            ``SamplingModule``; ``vllm_gpu_memory_utilization`` defaults to TRL ``OnlineDPOConfig``'s 0.55) and
-            ``PolicyModule`` arguments (model, LoRA, optimizer, schedule).
 
     With ``use_vllm`` the policy's two completions per prompt come from a vLLM engine holding its weights (pushed at
     fit start and after every optimizer step; docs/vllm.md); the loss reads the policy's own log-probs of them, as
@@ -152,67 +174,37 @@ class OnlineDPOModule(SamplingModule):
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"reward_funcs", "judge"}
     vllm_gpu_memory_utilization_default = 0.55  # TRL's OnlineDPOConfig
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        reward_funcs: list[str | Callable] | str | Callable | None = None,
-        reward_weights: list[float] | None = None,
-        reward_timeout: float | None = 300.0,
-        reward_fallback_value: float | None = None,
-        judge: str | Callable | None = None,
-        beta: float | list[float] = 0.1,
-        loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
-        missing_eos_penalty: float | None = None,
-        max_completion_length: int = 64,
-        temperature: float = 0.9,
-        ref_model_name_or_path: str | None = None,
-        ref_model_init_kwargs: dict[str, Any] | None = None,
-        disable_dropout: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        from lightalign.rewards import (check_reward_call_knobs, check_reward_weights, import_object,
-                                        resolve_reward_funcs, reward_func_names)
-
-        self.refuse_unknown_knobs(kwargs)
-        name = type(self).__name__
-        if loss_type not in ONLINE_DPO_LOSS_TYPES:
-            raise ValueError(f"loss_type={loss_type!r} is not available online: {name} takes "
-                             f"{list(ONLINE_DPO_LOSS_TYPES)} (as TRL's OnlineDPOTrainer); the other DPO loss types are "
-                             "DPOModule's, on offline preference pairs.")
-        betas = [beta] if isinstance(beta, (int, float)) else list(beta)
-        if not betas or any(not float(b) > 0 for b in betas):
-            raise ValueError(f"beta must be > 0, or a non-empty list of values > 0 (one per epoch), got {beta!r}.")
+    def check_knob_combinations(self) -> None:
+        super().check_knob_combinations()  # the sampling knobs
+        reward_funcs, judge = self.knobs.rewards.reward_funcs, self.knobs.judge.judge
         if (reward_funcs is None) == (judge is None):
-            raise ValueError(f"{name} ranks each pair of completions by reward_funcs or by a pairwise judge: give "
-                             "exactly one of them (" + ("got both: set --model.reward_funcs null to use the judge, or "
-                                                        "--model.judge null to use the reward functions"
-                                                        if judge is not None else "got neither") + ").")
-        if missing_eos_penalty is not None and (judge is not None or missing_eos_penalty < 0):
-            raise ValueError(f"missing_eos_penalty must be a positive number subtracted from a reward, got "
-                             f"{missing_eos_penalty}" + (" with a judge, which gives no reward to subtract it from; "
-                                                         "drop it." if judge is not None else "."))
-        funcs = [] if reward_funcs is None else resolve_reward_funcs(
-            list(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]))
-        check_reward_weights(funcs, reward_weights)
-        check_reward_call_knobs(reward_timeout, reward_fallback_value)
-        super().__init__(model_name_or_path, max_completion_length=max_completion_length, temperature=temperature,
-                         disable_dropout=disable_dropout, **kwargs)  # the sampling knobs are checked there
-        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs", "judge"])
+            raise ValueError(f"{type(self).__name__} ranks each pair of completions by reward_funcs or by a pairwise "
+                             "judge: give exactly one of them (" + ("got both: set --model.reward_funcs null to use "
+                                                                    "the judge, or --model.judge null to use the "
+                                                                    "reward functions" if judge is not None
+                                                                    else "got neither") + ").")
+        penalty = self.knobs.missing_eos.missing_eos_penalty
+        if penalty is not None and judge is not None:
+            raise ValueError(f"missing_eos_penalty must be a positive number subtracted from a reward, got {penalty} "
+                             "with a judge, which gives no reward to subtract it from; drop it.")
+
+    def compose(self) -> None:
+        super().compose()
+        rewards = self.knobs.rewards
+        funcs = rewards.resolved()
         self.reward_funcs = funcs
-        self.reward_weights = list(reward_weights or [1.0] * len(funcs))
+        self.reward_weights = list(rewards.reward_weights or [1.0] * len(funcs))
         self.reward_names = reward_func_names(funcs)
         self.reward_fallbacks_warned: set[str] = set()
-        self.judge = import_object(judge, "judge") if isinstance(judge, str) else judge
-        if self.judge is not None and not callable(getattr(self.judge, "judge", self.judge)):
-            raise TypeError(f"judge must be callable (or have a judge method), got {type(self.judge).__name__}.")
-        self.reference = Reference(ref_model_name_or_path, ref_model_init_kwargs)
-        names = [*TRAIN_STATS, *(["win_rate"] if judge is not None else []),
+        self.judge = self.knobs.judge.resolved()
+        self.reference = Reference(self.knobs.reference.ref_model_name_or_path,
+                                   self.knobs.reference.ref_model_init_kwargs)
+        names = [*TRAIN_STATS, *(["win_rate"] if self.judge is not None else []),
                  *(f"reward/{n}" for n in self.reward_names),
-                 *(fallback_stat(n) for n in self.reward_names if reward_fallback_value is not None)]
+                 *(fallback_stat(n) for n in self.reward_names if rewards.reward_fallback_value is not None)]
         self.train_stats = StatMetrics(names)
         self.eval_stats = StatMetrics(names)
-        if judge is not None:  # no reward to show: the judge's win rate (validation) instead
+        if self.judge is not None:  # no reward to show: the judge's win rate (validation) instead
             self.progress_stats = ("loss", "win_rate")
         self.last_pair: dict[str, torch.Tensor] | None = None  # the last training batch's pair (tests, logs)
 

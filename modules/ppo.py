@@ -30,21 +30,25 @@ function's statistics are always ``train/val/...`` and never clash with it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.sampling.completions import eos_token_ids
 from lightalign.modules.losses.entropy import token_entropies
-from lightalign.modules.losses.advantages import gae, masked_mean, token_rewards, whiten
-from lightalign.modules.losses.ppo import (AdaptiveKLController, FixedKLController, ScoreProcessor, clipped_policy_loss,
-                                         clipped_value_loss, explained_variance)
+from lightalign.modules.losses.advantages import MissingEOSKnobs, gae, masked_mean, token_rewards, whiten
+from lightalign.modules.losses.advantages.gae import GAEKnobs
+from lightalign.modules.losses.ppo import (KLControllerKnobs, PPOLossKnobs, ScoreKnobs, ScoreProcessor,
+                                         clipped_policy_loss, clipped_value_loss, explained_variance)
+from lightalign.modules.reference.component import SharedLayersKnobs
 from lightalign.modules.rollout.buffer import RolloutBuffer, in_rollout_order, reshuffle_rollout, scatter_rows
 from lightalign.modules.rollout.module import OnlineRLModule
 from lightalign.modules.rollout.scoring import metric_key
-from lightalign.modules.training.value_head import (ValueHead, find_hidden_size, hidden_size_from_folder,
-                                                    policy_forward, unknown_architecture)
+from lightalign.modules.training.value_head import (ValueHead, ValueModelKnobs, find_hidden_size,
+                                                    hidden_size_from_folder, policy_forward, unknown_architecture)
 
 __all__ = ["PPOModule"]
 
@@ -53,48 +57,52 @@ _PPO_STATS = ("objective/kl", "objective/entropy", "objective/scores", "objectiv
               "val/value_loss", "val/clipfrac", "val/explained_variance")
 
 
+@dataclasses.dataclass(frozen=True)
+class PPOScheduleKnobs(KnobGroup):
+    """How PPO trains on a rollout: passes over it, each dealt into mini-batches of one optimizer step."""
+
+    group = "ppo_schedule"
+    num_mini_batches: int = knob(
+        1, "optimizer steps per pass over a rollout; each takes ``generation_batch_size / num_mini_batches`` "
+           "completions (split into ``accumulate_grad_batches`` micro-batches).")
+    num_ppo_epochs: int = knob(
+        4, "passes over each rollout (TRL 0.12-1.9's name; TRL <= 0.11's ``ppo_epochs``). Each pass deals the "
+           "rollout's completions into mini-batches anew (a permutation drawn from the torch RNG, as TRL does); the "
+           "order in progress and the RNG are in the checkpoint.")
+
+    def check(self) -> None:
+        if not self.num_ppo_epochs >= 1:
+            raise ValueError(f"num_ppo_epochs must be >= 1 (passes over each rollout), got {self.num_ppo_epochs}.")
+        if not self.num_mini_batches >= 1:
+            raise ValueError(f"num_mini_batches must be >= 1, got {self.num_mini_batches}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StopTokenKnobs(KnobGroup):
+    """Where PPO's generation stops (TRL 0.12-1.9's ``stop_token``)."""
+
+    group = "stop"
+    stop_token: str | None = knob(
+        "eos", "``eos`` (generation stops at the model's / tokenizer's EOS, the only stop the sampling knows; TRL's "
+               "default None, which generates to the length limit, is not supported).")
+
+    def check(self) -> None:
+        if self.stop_token != "eos":
+            raise ValueError(f"stop_token={self.stop_token!r} is not supported: generation stops at the EOS token "
+                             "(stop_token: eos); TRL's None (generate to max_completion_length) is not available.")
+
+
+@takes_knobs(PPOScheduleKnobs, PPOLossKnobs, GAEKnobs, KLControllerKnobs, ScoreKnobs, MissingEOSKnobs, StopTokenKnobs,
+             ValueModelKnobs, SharedLayersKnobs, defaults={"num_generations": 1, "temperature": 0.7})
 class PPOModule(OnlineRLModule):
     """PPO with a value head on the prompt batches of ``PromptDataModule`` (TRL's PPO knob names).
 
-    Args:
-        num_generations: completions per prompt (TRL's PPO: 1: the baseline is the value function).
-        temperature: sampling temperature (TRL 0.12-1.9's PPO default 0.7); the training forward divides the logits by it.
-        num_mini_batches: optimizer steps per pass over a rollout; each takes ``generation_batch_size /
-            num_mini_batches`` completions (split into ``accumulate_grad_batches`` micro-batches).
-        num_ppo_epochs: passes over each rollout (TRL 0.12-1.9's name; TRL <= 0.11's ``ppo_epochs``). Each pass deals the
-            rollout's completions into mini-batches anew (a permutation drawn from the torch RNG, as TRL does); the
-            order in progress and the RNG are in the checkpoint.
-        kl_coef: coefficient of the per-token KL penalty ``logp - ref_logp`` in the reward (TRL 0.12-1.9's name, 0.05
-            there; TRL <= 0.11's ``init_kl_coef``); the start value of the adaptive controller. 0: no reference model.
-        adap_kl_ctrl: the adaptive KL controller (``AdaptiveKLController``: the coefficient follows the measured
-            KL towards ``target`` over ``horizon`` completions); off by default; only TRL <= 0.11 had it (on, with
-            ``init_kl_coef`` 0.2); TRL 0.12-1.9's PPOTrainer keeps ``kl_coef`` fixed. Its state is checkpointed.
-        target: the KL the adaptive controller aims at (per completion, summed over its tokens).
-        horizon: the adaptive controller's horizon (completions over which it closes the gap to ``target``).
-        gamma: GAE's discount.
-        lam: GAE's lambda.
-        whiten_rewards: whiten the per-token rewards (scale only) before GAE.
-        cliprange: the policy ratio's clipping range ``[1 - cliprange, 1 + cliprange]``.
-        cliprange_value: the values' clipping range around the rollout's values.
-        vf_coef: weight of the value loss; 0 trains the value head not at all.
-        use_score_scaling: divide scores by their running std (statistics of every rank's scores, checkpointed).
-        use_score_norm: also subtract the running mean (needs ``use_score_scaling``, as in TRL).
-        score_clip: clamp the (scaled) scores to ``[-score_clip, score_clip]``; None: no clamp.
-        missing_eos_penalty: subtracted from the score of a completion without EOS (cut at
-            ``max_completion_length``).
-        stop_token: ``eos`` (generation stops at the model's / tokenizer's EOS, the only stop GRPO's generation
-            knows; TRL's default None, which generates to the length limit, is not supported).
-        value_model_name_or_path: a separate value network (a causal LM, loaded like the policy, ``from_config``
-            included) whose last hidden state feeds the value head, as newer PPO implementations use; trained by the
-            value loss alone, checkpointed, exported to ``hf_model/value_model``. Default: the head sits on the
-            policy's own hidden state.
-        value_model_init_kwargs: ``from_pretrained`` arguments of the value network.
-        num_shared_layers: the reference shares the policy's first k decoder layers (and everything before them),
-            frozen in both, as TRL's ``create_reference_model``; the rest is a frozen copy.
-        **kwargs: ``OnlineRLModule`` arguments (rewards, ``generation_batch_size``, sampling, the reference model
-            used when ``kl_coef > 0``, vLLM and its importance-sampling correction) and ``PolicyModule`` ones (model, LoRA, optimizer, schedule). A reward
-            function's score must be finite for every completion (None/NaN or an infinite score is an error naming
-            the function).
+    One completion per prompt by default (``num_generations`` 1: the baseline is the value function), sampled at TRL
+    0.12-1.9's PPO temperature 0.7; the reference model is built when ``kl_coef > 0``. A reward function's score must
+    be finite for every completion (None/NaN or an infinite score is an error naming the function). Its knobs: the
+    schedule (``PPOScheduleKnobs``), the clipped losses (``PPOLossKnobs``), GAE (``GAEKnobs``), the KL controller
+    (``KLControllerKnobs``), the scores (``ScoreKnobs``, ``MissingEOSKnobs``), the stop (``StopTokenKnobs``), the value
+    network (``ValueModelKnobs``) and the reference's shared layers (``SharedLayersKnobs``), on the online-RL loop.
     """
 
     method_name = "PPO"
@@ -104,89 +112,54 @@ class PPOModule(OnlineRLModule):
                         "steps_per_generation": "num_mini_batches"}
     method_stats = _PPO_STATS
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        num_generations: int = 1,
-        temperature: float = 0.7,
-        num_mini_batches: int = 1,
-        num_ppo_epochs: int = 4,
-        kl_coef: float = 0.05,
-        adap_kl_ctrl: bool = False,
-        target: float = 6.0,
-        horizon: float = 10000.0,
-        gamma: float = 1.0,
-        lam: float = 0.95,
-        whiten_rewards: bool = False,
-        cliprange: float = 0.2,
-        cliprange_value: float = 0.2,
-        vf_coef: float = 0.1,
-        use_score_scaling: bool = False,
-        use_score_norm: bool = False,
-        score_clip: float | None = None,
-        missing_eos_penalty: float | None = None,
-        stop_token: str | None = "eos",
-        value_model_name_or_path: str | None = None,
-        value_model_init_kwargs: dict[str, Any] | None = None,
-        num_shared_layers: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        ref_model_name_or_path, ref_model_init_kwargs = kwargs.get("ref_model_name_or_path"), kwargs.get(
-            "ref_model_init_kwargs")
-        checks = [(kl_coef >= 0, f"kl_coef must be >= 0 (the KL penalty's coefficient; 0: none), got {kl_coef}."),
-                  (num_ppo_epochs >= 1, f"num_ppo_epochs must be >= 1 (passes over each rollout), got {num_ppo_epochs}."),
-                  (num_mini_batches >= 1, f"num_mini_batches must be >= 1, got {num_mini_batches}."),
-                  (0 <= gamma <= 1, f"gamma must be in [0, 1] (GAE's discount), got {gamma}."),
-                  (0 <= lam <= 1, f"lam must be in [0, 1] (GAE's lambda), got {lam}."),
-                  (cliprange > 0, f"cliprange must be > 0, got {cliprange}."),
-                  (cliprange_value > 0, f"cliprange_value must be > 0, got {cliprange_value}."),
-                  (vf_coef >= 0, f"vf_coef must be >= 0 (the value loss's weight), got {vf_coef}."),
-                  (not adap_kl_ctrl or (target > 0 and horizon > 0),
-                   f"adap_kl_ctrl needs target > 0 and horizon > 0, got target={target}, horizon={horizon}."),
-                  (score_clip is None or score_clip > 0, f"score_clip must be > 0 or null, got {score_clip}."),
-                  (not use_score_norm or use_score_scaling,
-                   "use_score_norm normalises with the running statistics of use_score_scaling: set use_score_scaling "
-                   "true too (as in TRL, where use_score_norm alone does nothing)."),
-                  (stop_token == "eos", f"stop_token={stop_token!r} is not supported: generation stops at the EOS "
-                   "token (stop_token: eos); TRL's None (generate to max_completion_length) is not available."),
-                  (num_shared_layers is None or num_shared_layers >= 1,
-                   f"num_shared_layers must be >= 1 or null, got {num_shared_layers}."),
-                  (num_shared_layers is None or kl_coef > 0,
-                   "num_shared_layers shapes the reference model, and kl_coef 0 uses none: set kl_coef > 0 or drop "
-                   "num_shared_layers."),
-                  (num_shared_layers is None or not (ref_model_name_or_path or ref_model_init_kwargs),
-                   "num_shared_layers shares the policy's own layers; it cannot be combined with a separately loaded "
-                   "reference (ref_model_name_or_path / ref_model_init_kwargs)."),
-                  (num_shared_layers is None or kwargs.get("peft_config") is None,
-                   "num_shared_layers does not apply to a LoRA policy: its reference is the base model with the "
-                   "adapters disabled (no copy at all); drop num_shared_layers.")]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        model = kwargs.get("model")
+    def check_knob_combinations(self) -> None:
+        super().check_knob_combinations()
+        knobs = self.knobs
+        shared = knobs.shared_layers.num_shared_layers
+        if shared is not None and not knobs.kl_control.kl_coef > 0:
+            raise ValueError("num_shared_layers shapes the reference model, and kl_coef 0 uses none: set kl_coef > 0 "
+                             "or drop num_shared_layers.")
+        if shared is not None and (knobs.reference.ref_model_name_or_path or knobs.reference.ref_model_init_kwargs):
+            raise ValueError("num_shared_layers shares the policy's own layers; it cannot be combined with a "
+                             "separately loaded reference (ref_model_name_or_path / ref_model_init_kwargs).")
+        if shared is not None and knobs.model.peft_config is not None:
+            raise ValueError("num_shared_layers does not apply to a LoRA policy: its reference is the base model with "
+                             "the adapters disabled (no copy at all); drop num_shared_layers.")
+        batch, mini_batches = knobs.rollout.generation_batch_size, knobs.ppo_schedule.num_mini_batches
+        if batch is not None and batch % mini_batches:
+            raise ValueError(f"generation_batch_size ({batch}) must split evenly into num_mini_batches "
+                             f"({mini_batches}) mini-batches.")
+
+    def compose(self) -> None:
+        super().compose()
+        knobs = self.knobs
+        score = knobs.score
+        self.kl_ctl = knobs.kl_control.controller()
+        self.score_processor = ScoreProcessor(knobs.missing_eos.missing_eos_penalty, score.use_score_scaling,
+                                              score.use_score_norm, score.score_clip)
+        hidden = self.value_head_width()
+        self.value_head = None if hidden is None else ValueHead(hidden)
+        self.value_model: torch.nn.Module | None = None
+
+    def value_head_width(self) -> int | None:
+        """The value head's input width, from the given model or the config of a local folder (the value network's
+        when there is one); None for a hub name (found at ``configure_model``)."""
+        model, name = self.knobs.model.model, self.knobs.model.model_name_or_path
+        value_model = self.knobs.value_model.value_model_name_or_path
         hidden = None
         if model is not None:
             hidden = find_hidden_size(getattr(model, "config", None), model)
             if hidden is None:
                 raise unknown_architecture(type(model).__name__, getattr(getattr(model, "config", None),
                                                                           "architectures", None))
-        elif model_name_or_path is not None:
-            hidden = hidden_size_from_folder(model_name_or_path)  # None for a hub name: found at configure_model
-        if value_model_name_or_path is not None:
-            hidden = hidden_size_from_folder(value_model_name_or_path)
-        generation_batch_size = kwargs.get("generation_batch_size")
-        if generation_batch_size is not None and generation_batch_size % num_mini_batches:
-            raise ValueError(f"generation_batch_size ({generation_batch_size}) must split evenly into num_mini_batches "
-                             f"({num_mini_batches}) mini-batches.")
-        super().__init__(model_name_or_path, num_generations=num_generations, temperature=temperature, **kwargs)
-        self.kl_ctl = (AdaptiveKLController(kl_coef, target, horizon) if adap_kl_ctrl else FixedKLController(kl_coef))
-        self.score_processor = ScoreProcessor(missing_eos_penalty, use_score_scaling, use_score_norm, score_clip)
-        self.value_head = None if hidden is None else ValueHead(hidden)
-        self.value_model: torch.nn.Module | None = None
+        elif name is not None:
+            hidden = hidden_size_from_folder(name)
+        if value_model is not None:
+            hidden = hidden_size_from_folder(value_model)
+        return hidden
 
     def shared_layers(self) -> int | None:
-        return self.hparams.num_shared_layers
+        return self.knobs.shared_layers.num_shared_layers
 
     @property
     def uses_reference(self) -> bool:

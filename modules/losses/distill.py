@@ -34,16 +34,82 @@ the caller, at the temperature it chose (TRL divides both models' logits by ``te
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Literal
 
 import torch
 
-__all__ = ["generalized_jsd_loss", "on_policy_distillation_advantages", "on_policy_distillation_loss"]
+from lightalign.knobs import KnobGroup, knob
+
+__all__ = ["DISTILL_LOSS_TYPES", "DistillLossKnobs", "check_jsd_beta", "generalized_jsd_loss",
+           "on_policy_distillation_advantages", "on_policy_distillation_loss"]
 
 # Tokens per chunk. Peak memory beyond the inputs and the student's gradient is about seven [chunk_size, V] float32
 # tensors, whatever the token count, where unchunked autograd grows with the tokens (measured, see
 # docs/performance.md 'Distillation loss chunks').
 DEFAULT_CHUNK_SIZE = 128
+DISTILL_LOSS_TYPES = ("gkd", "on_policy")
+
+
+def check_jsd_beta(beta: float) -> None:
+    """``generalized_jsd_loss``'s ``beta``: a point between forward (0) and reverse (1) KL."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must lie in [0, 1] (0 = forward KL, 1 = reverse KL, 0.5 = JSD), got {beta}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillLossKnobs(KnobGroup):
+    """Distillation's loss and where each batch's completions come from (TRL 1.16 GKD's and IW-OPD's names).
+    ``lmbda`` left unset is resolved here, by ``loss_type``."""
+
+    group = "distill_loss"
+    loss_type: Literal["gkd", "on_policy"] = knob(
+        "gkd", "``gkd``: the generalised Jensen-Shannon divergence over the vocabulary (``beta``); ``on_policy``: the "
+               "on-policy reverse-KL signal (per sampled token, teacher minus student log-prob as a detached advantage "
+               "of a policy-gradient loss); it trains on the student's own samples only (``lmbda`` 1, no ``seq_kd``).")
+    lmbda: float | None = knob(
+        None, "the probability that a batch's completions are sampled by the student (TRL's name); otherwise the "
+              "teacher samples them (``seq_kd``) or the data's ``completion`` column is used. Drawn once per batch "
+              "from torch's RNG (a resumed run draws the same). Default (null): 0.5 (TRL GKD's) for ``gkd``, 1 for "
+              "``on_policy``, which refuses any other value.")
+    beta: float = knob(
+        0.5, "``gkd``: the divergence between forward KL(teacher || student) (0) and reverse KL(student || teacher) "
+             "(1); 0.5 is the Jensen-Shannon divergence. Unused by ``on_policy``.")
+    seq_kd: bool = knob(False, "when the student does not sample a batch, the teacher samples it (sequence-level KD) "
+                               "instead of the data's completions being used.")
+    loss_chunk_size: int = knob(DEFAULT_CHUNK_SIZE, "tokens per chunk of the vocabulary-wide divergence (memory only, "
+                                                    "not the result).")
+    iw_opd_gamma: float = knob(
+        0.0, "``on_policy`` only: IW-OPD's weighting (TRL's ``IWOPDConfig.iw_opd_gamma``): each token's advantage "
+             "times ``1 + gamma (1 - share of the sequence's accumulated |advantage| before it)``, so the tokens before "
+             "the student strays get more weight. 0 is plain on-policy distillation (TRL's ``IWOPDTrainer`` defaults "
+             "to 0.5: set that for its IW-OPD).")
+
+    def __post_init__(self) -> None:
+        if self.lmbda is None:  # the loss type's default, saved as the run's lmbda
+            object.__setattr__(self, "lmbda", 1.0 if self.loss_type == "on_policy" else 0.5)
+        super().__post_init__()
+
+    def check(self) -> None:
+        if self.loss_type not in DISTILL_LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is unknown; use one of {list(DISTILL_LOSS_TYPES)}.")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError(f"lmbda is a probability (the share of batches the student samples), got {self.lmbda}.")
+        if self.loss_type == "on_policy" and (self.lmbda != 1.0 or self.seq_kd):
+            raise ValueError(f"loss_type='on_policy' trains on the student's own samples only: it needs lmbda 1 (got "
+                             f"{self.lmbda}) and seq_kd false (got {self.seq_kd}). Use loss_type 'gkd' to distil on "
+                             "teacher or dataset completions.")
+        check_jsd_beta(self.beta)
+        if not 0.0 <= self.iw_opd_gamma < float("inf"):
+            raise ValueError(f"iw_opd_gamma must be a finite number >= 0 (0: plain on-policy distillation), got "
+                             f"{self.iw_opd_gamma}.")
+        if self.iw_opd_gamma and self.loss_type != "on_policy":
+            raise ValueError(f"iw_opd_gamma={self.iw_opd_gamma} weights the per-token advantages of loss_type "
+                             f"'on_policy'; loss_type {self.loss_type!r} has none. Set loss_type: on_policy, or drop "
+                             "iw_opd_gamma.")
+        if self.loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be >= 1 token, got {self.loss_chunk_size}.")
 
 
 def _chunk_log_probs(student_rows: torch.Tensor, teacher_rows: torch.Tensor, temperature: float,
@@ -148,8 +214,7 @@ def generalized_jsd_loss(
     if mask.shape != student_logits.shape[:-1]:
         raise ValueError(f"generalized_jsd_loss: mask {tuple(mask.shape)} must have the logits' shape without the "
                          f"vocabulary dimension, {tuple(student_logits.shape[:-1])}.")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must lie in [0, 1] (0 = forward KL, 1 = reverse KL, 0.5 = JSD), got {beta}.")
+    check_jsd_beta(beta)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}.")
     if int(chunk_size) < 1:

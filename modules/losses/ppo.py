@@ -19,16 +19,86 @@ passes the tokens of the whole optimizer step, so gradient accumulation gives th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
 
-from lightalign.modules.losses.advantages import RunningRewardNormalizer, masked_mean
+from lightalign.knobs import KnobGroup, knob
+from lightalign.modules.losses.advantages import RunningRewardNormalizer, apply_missing_eos_penalty, masked_mean
 from lightalign.modules.losses.importance_sampling import check_ratio_shape
 
-__all__ = ["AdaptiveKLController", "FixedKLController", "ScoreProcessor", "clipped_policy_loss", "clipped_value_loss",
-           "explained_variance"]
+__all__ = ["AdaptiveKLController", "FixedKLController", "KLControllerKnobs", "PPOLossKnobs", "ScoreKnobs",
+           "ScoreProcessor", "clipped_policy_loss", "clipped_value_loss", "explained_variance"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOLossKnobs(KnobGroup):
+    """PPO's two clipped losses (``clipped_policy_loss``, ``clipped_value_loss``) and the weight of the second."""
+
+    group = "ppo_loss"
+    cliprange: float = knob(0.2, "the policy ratio's clipping range ``[1 - cliprange, 1 + cliprange]``.")
+    cliprange_value: float = knob(0.2, "the values' clipping range around the rollout's values.")
+    vf_coef: float = knob(0.1, "weight of the value loss; 0 trains the value head not at all.")
+
+    def check(self) -> None:
+        if not self.cliprange > 0:
+            raise ValueError(f"cliprange must be > 0, got {self.cliprange}.")
+        if not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}.")
+        if not self.vf_coef >= 0:
+            raise ValueError(f"vf_coef must be >= 0 (the value loss's weight), got {self.vf_coef}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class KLControllerKnobs(KnobGroup):
+    """The coefficient of the per-token KL penalty in PPO's rewards and how it moves (``FixedKLController``,
+    ``AdaptiveKLController``)."""
+
+    group = "kl_control"
+    kl_coef: float = knob(
+        0.05, "coefficient of the per-token KL penalty ``logp - ref_logp`` in the reward (TRL 0.12-1.9's name, 0.05 "
+              "there; TRL <= 0.11's ``init_kl_coef``); the start value of the adaptive controller. 0: no reference "
+              "model.")
+    adap_kl_ctrl: bool = knob(
+        False, "the adaptive KL controller (``AdaptiveKLController``: the coefficient follows the measured KL towards "
+               "``target`` over ``horizon`` completions); off by default; only TRL <= 0.11 had it (on, with "
+               "``init_kl_coef`` 0.2); TRL 0.12-1.9's PPOTrainer keeps ``kl_coef`` fixed. Its state is checkpointed.")
+    target: float = knob(6.0, "the KL the adaptive controller aims at (per completion, summed over its tokens).")
+    horizon: float = knob(10000.0, "the adaptive controller's horizon (completions over which it closes the gap to "
+                                   "``target``).")
+
+    def check(self) -> None:
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0 (the KL penalty's coefficient; 0: none), got {self.kl_coef}.")
+        if self.adap_kl_ctrl and not (self.target > 0 and self.horizon > 0):
+            raise ValueError(f"adap_kl_ctrl needs target > 0 and horizon > 0, got target={self.target}, "
+                             f"horizon={self.horizon}.")
+
+    def controller(self) -> "FixedKLController | AdaptiveKLController":
+        """The controller these knobs ask for, at its start value."""
+        if self.adap_kl_ctrl:
+            return AdaptiveKLController(self.kl_coef, self.target, self.horizon)
+        return FixedKLController(self.kl_coef)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreKnobs(KnobGroup):
+    """How ``ScoreProcessor`` scales and clamps a rollout's scores (TRL <= 0.11's PPO knobs)."""
+
+    group = "score"
+    use_score_scaling: bool = knob(False, "divide scores by their running std (statistics of every rank's scores, "
+                                          "checkpointed).")
+    use_score_norm: bool = knob(False, "also subtract the running mean (needs ``use_score_scaling``, as in TRL).")
+    score_clip: float | None = knob(None, "clamp the (scaled) scores to ``[-score_clip, score_clip]``; None: no clamp.")
+
+    def check(self) -> None:
+        if self.score_clip is not None and not self.score_clip > 0:
+            raise ValueError(f"score_clip must be > 0 or null, got {self.score_clip}.")
+        if self.use_score_norm and not self.use_score_scaling:
+            raise ValueError("use_score_norm normalises with the running statistics of use_score_scaling: set "
+                             "use_score_scaling true too (as in TRL, where use_score_norm alone does nothing).")
 
 
 def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -140,9 +210,7 @@ class ScoreProcessor:
         self.moments = RunningRewardNormalizer()
 
     def penalize(self, scores: torch.Tensor, has_eos: torch.Tensor) -> torch.Tensor:
-        if self.missing_eos_penalty is None:
-            return scores
-        return scores - self.missing_eos_penalty * (~has_eos).to(scores.dtype)
+        return apply_missing_eos_penalty(scores, has_eos, self.missing_eos_penalty)
 
     def running_std(self) -> float:
         m = self.moments

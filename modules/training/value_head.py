@@ -14,6 +14,7 @@ and ``value_head.json``; the export folder itself stays an ordinary causal-LM fo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -21,13 +22,27 @@ from typing import Any
 
 import torch
 
+from lightalign.knobs import KnobGroup, knob
 from lightalign.modules.training.rollout_forward import grpo_forward
 
-__all__ = ["VALUE_HEAD_FILE", "ValueHead", "find_hidden_size", "hidden_size_from_folder", "load_value_head",
-           "policy_forward"]
+__all__ = ["VALUE_HEAD_FILE", "ValueHead", "ValueModelKnobs", "find_hidden_size", "hidden_size_from_folder",
+           "load_value_head", "policy_forward"]
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "word_embed_proj_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueModelKnobs(KnobGroup):
+    """The network whose last hidden state feeds the value head (default: the policy's own)."""
+
+    group = "value_model"
+    value_model_name_or_path: str | None = knob(
+        None, "a separate value network (a causal LM, loaded like the policy, ``from_config`` included) whose last "
+              "hidden state feeds the value head, as newer PPO implementations use; trained by the value loss alone, "
+              "checkpointed, exported to ``hf_model/value_model``. Default: the head sits on the policy's own hidden "
+              "state.")
+    value_model_init_kwargs: dict[str, Any] | None = knob(None, "``from_pretrained`` arguments of the value network.")
 
 
 def find_hidden_size(config: Any, model: torch.nn.Module | None = None) -> int | None:

@@ -328,6 +328,14 @@ def test_without_completions_a_share_of_data_batches_is_refused_at_fit_start(tin
         _module(tiny_dir, teacher_dir, loss_type="on_policy", lmbda=0.5)
 
 
+def test_lmbda_unset_is_the_loss_types_default_and_saved_resolved(tiny_dir, teacher_dir):
+    """lmbda null: 0.5 for gkd, 1 for on_policy, resolved once and saved as the run's lmbda (what the checkpoint's
+    hyperparameters and the draws read). Mutation: the group leaves it None -> the saved values are None."""
+    gkd, on_policy = _module(tiny_dir, teacher_dir), _module(tiny_dir, teacher_dir, loss_type="on_policy")
+    assert (gkd.hparams.lmbda, gkd.knobs.distill_loss.lmbda) == (0.5, 0.5)
+    assert (on_policy.hparams.lmbda, on_policy.knobs.distill_loss.lmbda) == (1.0, 1.0)
+
+
 def test_a_teacher_of_another_vocabulary_is_refused_before_any_weights_load(tiny_dir, tmp_path, monkeypatch):
     import lightalign.hub as hub
 

@@ -19,6 +19,15 @@ from lightalign.modules.training.policy import PolicyModule
 # refuses): how many ideas the name has.
 SAME_NAME_OTHER_IDEA: dict[str, int] = {
     "epsilon": 2, "epsilon_high": 2,  # GRPO's clip of each token's ratio; RLOO's clip of each completion's ratio
+    # GRPO/RLOO's KL coefficient (``KLKnobs``, 0 = no reference); distillation's point between forward and reverse
+    # KL (``DistillLossKnobs``); online DPO's implicit-reward temperature, one value per epoch (``OnlineDPOLossKnobs``)
+    "beta": 3,
+    # GRPO's policy loss (``GRPOLossConfig``), distillation's divergence (``DistillLossKnobs``), online DPO's pair
+    # loss (``OnlineDPOLossKnobs``): each method's own list of losses
+    "loss_type": 3,
+    # online RL's micro-batch layout, off unless asked (``RolloutLayoutKnobs``); distillation's rows, unset = the
+    # device's measured default decided at fit start on student and teacher (``DistillLayoutKnobs``)
+    "padding_free": 2,
 }
 
 

@@ -89,6 +89,19 @@ def test_a_judges_choice_is_honoured(tiny_dir):
         _module(tiny_dir, loss_type="hinge")
 
 
+def test_missing_eos_penalty_is_one_knob_with_one_check_for_online_dpo_and_ppo(tiny_dir):
+    """``missing_eos_penalty`` is ``MissingEOSKnobs``' in both methods: the same refusal of a negative penalty, and
+    online DPO's refusal of it with a judge. Mutation: drop the group's check -> both build."""
+    from lightalign import PPOModule
+
+    for build in (_module, lambda d, **kw: PPOModule(str(d), from_config=True, reward_funcs=[length_reward], **kw)):
+        with pytest.raises(ValueError, match=r"^missing_eos_penalty must be a positive number subtracted from a "
+                                             r"reward, got -1\.0\.$"):
+            build(tiny_dir, missing_eos_penalty=-1.0)
+    with pytest.raises(ValueError, match="with a judge, which gives no reward to subtract it from"):
+        _module(tiny_dir, judge=lambda p, c: [0] * len(p), reward_funcs=None, missing_eos_penalty=1.0)
+
+
 # ------------------------------------------------------------------------------------- the loss
 def _independent_sums(model, rollout):
     """Summed log-probs of each row's completion tokens, one unpadded forward per row."""

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from lightalign import GRPOModule, PPOModule, RLOOModule
+from lightalign.knobs import method_knobs
 from lightalign.modules.rollout.critic_free import CriticFreeModule
 from lightalign.modules.rollout.module import OnlineRLModule
 

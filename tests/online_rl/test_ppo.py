@@ -266,6 +266,14 @@ def test_quantized_reference_is_a_separate_quantized_copy(bits, tiny_dir, tiny_m
     assert 0 < gap < 0.5, gap
 
 
+def test_a_rollout_that_does_not_split_into_the_mini_batches_is_refused_at_construction(tiny_dir):
+    """``generation_batch_size`` (``RolloutKnobs``) against ``num_mini_batches`` (``PPOScheduleKnobs``): a check across
+    two groups, before any model loads. Mutation: drop it from ``check_knob_combinations`` -> this builds."""
+    with pytest.raises(ValueError, match=r"generation_batch_size \(3\) must split evenly into num_mini_batches \(2\)"):
+        ppo(tiny_dir, generation_batch_size=3, num_mini_batches=2)
+    assert ppo(tiny_dir, generation_batch_size=4, num_mini_batches=2).model is None
+
+
 def test_shared_layers_refused_where_they_cannot_apply(tiny_dir):
     for kw, message in [({"num_shared_layers": 0}, "num_shared_layers must be >= 1"),
                         ({"num_shared_layers": 1, "kl_coef": 0.0}, "kl_coef 0 uses none"),

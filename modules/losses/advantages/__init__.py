@@ -8,8 +8,9 @@ from lightalign.modules.losses.advantages.gae import gae, masked_mean, masked_va
 from lightalign.modules.losses.advantages.group import (SCALE_REWARDS, nanstd, normalize_then_sum, scale_advantages,
                                                         zero_std_fraction)
 from lightalign.modules.losses.advantages.leave_one_out import kl_penalized_rewards, rloo_advantages
-from lightalign.modules.losses.advantages.reward_shaping import RunningRewardNormalizer, clip_rewards
+from lightalign.modules.losses.advantages.reward_shaping import (MissingEOSKnobs, RunningRewardNormalizer,
+                                                                 apply_missing_eos_penalty, clip_rewards)
 
-__all__ = ["SCALE_REWARDS", "RunningRewardNormalizer", "clip_rewards", "gae", "kl_penalized_rewards", "masked_mean",
-           "masked_var", "nanstd", "normalize_then_sum", "rloo_advantages", "scale_advantages", "token_rewards",
-           "whiten", "zero_std_fraction"]
+__all__ = ["SCALE_REWARDS", "MissingEOSKnobs", "RunningRewardNormalizer", "apply_missing_eos_penalty", "clip_rewards",
+           "gae", "kl_penalized_rewards", "masked_mean", "masked_var", "nanstd", "normalize_then_sum",
+           "rloo_advantages", "scale_advantages", "token_rewards", "whiten", "zero_std_fraction"]

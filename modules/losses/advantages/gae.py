@@ -7,11 +7,30 @@ Tensors are ``[B, T]`` over the completion tokens with a 0/1 ``mask`` (1 on the 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
+from lightalign.knobs import KnobGroup, knob
 from lightalign.modules.losses.registry import register_advantage_estimator
+
+
+@dataclasses.dataclass(frozen=True)
+class GAEKnobs(KnobGroup):
+    """Generalised advantage estimation (``gae``) and the whitening of the per-token rewards before it."""
+
+    group = "gae"
+    gamma: float = knob(1.0, "GAE's discount.")
+    lam: float = knob(0.95, "GAE's lambda.")
+    whiten_rewards: bool = knob(False, "whiten the per-token rewards (scale only) before GAE.")
+
+    def check(self) -> None:
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"gamma must be in [0, 1] (GAE's discount), got {self.gamma}.")
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"lam must be in [0, 1] (GAE's lambda), got {self.lam}.")
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` where ``mask`` is 1 (0 when the mask is empty)."""

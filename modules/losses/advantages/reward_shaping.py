@@ -1,5 +1,5 @@
-"""Reward shaping before the advantages: clipping and running normalisation (mean and variance of every reward
-seen so far, checkpointed)."""
+"""Reward shaping before the advantages: clipping, running normalisation (mean and variance of every reward seen so
+far, checkpointed) and the penalty of a completion without EOS (``missing_eos_penalty``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,28 @@ import torch
 
 from lightalign.modules.losses.advantages.group import SCALE_REWARDS
 from lightalign.knobs import KnobGroup, knob
+
+@dataclasses.dataclass(frozen=True)
+class MissingEOSKnobs(KnobGroup):
+    """The penalty of a completion that ends without EOS (TRL's ``missing_eos_penalty``: PPO's and online DPO's)."""
+
+    group = "missing_eos"
+    missing_eos_penalty: float | None = knob(
+        None, "subtracted from the reward (the score) of a completion without EOS, i.e. cut at "
+              "``max_completion_length``; a number >= 0 (TRL: a positive value). None: no penalty.")
+
+    def check(self) -> None:
+        if self.missing_eos_penalty is not None and not self.missing_eos_penalty >= 0:
+            raise ValueError(f"missing_eos_penalty must be a positive number subtracted from a reward, got "
+                             f"{self.missing_eos_penalty}.")
+
+
+def apply_missing_eos_penalty(rewards: torch.Tensor, has_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """``rewards`` with ``penalty`` subtracted where a completion has no EOS (TRL's ``missing_eos_penalty``)."""
+    if penalty is None:
+        return rewards
+    return rewards - penalty * (~has_eos.bool()).to(rewards.dtype)
+
 
 def clip_rewards(rewards: torch.Tensor, reward_clip: float | None) -> torch.Tensor:
     """Clamp rewards to ``[-reward_clip, reward_clip]``; None leaves them unchanged (NaN stays NaN). ``reward_clip``

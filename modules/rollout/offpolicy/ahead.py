@@ -41,16 +41,16 @@ def sampling_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def copy_weights(target: dict[str, torch.Tensor], source: torch.nn.Module) -> None:
-    """``source``'s current weights into ``target`` (a ``sampling_weights`` copy of it), in place."""
+def copy_weights(weights: dict[str, torch.Tensor], source: torch.nn.Module) -> None:
+    """``source``'s current weights into ``weights`` (a ``sampling_weights`` copy of it), in place."""
     seen = 0
     for name, tensor in vllm_weights(source):
-        if name not in target:
+        if name not in weights:
             raise SamplerProcessError(f"The policy's weight {name!r} is not in the sampling copy made at fit start "
                                       "(a module was added during training).")
-        target[name].copy_(tensor)
+        weights[name].copy_(tensor)
         seen += 1
-    if seen != len(target):
+    if seen != len(weights):
         raise SamplerProcessError("The policy has fewer weights than the sampling copy made at fit start.")
 
 
