@@ -25,7 +25,8 @@ from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
 from lightalign.modules.sampling.module import SamplingModule
 from lightalign.modules.training.stat_metrics import StatMetrics, metric_key
 from lightalign.rewards import reward_func_names
-from lightalign.rewards.resolve import RewardKnobs, import_object
+from lightalign.rewards.resolve import import_object
+from lightalign.rewards.runner import RewardKnobs
 
 __all__ = ["ONLINE_DPO_LOSS_TYPES", "JudgeKnobs", "OnlineDPOLossKnobs", "OnlineDPOModule", "apply_missing_eos_penalty",
            "beta_for_epoch", "chosen_rejected_rows", "judged_win_rate", "masked_sums", "pair_from_judge",
