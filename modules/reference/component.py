@@ -41,12 +41,26 @@ class ReferenceKnobs(KnobGroup):
 
 @dataclasses.dataclass(frozen=True)
 class SharedLayersKnobs(KnobGroup):
+    """A reference that shares the policy's first layers (TRL's ``create_reference_model``)."""
+
     group = "shared_layers"
     num_shared_layers: int | None = knob(
         None, "share the first k decoder layers (and the embeddings) between policy and reference; they are frozen "
               "in both, the rest of the reference is a frozen copy. Not with a separately loaded reference.")
 
+    def check(self) -> None:
+        if self.num_shared_layers is not None and self.num_shared_layers < 1:
+            raise ValueError(f"num_shared_layers must be >= 1 or null, got {self.num_shared_layers}.")
+
+
 class Reference:
+    """The reference model's recipe (how ``build`` makes it); ``from_knobs`` builds it from a method's groups."""
+
+    @classmethod
+    def from_knobs(cls, reference: ReferenceKnobs, shared: SharedLayersKnobs | None = None) -> "Reference":
+        return cls(reference.ref_model_name_or_path, reference.ref_model_init_kwargs,
+                   shared.num_shared_layers if shared is not None else None)
+
     def __init__(self, name_or_path: str | None = None, init_kwargs: dict[str, Any] | None = None,
                  num_shared_layers: int | None = None) -> None:
         if num_shared_layers is not None and (name_or_path or init_kwargs):
