@@ -19,7 +19,7 @@ from lightalign.modules.training.policy import PolicyModule
 # refuses): how many ideas the name has.
 SAME_NAME_OTHER_IDEA: dict[str, int] = {
     "epsilon": 2, "epsilon_high": 2,  # GRPO's clip of each token's ratio; RLOO's clip of each completion's ratio
-    "loss_type": 2,  # the variant of each method's own loss (GRPOLossConfig, DPOLossConfig)
+    "loss_type": 3,  # the variant of each method's own loss (GRPOLossConfig, DPOLossConfig, KTOLossConfig)
     # GRPO's and RLOO's coefficient of an explicit KL term (KLKnobs: >= 0, 0 builds no reference); DPO's and KTO's
     # temperature of the implicit reward beta * log(pi / pi_ref) (ImplicitRewardKnobs: > 0, the reference always)
     "beta": 2,
