@@ -24,19 +24,22 @@ from lightalign.modules.training.preference_forward import (  # noqa: F401  (re-
     real_token_count,
     shared_prompt_layout,
 )
+from lightalign.knobs import takes_knobs
 from lightalign.modules.losses.dpo import (  # noqa: F401  (re-exported: the public names of the DPO loss)
     F_DIVERGENCE_TYPES,
     LOSS_TYPES,
     SMOOTHED_LOSS_TYPES,
+    DPOLossConfig,
     dpo_loss,
     f_divergence_scores,
     length_desensitized_logps,
     validate_loss_config,
     wpo_weights,
 )
-from lightalign.modules.reference.component import Reference
+from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
+from lightalign.modules.reference.component import Reference, ReferenceKnobs, SharedLayersKnobs
 from lightalign.modules.reference.model import model_fingerprint
-from lightalign.modules.reference.precompute import precompute_reference_logps
+from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, precompute_reference_logps
 from lightalign.modules.training.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
@@ -47,98 +50,40 @@ PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies"
               "logps/chosen", "logps/rejected")
 
 
+@takes_knobs(ImplicitRewardKnobs, DPOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
+             defaults={"disable_dropout": True})
 class DPOModule(StatHooks, PolicyModule):
     """Direct preference optimisation on the pair batches of ``PreferenceDataModule``.
 
     Chosen and rejected go through the policy in one concatenated forward; per-sequence log-probs sum the
     completion tokens only. Logged per optimizer step (``train/``) and per validation epoch (``val/``):
     ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
-    ``logps/chosen``, ``logps/rejected``.
+    ``logps/chosen``, ``logps/rejected``. ``eval_metrics`` receive the implicit preference probability
+    ``sigmoid(reward margin)`` and a target of ones.
 
-    Args:
-        beta: strength of the implicit KL penalty (TRL's ``beta``).
-        loss_type: one of ``LOSS_TYPES`` or a list of them (combined with ``loss_weights``). ``bco_pair``
-            subtracts the running mean of the rewards (BCO's δ), unlike TRL 1.16, which dropped it: the shift is
-            part of BCO's formula (and was in TRL's bco_pair until its DPO refactor).
-        loss_weights: one weight per loss type.
-        label_smoothing: assumed label-noise rate for ``sigmoid``/``robust``/``exo_pair``/``aot*``. On
-            ``sigmoid`` it gives cDPO, unlike TRL 1.16, which ignores it there (setting it would silently change
-            nothing).
-        reference_free: compare against a uniform reference (log-prob 0): no reference model.
-        ld_alpha: LD-DPO length desensitisation (tokens past the shorter completion weigh ``ld_alpha``).
-        f_divergence_type: f-DPO regulariser: ``reverse_kl`` (default, standard DPO), ``forward_kl``,
-            ``js_divergence`` or ``alpha_divergence``; each log-ratio ``log u`` becomes ``f'(u)``. Only for the loss
-            types of the chosen-minus-rejected score (sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop,
-            sft).
-        f_alpha_divergence_coef: the ``a`` of ``alpha_divergence`` (score ``(u^(a-1) - 1) / (a - 1)``).
-        use_weighting: WPO: weigh each pair's loss by ``w_chosen * w_rejected``, ``w = exp(mean over completion
-            tokens of log p_t - log sum_v p_v^2)`` under the policy (detached). Not with aot/aot_pair.
-        discopop_tau: temperature of the ``discopop`` loss.
-        ref_model_name_or_path: the reference checkpoint (default: a frozen copy of the initial policy).
-        ref_model_init_kwargs: ``from_pretrained`` kwargs of the reference, e.g.
-            ``{quantization_config: {load_in_8bit: true}}`` (bitsandbytes) or ``{dtype: bfloat16}``.
-        num_shared_layers: share the first k decoder layers (and the embeddings) between policy and reference;
-            they are frozen in both, the rest of the reference is a frozen copy.
-        precompute_ref_log_probs: compute the reference log-probs of the train/val data once before training,
-            cache them on disk (keyed by reference weights and tokenized data) and free the reference model.
-        ref_log_probs_cache_dir: cache folder (default ``$LIGHTALIGN_CACHE/ref_logps`` or
-            ``~/.cache/lightalign/ref_logps``).
-        precompute_ref_batch_size: pairs per forward of the reference precompute pass (default: the
-            datamodule's ``val_batch_size`` for every split; TRL defaults to the train batch size for train).
-        disable_dropout: set every dropout probability of the policy to 0 (TRL's default ``True`` for DPO; the
-            reference always runs in eval mode).
-        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule, ``eval_metrics`` — which receive
-            the implicit preference probability ``sigmoid(reward margin)`` and a target of ones).
-
-    With LoRA (``peft_config``) and no ``ref_model_name_or_path``, the reference is the base model with the
-    adapters disabled: no second copy in memory.
+    Its knobs: the loss's (``DPOLossConfig``, with ``ImplicitRewardKnobs``' ``beta``), the reference's
+    (``ReferenceKnobs``, ``SharedLayersKnobs``, ``PrecomputeReferenceKnobs``) and ``PolicyModule``'s;
+    ``disable_dropout`` defaults to on, as in TRL (the reference always runs in eval mode). With LoRA
+    (``peft_config``) and no ``ref_model_name_or_path``, the reference is the base model with the adapters
+    disabled: no second copy in memory.
     """
 
     method_name = "DPO"
     uses_reference_model = True
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        beta: float = 0.1,
-        loss_type: str | list[str] = "sigmoid",
-        loss_weights: list[float] | None = None,
-        label_smoothing: float = 0.0,
-        reference_free: bool = False,
-        ld_alpha: float | None = None,
-        f_divergence_type: str = "reverse_kl",
-        f_alpha_divergence_coef: float = 0.5,
-        use_weighting: bool = False,
-        discopop_tau: float = 0.05,
-        ref_model_name_or_path: str | None = None,
-        ref_model_init_kwargs: dict[str, Any] | None = None,
-        num_shared_layers: int | None = None,
-        precompute_ref_log_probs: bool = False,
-        ref_log_probs_cache_dir: str | None = None,
-        precompute_ref_batch_size: int | None = None,
-        disable_dropout: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        loss_types = validate_loss_config(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
-                                          f_alpha_divergence_coef, use_weighting)
-        if "discopop" in loss_types and not discopop_tau > 0:
-            raise ValueError(f"discopop_tau must be > 0 (the DiscoPOP paper's 0.05 is the default), got {discopop_tau}.")
-        if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
-            raise ValueError(f"precompute_ref_batch_size must be >= 1 (or null for val_batch_size), got "
-                             f"{precompute_ref_batch_size}.")
-        if precompute_ref_batch_size is not None and not precompute_ref_log_probs:
-            raise ValueError("precompute_ref_batch_size is the batch size of the precompute pass; set "
-                             "precompute_ref_log_probs=True to use it, or drop it.")
-        if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
-            raise ValueError(f"ld_alpha must lie in [0, 1], got {ld_alpha}.")
-        if reference_free and (precompute_ref_log_probs or num_shared_layers or ref_model_name_or_path):
+    def check_knob_combinations(self) -> None:
+        super().check_knob_combinations()
+        knobs = self.knobs
+        reference = knobs.reference.ref_model_name_or_path
+        if knobs.loss.reference_free and (knobs.precompute_reference.precompute_ref_log_probs
+                                          or knobs.shared_layers.num_shared_layers or reference):
             raise ValueError("reference_free=True uses no reference model; drop precompute_ref_log_probs, "
                              "num_shared_layers and ref_model_name_or_path.")
-        reference = Reference(ref_model_name_or_path, ref_model_init_kwargs, num_shared_layers)
-        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
-        self.loss_types = loss_types
-        self.reference = reference
+
+    def compose(self) -> None:
+        super().compose()
+        self.loss_types = self.knobs.loss.loss_types
+        self.reference = Reference.from_knobs(self.knobs.reference, self.knobs.shared_layers)
         self.reference_forward_calls = 0
         self.register_buffer("bco_reward_mean", torch.zeros(()), persistent=True)
         self.register_buffer("bco_batches", torch.zeros((), dtype=torch.long), persistent=True)
@@ -148,8 +93,7 @@ class DPOModule(StatHooks, PolicyModule):
     # ------------------------------------------------------------------------------------- reference
     def configure_model(self) -> None:
         super().configure_model()
-        hp = self.hparams
-        if self.ref_model is not None or hp.reference_free or getattr(self, "_ref_released", False):
+        if self.ref_model is not None or self.knobs.loss.reference_free or getattr(self, "_ref_released", False):
             return
         if self._policy_can_be_reference():
             # The untrained policy *is* the reference of the one precompute pass: no copy in memory. (Not when
@@ -160,13 +104,13 @@ class DPOModule(StatHooks, PolicyModule):
             self._build_reference()
 
     def _policy_can_be_reference(self) -> bool:
-        hp = self.hparams
         separate = self.reference.separate or self.reference.num_shared_layers
         fresh_fit = self._trainer is not None and self.trainer.ckpt_path is None
-        return bool(hp.precompute_ref_log_probs and not separate and fresh_fit and not is_peft_model(self.model))
+        return bool(self.knobs.precompute_reference.precompute_ref_log_probs and not separate and fresh_fit
+                    and not is_peft_model(self.model))
 
     def _build_reference(self) -> None:
-        self.ref_model = self.reference.build(self.model, self.model_name_or_path, self.hparams.trust_remote_code)
+        self.ref_model = self.reference.build(self.model, self.model_name_or_path, self.knobs.model.trust_remote_code)
 
     def _move_reference(self) -> None:
         self.reference.move(self.ref_model, self.device, self.model)
@@ -176,7 +120,7 @@ class DPOModule(StatHooks, PolicyModule):
         """Reference log-probs (chosen, rejected) of a pair batch: precomputed, or one reference forward."""
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        if self.hparams.reference_free:
+        if self.knobs.loss.reference_free:
             zeros = torch.zeros(pair_count(batch), dtype=torch.float32, device=batch["input_ids"].device)
             return zeros, zeros
         self.reference_forward_calls += 1
@@ -203,27 +147,28 @@ class DPOModule(StatHooks, PolicyModule):
             token_logps, mask = completion_token_logps(model, batch)
         half = token_logps.shape[0] // 2
         sums = token_logps.sum(-1)
-        if self.hparams.ld_alpha is not None:
+        ld_alpha = self.knobs.loss.ld_alpha
+        if ld_alpha is not None:
             chosen, rejected = length_desensitized_logps(token_logps[:half], mask[:half], token_logps[half:],
-                                                         mask[half:], self.hparams.ld_alpha)
+                                                         mask[half:], ld_alpha)
             return chosen, rejected, sums[:half], pair_weights
         return sums[:half], sums[half:], sums[:half], pair_weights
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
-        hp = self.hparams
+        loss_knobs = self.knobs.loss
         ref_chosen, ref_rejected = self.reference_logps(batch)
         policy_chosen, policy_rejected, chosen_sums, pair_weights = self._pair_logps_and_chosen_sums(
-            self.model, batch, weighting=bool(hp.get("use_weighting")))
+            self.model, batch, weighting=loss_knobs.use_weighting)
         chosen_lengths, rejected_lengths = completion_lengths(batch)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected,
-            beta=hp.beta, loss_type=self.loss_types, loss_weights=hp.loss_weights,
-            label_smoothing=hp.label_smoothing, reference_free=hp.reference_free,
+            beta=self.knobs.implicit_reward.beta, loss_type=self.loss_types, loss_weights=loss_knobs.loss_weights,
+            label_smoothing=loss_knobs.label_smoothing, reference_free=loss_knobs.reference_free,
             chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
             bco_delta=self._bco_delta(policy_chosen, policy_rejected, ref_chosen, ref_rejected),
-            discopop_tau=hp.discopop_tau, chosen_token_logp_sums=chosen_sums,
-            f_divergence_type=hp.get("f_divergence_type", "reverse_kl"),
-            f_alpha_divergence_coef=hp.get("f_alpha_divergence_coef", 0.5), pair_weights=pair_weights,
+            discopop_tau=loss_knobs.discopop_tau, chosen_token_logp_sums=chosen_sums,
+            f_divergence_type=loss_knobs.f_divergence_type,
+            f_alpha_divergence_coef=loss_knobs.f_alpha_divergence_coef, pair_weights=pair_weights,
         )
         loss = losses.mean()
         n = float(chosen_lengths.shape[0])
@@ -248,7 +193,7 @@ class DPOModule(StatHooks, PolicyModule):
         if "bco_pair" not in self.loss_types:
             return 0.0
         with torch.no_grad():
-            rewards = self.hparams.beta * torch.cat([pc - rc, pr - rr]).float()
+            rewards = self.knobs.implicit_reward.beta * torch.cat([pc - rc, pr - rr]).float()
             if self.training:
                 count = self.bco_batches + 1
                 self.bco_reward_mean += (rewards.mean() - self.bco_reward_mean) / count
@@ -282,7 +227,7 @@ class DPOModule(StatHooks, PolicyModule):
                            "its cost and memory grow with the square of the row. Set pack_length to about 512, "
                            "or use sdpa.")
         self._move_reference()
-        if self.hparams.precompute_ref_log_probs:
+        if self.knobs.precompute_reference.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)
         self.attach_neftune()  # after the reference pass, which must see clean embeddings
 
@@ -297,8 +242,7 @@ class DPOModule(StatHooks, PolicyModule):
 
     # ------------------------------------------------------------------------------------- precompute
     def reference_fingerprint(self) -> str:
-        hp = self.hparams
-        extra = {"ld_alpha": hp.ld_alpha}
+        extra = {"ld_alpha": self.knobs.loss.ld_alpha}
         if self.ref_model is not None:
             return model_fingerprint(self.ref_model, extra)
         if getattr(self, "_policy_is_reference", False):

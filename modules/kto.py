@@ -10,13 +10,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
+from lightalign.knobs import takes_knobs
 from lightalign.modules.training.lora import is_peft_model
 from lightalign.modules.training.policy import PolicyModule
-from lightalign.modules.losses.kto import LOSS_TYPES, kl_estimate, kto_loss, validate_kto_config  # noqa: F401
+from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
+from lightalign.modules.losses.kto import (LOSS_TYPES, KTOLossConfig, kl_estimate, kto_loss,  # noqa: F401
+                                           validate_kto_config)
 from lightalign.modules.training.logprobs import completion_logps
-from lightalign.modules.reference.component import Reference
+from lightalign.modules.reference.component import Reference, ReferenceKnobs, SharedLayersKnobs
 from lightalign.modules.reference.model import model_fingerprint
-from lightalign.modules.reference.precompute import precompute_reference_logps
+from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, precompute_reference_logps
 from lightalign.modules.training.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
@@ -52,6 +55,8 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], prefi
     return token_logps.sum(-1)
 
 
+@takes_knobs(ImplicitRewardKnobs, KTOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
+             defaults={"disable_dropout": True})
 class KTOModule(StatHooks, PolicyModule):
     """KTO (Ethayarajh et al. 2024) on completions judged one at a time (``UnpairedPreferenceDataModule``).
 
@@ -64,62 +69,27 @@ class KTOModule(StatHooks, PolicyModule):
     Logged per optimizer step (``train/``) and per validation epoch (``val/``), as TRL names them: ``loss``,
     ``kl``, ``rewards/chosen`` and ``logps/chosen`` (desirable rows), ``rewards/rejected`` and ``logps/rejected``
     (undesirable rows), ``rewards/margins`` (chosen minus rejected); torchmetrics, each averaged over the rows it
-    describes across accumulation and ranks (``kl`` over micro-batches, weighted by rows).
+    describes across accumulation and ranks (``kl`` over micro-batches, weighted by rows). ``eval_metrics`` receive
+    ``sigmoid(reward)`` of each row and its label as the target.
 
-    Args:
-        disable_dropout: set every dropout probability of the policy to 0 (TRL 1.16's default for KTO).
-        beta: strength of the implicit KL penalty (TRL's default 0.1); > 0.
-        loss_type: ``kto`` (default) or ``apo_zero_unpaired`` (APO-zero on unpaired rows: no KL term, so no
-            mismatched forwards).
-        desirable_weight: weight of the desirable rows' losses (> 0, default 1.0).
-        undesirable_weight: weight of the undesirable rows' losses (> 0, default 1.0). With unequal counts, TRL's
-            recommended range (KTO paper, Eq. 8) is checked at fit start and a warning says which values fit.
-        ref_model_name_or_path: the reference checkpoint (default: a frozen copy of the initial policy).
-        ref_model_init_kwargs: ``from_pretrained`` kwargs of the reference, e.g.
-            ``{quantization_config: {load_in_8bit: true}}`` (bitsandbytes) or ``{dtype: bfloat16}``.
-        num_shared_layers: share the first k decoder layers (and the embeddings) between policy and reference;
-            they are frozen in both, the rest of the reference is a frozen copy.
-        precompute_ref_log_probs: compute the reference log-probs of every row and of its mismatched sequence once
-            before training, cache them on disk (keyed by the reference weights and the tokenized rows) and free the
-            reference model.
-        ref_log_probs_cache_dir: cache folder (default ``$LIGHTALIGN_CACHE/ref_logps`` or
-            ``~/.cache/lightalign/ref_logps``).
-        **kwargs: ``PolicyModule`` arguments (model, LoRA, optimizer, schedule, ``eval_metrics`` — which receive
-            ``sigmoid(reward)`` of each row and its label as the target).
-
-    With LoRA (``peft_config``) and no ``ref_model_name_or_path``, the reference is the base model with the
-    adapters disabled: no second copy in memory.
+    Its knobs: the loss's (``KTOLossConfig``, with ``ImplicitRewardKnobs``' ``beta``), the reference's
+    (``ReferenceKnobs``, ``SharedLayersKnobs``, ``PrecomputeReferenceKnobs``) and ``PolicyModule``'s;
+    ``disable_dropout`` defaults to on (TRL 1.16's default for KTO). With LoRA (``peft_config``) and no
+    ``ref_model_name_or_path``, the reference is the base model with the adapters disabled: no second copy in memory.
     """
 
     method_name = "KTO"
 
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        beta: float = 0.1,
-        loss_type: str = "kto",
-        desirable_weight: float = 1.0,
-        undesirable_weight: float = 1.0,
-        ref_model_name_or_path: str | None = None,
-        ref_model_init_kwargs: dict[str, Any] | None = None,
-        num_shared_layers: int | None = None,
-        precompute_ref_log_probs: bool = False,
-        ref_log_probs_cache_dir: str | None = None,
-        disable_dropout: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        validate_kto_config(loss_type, beta, desirable_weight, undesirable_weight)
-        reference = Reference(ref_model_name_or_path, ref_model_init_kwargs, num_shared_layers)
-        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
-        self.reference = reference
+    def compose(self) -> None:
+        super().compose()
+        self.reference = Reference.from_knobs(self.knobs.reference, self.knobs.shared_layers)
         self.reference_forward_calls = 0
         self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})
         self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})
 
     @property
     def uses_kl(self) -> bool:
-        return self.hparams.loss_type == "kto"
+        return self.knobs.loss.loss_type == "kto"
 
     # ------------------------------------------------------------------------------------- data checks
     def setup(self, stage: str) -> None:
@@ -137,25 +107,26 @@ class KTOModule(StatHooks, PolicyModule):
                              "rows of a micro-batch, so it needs at least 2 rows per micro-batch. Raise data.batch_size "
                              "(use trainer.accumulate_grad_batches for memory), or use loss_type: apo_zero_unpaired.")
         if stage == "fit" and "train" in datamodule.label_counts:
-            message = balance_warning(*datamodule.label_counts["train"], self.hparams.desirable_weight,
-                                      self.hparams.undesirable_weight)
+            loss = self.knobs.loss
+            message = balance_warning(*datamodule.label_counts["train"], loss.desirable_weight, loss.undesirable_weight)
             if message:
                 rank_zero_warn(message)
 
     # ------------------------------------------------------------------------------------- reference
     def configure_model(self) -> None:
         super().configure_model()
-        hp = self.hparams
         if self.ref_model is not None or getattr(self, "_ref_released", False):
             return
         separate = self.reference.separate or self.reference.num_shared_layers
         fresh_fit = (self._trainer is not None and self.trainer.ckpt_path is None
                      and self.trainer.state.fn == "fit")  # not `lightalign test` of a trained checkpoint
-        if hp.precompute_ref_log_probs and not separate and fresh_fit and not is_peft_model(self.model):
+        if (self.knobs.precompute_reference.precompute_ref_log_probs and not separate and fresh_fit
+                and not is_peft_model(self.model)):
             self._policy_is_reference = True  # the untrained policy is the reference of the one precompute pass
             return
         with torch.inference_mode(False):
-            self.ref_model = self.reference.build(self.model, self.model_name_or_path, hp.trust_remote_code)
+            self.ref_model = self.reference.build(self.model, self.model_name_or_path,
+                                                  self.knobs.model.trust_remote_code)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -186,13 +157,14 @@ class KTOModule(StatHooks, PolicyModule):
         return value
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
-        hp = self.hparams
         ref_logps, ref_kl_logps = self.reference_logps(batch)
         kl = self.kl_term(batch, ref_kl_logps)
         policy_logps = sequence_logps(self.model, batch)
         labels = batch["labels"]
-        loss, out = kto_loss(policy_logps, ref_logps, labels, kl, beta=hp.beta, desirable_weight=hp.desirable_weight,
-                             undesirable_weight=hp.undesirable_weight, loss_type=hp.loss_type)
+        knobs = self.knobs.loss
+        loss, out = kto_loss(policy_logps, ref_logps, labels, kl, beta=self.knobs.implicit_reward.beta,
+                             desirable_weight=knobs.desirable_weight, undesirable_weight=knobs.undesirable_weight,
+                             loss_type=knobs.loss_type)
         logps = policy_logps.detach().float()
         groups = {"all": torch.ones_like(labels), "desirable": labels, "undesirable": ~labels}
         values = {"loss": out["losses"], "kl": kl.expand(labels.shape[0]), "rewards/chosen": out["rewards"],
@@ -221,7 +193,7 @@ class KTOModule(StatHooks, PolicyModule):
     def on_fit_start(self) -> None:
         self.check_model_layout()  # before the reference pass: a refused layout costs no compute
         self.reference.move(self.ref_model, self.device, self.model)
-        if self.hparams.precompute_ref_log_probs:
+        if self.knobs.precompute_reference.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)
         self.attach_neftune()  # after the reference pass, which must see clean embeddings
 

@@ -8,6 +8,7 @@ The trained model scores a sequence with the single logit at its last non-paddin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.aggregation import MeanMetric
 
+from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.training.lora import is_peft_model
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.training.export import export_hf
@@ -47,6 +49,22 @@ def reward_loss(
     if center_rewards_coefficient is not None:
         loss = loss + center_rewards_coefficient * ((chosen + rejected) ** 2).mean()
     return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardLossKnobs(KnobGroup):
+    """The reward model's loss knobs (``reward_loss``)."""
+
+    group = "loss"
+    center_rewards_coefficient: float | None = knob(
+        None, "weight of the mean-zero penalty on the rewards, ``mean((r_chosen + r_rejected)^2)`` (TRL's name; TRL "
+              "recommends 0.01); None: no penalty. Must be >= 0.")
+
+    def check(self) -> None:
+        coefficient = self.center_rewards_coefficient
+        if coefficient is not None and not coefficient >= 0:
+            raise ValueError(f"center_rewards_coefficient must be >= 0 or null (TRL recommends 0.01), got "
+                             f"{coefficient}.")
 
 
 def load_reward_model(name_or_path: str, from_config: bool = False, init_kwargs: dict[str, Any] | None = None,
@@ -96,35 +114,32 @@ def sequence_classification_peft_config(peft_config: Any) -> Any:
     return peft_config
 
 
+@takes_knobs(RewardLossKnobs, defaults={"disable_dropout": True})
 class RewardModule(StatHooks, PolicyModule):
     """Train a reward model (Bradley-Terry) on the pair batches of ``PreferenceDataModule``.
 
     The model is ``AutoModelForSequenceClassification`` with one output (``num_labels=1``): ``model_name_or_path``
     may be a causal LM checkpoint (its backbone is loaded and the score head is new, initialised at random; a log
-    line says so) or a sequence-classification folder (trained further). Chosen and rejected sequences go through
-    the model in one forward, padded; a sequence's reward is the logit at its last non-padding token, so the model's
-    ``config.pad_token_id`` is set to the data tokenizer's pad id. Loss (``reward_loss``, TRL 1.16's):
-    ``mean(-logsigmoid(r_chosen - r_rejected - margin))`` with the data's optional per-row ``margin`` column, plus
-    ``center_rewards_coefficient * mean((r_chosen + r_rejected)^2)``. The loss is a mean over the pairs of a
-    micro-batch, so accumulating equal micro-batches gives the gradient of one big batch.
+    line says so) or a sequence-classification folder (trained further); ``model`` (Python API) a built sequence
+    classifier with ``num_labels=1``. Chosen and rejected sequences go through the model in one forward, padded; a
+    sequence's reward is the logit at its last non-padding token, so the model's ``config.pad_token_id`` is set to
+    the data tokenizer's pad id. Loss (``reward_loss``, TRL 1.16's): ``mean(-logsigmoid(r_chosen - r_rejected -
+    margin))`` with the data's optional per-row ``margin`` column, plus ``center_rewards_coefficient *
+    mean((r_chosen + r_rejected)^2)``. The loss is a mean over the pairs of a micro-batch, so accumulating equal
+    micro-batches gives the gradient of one big batch.
 
     Logged per optimizer step (``train/``) and per validation epoch (``val/``, ``test/``): ``loss``, ``accuracy``
     (fraction of pairs with ``r_chosen > r_rejected``), ``margin`` (mean ``r_chosen - r_rejected``),
-    ``rewards/chosen``, ``rewards/rejected`` (mean rewards).
+    ``rewards/chosen``, ``rewards/rejected`` (mean rewards). ``eval_metrics`` receive the Bradley-Terry probability
+    ``sigmoid(r_chosen - r_rejected)`` and a target of ones.
 
     The pairs are batched as padded chosen-then-rejected rows (``PreferenceCollator``): a datamodule with
     ``prompt_sharing`` on is switched to that layout at fit start (a log line says so), since a score is read per
     whole sequence.
 
-    Args:
-        center_rewards_coefficient: weight of the mean-zero penalty on the rewards (TRL's name; TRL recommends
-            0.01); None: no penalty. Must be >= 0.
-        disable_dropout: set every dropout probability of the model to 0 (TRL 1.16's default for reward models).
-        **kwargs: ``PolicyModule`` arguments: ``model_name_or_path``, ``from_config``, ``model`` (Python API: a
-            built sequence classifier with ``num_labels=1``), ``model_init_kwargs``, ``peft_config`` (LoRA; its
-            ``task_type`` defaults to ``SEQ_CLS``, which keeps the score head fully trainable and in the export),
-            optimizer and schedule knobs, ``gradient_checkpointing``, ``eval_metrics`` (which receive the
-            Bradley-Terry probability ``sigmoid(r_chosen - r_rejected)`` and a target of ones), ``nonfinite``, …
+    Its knobs: ``RewardLossKnobs`` and ``PolicyModule``'s; ``disable_dropout`` defaults to on (TRL 1.16's default
+    for reward models). ``peft_config`` (LoRA): its ``task_type`` defaults to ``SEQ_CLS``, which keeps the score head
+    fully trainable and in the export.
 
     The Hugging Face export (``HFExport``) is a sequence-classification folder (config with ``num_labels: 1`` and
     ``pad_token_id``, weights with the score head, tokenizer) that ``GRPOModule(reward_funcs=[folder])`` and
@@ -134,13 +149,15 @@ class RewardModule(StatHooks, PolicyModule):
 
     method_name = "Reward modelling"
 
-    def __init__(self, model_name_or_path: str | None = None, *, center_rewards_coefficient: float | None = None,
-                 disable_dropout: bool = True, **kwargs: Any) -> None:
-        if center_rewards_coefficient is not None and not center_rewards_coefficient >= 0:
-            raise ValueError(f"center_rewards_coefficient must be >= 0 or null (TRL recommends 0.01), got "
-                             f"{center_rewards_coefficient}.")
-        kwargs["peft_config"] = sequence_classification_peft_config(kwargs.get("peft_config"))
-        model = kwargs.get("model")
+    def construct_from_knobs(self, given: dict[str, Any]) -> None:
+        """A reward model's LoRA settings train the score head (``sequence_classification_peft_config``): the
+        ``peft_config`` given is completed (or refused) before the groups are built and saved."""
+        peft_config = sequence_classification_peft_config(given.get("peft_config"))
+        super().construct_from_knobs({**given, "peft_config": peft_config})
+
+    def check_knob_combinations(self) -> None:
+        super().check_knob_combinations()
+        model = self.knobs.model.model
         if model is not None and getattr(getattr(model, "config", None), "num_labels", None) != 1:
             raise ValueError(
                 f"RewardModule's model must be a sequence classifier with one output (num_labels=1); the model passed "
@@ -148,17 +165,19 @@ class RewardModule(StatHooks, PolicyModule):
                 f"({type(model).__name__}). Build it with AutoModelForSequenceClassification.from_pretrained(..., "
                 "num_labels=1), or pass model_name_or_path (a causal LM checkpoint gets a new score head)."
             )
-        super().__init__(model_name_or_path, disable_dropout=disable_dropout, **kwargs)
+
+    def compose(self) -> None:
+        super().compose()
         self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
         self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
 
     # ------------------------------------------------------------------------------------- model
     def configure_model(self) -> None:
         if self.model is None:
-            hp = self.hparams
+            model = self.knobs.model
             with torch.inference_mode(False):  # validate() before fit() calls this under inference mode
-                self.model = load_reward_model(self.model_name_or_path, hp.from_config, hp.model_init_kwargs,
-                                               hp.trust_remote_code)
+                self.model = load_reward_model(self.model_name_or_path, model.from_config, model.model_init_kwargs,
+                                               model.trust_remote_code)
                 self._prepare_model()
         self.set_pad_token_id()
 
@@ -218,7 +237,7 @@ class RewardModule(StatHooks, PolicyModule):
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
         chosen, rejected = self.pair_rewards(batch)
-        loss = reward_loss(chosen, rejected, batch.get("margin"), self.hparams.center_rewards_coefficient)
+        loss = reward_loss(chosen, rejected, batch.get("margin"), self.knobs.loss.center_rewards_coefficient)
         with torch.no_grad():
             chosen, rejected = chosen.detach().float(), rejected.detach().float()
             values = {

@@ -52,14 +52,15 @@ class SFTModule(PolicyModule):
     optimizer step: ``train/loss``, ``train/token_accuracy``, ``train/tokens_seen``; per validation epoch:
     ``val/loss``, ``val/perplexity``, ``val/token_accuracy`` (``test/…`` likewise).
 
-    All arguments of ``PolicyModule`` apply (model loading, LoRA, optimizer, schedule, ``eval_metrics`` — which
-    receive the argmax token and the target token of every target position).
+    Its knobs are ``PolicyModule``'s (model loading, LoRA, optimizer, schedule, ``eval_metrics`` — which receive
+    the argmax token and the target token of every target position); the data knobs (``max_length``, ``packing``)
+    are ``SFTDataModule``'s.
     """
 
     method_name = "SFT"
 
-    def __init__(self, model_name_or_path: str | None = None, **kwargs: Any) -> None:
-        super().__init__(model_name_or_path, **kwargs)
+    def compose(self) -> None:
+        super().compose()
         self.train_loss = MeanMetric()
         self.train_accuracy = MeanMetric()
         self.train_tokens = SumMetric()

@@ -1,15 +1,20 @@
 """The DPO loss as pure tensor functions: ``dpo_loss`` (the loss types and knobs of TRL's DPOTrainer),
 ``length_desensitized_logps`` (TRL's ``ld_alpha``, LD-DPO), ``f_divergence_scores`` (TRL's ``f_divergence_type``,
-f-DPO), ``wpo_weights`` (TRL's ``use_weighting``, WPO) and ``validate_loss_config``."""
+f-DPO), ``wpo_weights`` (TRL's ``use_weighting``, WPO), and the knobs of the loss, ``DPOLossConfig``, checked
+once where the module is built."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from lightalign.knobs import KnobGroup, knob
+from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
 
 
 LOSS_TYPES: tuple[str, ...] = (
@@ -45,6 +50,84 @@ def refuse_sorted_weighting(types: Sequence[str]) -> None:
                          "the batch, so a pair's weight would land on another pair's term. Drop one of the two.")
 
 
+@dataclasses.dataclass(frozen=True)
+class DPOLossConfig(KnobGroup):
+    """DPO's loss knobs (TRL's names), checked once here, at construction: ``dpo_loss`` does not check them again.
+    Its temperature ``beta`` is ``ImplicitRewardKnobs``' (KTO's too)."""
+
+    group = "loss"
+    loss_type: str | list[str] = knob(
+        "sigmoid", "one of ``LOSS_TYPES`` or a list of them (combined with ``loss_weights``). ``bco_pair`` subtracts "
+                   "the running mean of the rewards (BCO's δ), unlike TRL 1.16, which dropped it: the shift is part "
+                   "of BCO's formula (and was in TRL's bco_pair until its DPO refactor).")
+    loss_weights: list[float] | None = knob(None, "one weight per loss type (default: all 1.0).")
+    label_smoothing: float = knob(
+        0.0, "assumed label-noise rate for ``sigmoid``/``robust``/``exo_pair``/``aot*``, in [0, 0.5). On ``sigmoid`` "
+             "it gives cDPO, unlike TRL 1.16, which ignores it there (setting it would silently change nothing).")
+    reference_free: bool = knob(False, "compare against a uniform reference (log-prob 0): no reference model.")
+    ld_alpha: float | None = knob(
+        None, "LD-DPO length desensitisation: completion tokens past the shorter completion of the pair weigh "
+              "``ld_alpha``, in [0, 1] (``length_desensitized_logps``).")
+    f_divergence_type: str = knob(
+        "reverse_kl", "f-DPO regulariser: ``reverse_kl`` (default, standard DPO), ``forward_kl``, ``js_divergence`` "
+                      "or ``alpha_divergence``; each log-ratio ``log u`` becomes ``f'(u)``. Only for the loss types "
+                      "of the chosen-minus-rejected score (sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, "
+                      "discopop, sft).")
+    f_alpha_divergence_coef: float = knob(0.5, "the ``a`` of ``alpha_divergence`` (score ``(u^(a-1) - 1) / (a - 1)``).")
+    use_weighting: bool = knob(
+        False, "WPO: weigh each pair's loss by ``w_chosen * w_rejected``, ``w = exp(mean over completion tokens of "
+               "log p_t - log sum_v p_v^2)`` under the policy (detached). Not with aot/aot_pair.")
+    discopop_tau: float = knob(0.05, "temperature of the ``discopop`` loss, > 0 (the DiscoPOP paper's 0.05).")
+
+    @property
+    def loss_types(self) -> list[str]:
+        """``loss_type`` as a list of names."""
+        return loss_type_list(self.loss_type)
+
+    def check(self) -> None:
+        types = self.loss_types
+        if not types:
+            valid = ", ".join(repr(t) for t in LOSS_TYPES)
+            raise ValueError(f"loss_type is empty; give one loss type or a list of them, from: {valid}.")
+        weights, label_smoothing = self.loss_weights, self.label_smoothing
+        if weights is not None and len(weights) != len(types):
+            raise ValueError(
+                f"loss_weights has {len(weights)} value(s) but loss_type names {len(types)} loss(es) {types}; "
+                "give one weight per loss type, or leave loss_weights unset for all 1.0."
+            )
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must lie in [0.0, 0.5), got {label_smoothing}.")
+        if "exo_pair" in types and label_smoothing == 0.0:
+            raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper recommends 1e-3).")
+        if self.f_divergence_type not in F_DIVERGENCE_TYPES:
+            raise ValueError(f"Unknown f_divergence_type {self.f_divergence_type!r}; valid names are: "
+                             f"{', '.join(map(repr, F_DIVERGENCE_TYPES))}.")
+        unfit = [t for t in types if t not in F_DIVERGENCE_LOSS_TYPES]
+        if self.f_divergence_type != "reverse_kl" and unfit:
+            raise ValueError(
+                f"f_divergence_type={self.f_divergence_type!r} does not apply to loss type(s) {unfit}: f-DPO only "
+                f"holds for the losses of the chosen-minus-rejected score, {list(F_DIVERGENCE_LOSS_TYPES)}. Use "
+                "f_divergence_type='reverse_kl' (standard DPO) with these losses."
+            )
+        if not math.isfinite(self.f_alpha_divergence_coef):
+            raise ValueError(f"f_alpha_divergence_coef must be a finite number (default 0.5), got "
+                             f"{self.f_alpha_divergence_coef}.")
+        if self.use_weighting:
+            refuse_sorted_weighting(types)
+        if "discopop" in types and not self.discopop_tau > 0:
+            raise ValueError(f"discopop_tau must be > 0 (the DiscoPOP paper's 0.05 is the default), got "
+                             f"{self.discopop_tau}.")
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"ld_alpha must lie in [0, 1] (1 = plain sums), got {self.ld_alpha}.")
+        ignoring = [t for t in types if t not in SMOOTHED_LOSS_TYPES]
+        if label_smoothing > 0 and ignoring:
+            warnings.warn(
+                f"label_smoothing={label_smoothing} is ignored by loss type(s) {ignoring}; it only affects "
+                f"{list(SMOOTHED_LOSS_TYPES)}.",
+                stacklevel=2,
+            )
+
+
 def validate_loss_config(
     loss_type: str | Sequence[str],
     loss_weights: Sequence[float] | None,
@@ -54,45 +137,13 @@ def validate_loss_config(
     f_alpha_divergence_coef: float = 0.5,
     use_weighting: bool = False,
 ) -> list[str]:
-    """Check the DPO loss knobs once, at construction, and return the loss types as a list; raise ``ValueError``
-    saying what to fix (``dpo_loss`` does not check them again)."""
-    types = loss_type_list(loss_type)
-    if not types:
-        valid = ", ".join(repr(t) for t in LOSS_TYPES)
-        raise ValueError(f"loss_type is empty; give one loss type or a list of them, from: {valid}.")
-    if loss_weights is not None and len(loss_weights) != len(types):
-        raise ValueError(
-            f"loss_weights has {len(loss_weights)} value(s) but loss_type names {len(types)} loss(es) {types}; "
-            "give one weight per loss type, or leave loss_weights unset for all 1.0."
-        )
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0 (typical values 0.1-0.5), got {beta}.")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must lie in [0.0, 0.5), got {label_smoothing}.")
-    if "exo_pair" in types and label_smoothing == 0.0:
-        raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper recommends 1e-3).")
-    if f_divergence_type not in F_DIVERGENCE_TYPES:
-        raise ValueError(f"Unknown f_divergence_type {f_divergence_type!r}; valid names are: "
-                         f"{', '.join(map(repr, F_DIVERGENCE_TYPES))}.")
-    unfit = [t for t in types if t not in F_DIVERGENCE_LOSS_TYPES]
-    if f_divergence_type != "reverse_kl" and unfit:
-        raise ValueError(
-            f"f_divergence_type={f_divergence_type!r} does not apply to loss type(s) {unfit}: f-DPO only holds for the "
-            f"losses of the chosen-minus-rejected score, {list(F_DIVERGENCE_LOSS_TYPES)}. Use "
-            "f_divergence_type='reverse_kl' (standard DPO) with these losses."
-        )
-    if not math.isfinite(f_alpha_divergence_coef):
-        raise ValueError(f"f_alpha_divergence_coef must be a finite number (default 0.5), got {f_alpha_divergence_coef}.")
-    if use_weighting:
-        refuse_sorted_weighting(types)
-    ignoring = [t for t in types if t not in SMOOTHED_LOSS_TYPES]
-    if label_smoothing > 0 and ignoring:
-        warnings.warn(
-            f"label_smoothing={label_smoothing} is ignored by loss type(s) {ignoring}; it only affects "
-            f"{list(SMOOTHED_LOSS_TYPES)}.",
-            stacklevel=2,
-        )
-    return types
+    """The loss types as a list, once ``DPOLossConfig`` and ``ImplicitRewardKnobs`` have checked these knobs (their
+    checks, nothing more): ``ValueError`` saying what to fix."""
+    config = DPOLossConfig(loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
+                           f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+                           use_weighting=use_weighting)
+    ImplicitRewardKnobs(beta=beta)
+    return config.loss_types
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -115,9 +166,8 @@ def length_desensitized_logps(
     completions may start at any offset) and is weighted by ``ld_alpha`` beyond that. ``ld_alpha=1`` gives plain
     sums, ``ld_alpha=0`` keeps only the shared part. Log-probs under a zero mask are never read (they may be -inf).
     TRL applies the same weighting to the reference model's log-probs; do that too by calling this on them.
+    ``ld_alpha`` is checked where it is configured (``DPOLossConfig``), not here.
     """
-    if not 0.0 <= ld_alpha <= 1.0:
-        raise ValueError(f"ld_alpha must lie in [0.0, 1.0] (1.0 = plain sums), got {ld_alpha}.")
     dtype = _compute_dtype(token_logps_chosen, token_logps_rejected)
     mask_c, mask_r = mask_chosen.bool(), mask_rejected.bool()
     shared = torch.minimum(mask_c.sum(-1), mask_r.sum(-1)).unsqueeze(-1)  # [B, 1]
@@ -237,7 +287,8 @@ def dpo_loss(
       ``label_smoothing=0`` (the default) equals TRL.
 
     The knobs (``beta``, ``label_smoothing``, ``loss_weights``, ``f_divergence_*``, ``discopop_tau``) are checked
-    once, where they are configured (``validate_loss_config``, run by ``DPOModule`` at construction), not here.
+    once, where they are configured (``DPOLossConfig`` and ``ImplicitRewardKnobs``, built with ``DPOModule``), not
+    here.
 
     Returns ``(losses [B], chosen_rewards [B], rejected_rewards [B])``, rewards being
     ``beta * (policy - reference)`` detached.

@@ -15,20 +15,43 @@ Facts from TRL 1.16's ``KTOTrainer`` (read in the 1.16.0 wheel) and the KTO pape
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from lightalign.knobs import KnobGroup, knob
+from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
+@dataclasses.dataclass(frozen=True)
+class KTOLossConfig(KnobGroup):
+    """KTO's loss knobs (TRL's names), checked once here, at construction; its temperature ``beta`` is
+    ``ImplicitRewardKnobs``' (DPO's too)."""
+
+    group = "loss"
+    loss_type: str = knob(
+        "kto", "``kto`` (default) or ``apo_zero_unpaired`` (APO-zero on unpaired rows: no KL term, so no mismatched "
+               "forwards).")
+    desirable_weight: float = knob(1.0, "weight of the desirable rows' losses (> 0, default 1.0).")
+    undesirable_weight: float = knob(
+        1.0, "weight of the undesirable rows' losses (> 0, default 1.0). With unequal counts, TRL's recommended range "
+             "(KTO paper, Eq. 8) is checked at fit start and a warning says which values fit.")
+
+    def check(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type='{self.loss_type}' is unknown for KTO; use one of {list(LOSS_TYPES)}.")
+        for name, value in (("desirable_weight", self.desirable_weight),
+                            ("undesirable_weight", self.undesirable_weight)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 (1.0 weighs both kinds of rows equally), got {value}.")
+
+
 def validate_kto_config(loss_type: str, beta: float, desirable_weight: float, undesirable_weight: float) -> None:
-    """Refuse knobs KTO cannot use, naming the knob."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type='{loss_type}' is unknown for KTO; use one of {list(LOSS_TYPES)}.")
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0 (TRL's default is 0.1), got {beta}.")
-    for name, value in (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0 (1.0 weighs both kinds of rows equally), got {value}.")
+    """Refuse knobs KTO cannot use, naming the knob: the checks of ``KTOLossConfig`` and ``ImplicitRewardKnobs``."""
+    KTOLossConfig(loss_type=loss_type, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    ImplicitRewardKnobs(beta=beta)
 
 
 def kl_estimate(kl_policy_logps: torch.Tensor, kl_ref_logps: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,13 @@ class SharedLayersKnobs(KnobGroup):
 
 
 class Reference:
+    """The reference model's recipe (how ``build`` makes it); ``from_knobs`` builds it from a method's groups."""
+
+    @classmethod
+    def from_knobs(cls, reference: ReferenceKnobs, shared: SharedLayersKnobs | None = None) -> "Reference":
+        return cls(reference.ref_model_name_or_path, reference.ref_model_init_kwargs,
+                   shared.num_shared_layers if shared is not None else None)
+
     def __init__(self, name_or_path: str | None = None, init_kwargs: dict[str, Any] | None = None,
                  num_shared_layers: int | None = None) -> None:
         if num_shared_layers is not None and (name_or_path or init_kwargs):

@@ -2,20 +2,46 @@
 gathered, cached on disk, handed to the datamodule; the reference model is released afterwards.
 
 The module supplies ``reference_logps(batch) -> (a, b)`` (DPO: chosen and rejected; KTO: the row and its
-mismatched sequence, ``b`` None without a KL term), ``reference_fingerprint()`` and
-``hparams.ref_log_probs_cache_dir``; the datamodule ``splits()``, ``reference_logps``, ``set_reference_logps``,
-``eval_dataloader`` and ``val_batch_size``.
+mismatched sequence, ``b`` None without a KL term), ``reference_fingerprint()`` and its knobs
+(``PrecomputeReferenceKnobs``, as ``knobs.precompute_reference``); the datamodule ``splits()``,
+``reference_logps``, ``set_reference_logps``, ``eval_dataloader`` and ``val_batch_size``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import torch
 
+from lightalign.knobs import KnobGroup, knob
 from lightalign.modules.reference.model import cache_path, load_cached, save_cached, tokenized_fingerprint
 
-__all__ = ["precompute_reference_logps", "sharded_reference_pass"]
+__all__ = ["PrecomputeReferenceKnobs", "precompute_reference_logps", "sharded_reference_pass"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecomputeReferenceKnobs(KnobGroup):
+    """The reference log-probs computed once before training (``precompute_reference_logps``)."""
+
+    group = "precompute_reference"
+    precompute_ref_log_probs: bool = knob(
+        False, "compute the reference log-probs of every row of the train and validation data once before training "
+               "(DPO: chosen and rejected; KTO: each row and its mismatched sequence), cache them on disk (keyed by "
+               "the reference weights and the tokenized rows) and free the reference model.")
+    ref_log_probs_cache_dir: str | None = knob(
+        None, "the cache folder (default ``$LIGHTALIGN_CACHE/ref_logps`` or ``~/.cache/lightalign/ref_logps``).")
+    precompute_ref_batch_size: int | None = knob(
+        None, "rows (DPO: pairs) per forward of the precompute pass (default: the datamodule's ``val_batch_size`` "
+              "for every split; TRL defaults to the train batch size for train).")
+
+    def check(self) -> None:
+        size = self.precompute_ref_batch_size
+        if size is not None and size < 1:
+            raise ValueError(f"precompute_ref_batch_size must be >= 1 (or null for val_batch_size), got {size}.")
+        if size is not None and not self.precompute_ref_log_probs:
+            raise ValueError("precompute_ref_batch_size is the batch size of the precompute pass; set "
+                             "precompute_ref_log_probs=True to use it, or drop it.")
 
 
 @torch.no_grad()
@@ -32,7 +58,8 @@ def precompute_reference_logps(module: Any, datamodule: Any, columns: Sequence[s
         if label in datamodule.reference_logps:
             continue
         fingerprint = fingerprint or module.reference_fingerprint()
-        path = cache_path(module.hparams.ref_log_probs_cache_dir, fingerprint, tokenized_fingerprint(dataset, columns))
+        path = cache_path(module.knobs.precompute_reference.ref_log_probs_cache_dir, fingerprint,
+                          tokenized_fingerprint(dataset, columns))
         cached = load_cached(path)
         if not module.trainer.strategy.reduce_boolean_decision(cached is not None, all=True):
             first, second = sharded_reference_pass(module, datamodule, dataset)
@@ -56,7 +83,7 @@ def sharded_reference_pass(module: Any, datamodule: Any, dataset: Any) -> tuple[
     trainer = module.trainer
     world, rank, n = trainer.world_size, trainer.global_rank, len(dataset)
     bounds = [n * r // world for r in range(world + 1)]
-    batch_size = module.hparams.get("precompute_ref_batch_size") or datamodule.val_batch_size
+    batch_size = module.knobs.precompute_reference.precompute_ref_batch_size or datamodule.val_batch_size
     steps = max(-(-(bounds[r + 1] - bounds[r]) // batch_size) for r in range(world))
     start, stop = bounds[rank], bounds[rank + 1]
     # an empty share (fewer rows than ranks) computes row 0 and drops it

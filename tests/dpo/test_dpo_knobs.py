@@ -213,6 +213,26 @@ def test_module_knobs_are_validated_at_construction(tiny_model):
             DPOModule(model=tiny_model, **kwargs)
 
 
+def test_each_group_is_checked_once_at_construction_and_a_step_checks_nothing_again(monkeypatch, tiny_model):
+    """DPOModule's knobs are checked when its groups are built, once each; a training step neither builds a group
+    again nor checks a value inside ``dpo_loss`` (``beta=0``, refused by ``ImplicitRewardKnobs``, is plain
+    arithmetic there). Mutation: call ``validate_loss_config`` in ``_step``, or put the beta check into
+    ``dpo_loss`` -> this test fails."""
+    from lightalign import DPOModule
+    from lightalign.knobs import KnobGroup
+
+    built = []
+    check = KnobGroup.__post_init__
+    monkeypatch.setattr(KnobGroup, "__post_init__", lambda group: (built.append(type(group).__name__), check(group)))
+    module = DPOModule(model=tiny_model, reference_free=True, loss_type=["sigmoid", "ipo"], ld_alpha=0.5)
+    assert sorted(built) == sorted(g.__name__ for g in DPOModule.knob_groups)
+    built.clear()
+    module._step(_batches()["classic"], module.train_stats)
+    assert built == []
+    losses, _, _ = dpo_loss(t(PC), t(PR), t(RC), t(RR), beta=0.0)
+    torch.testing.assert_close(losses, t([math.log(2)] * 3))
+
+
 def test_precompute_ref_batch_size_sets_the_pass_batches(tiny_dir, data_dir, tmp_path, tiny_model):
     import lightning as L
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightalign.modules.dpo import LOSS_TYPES, dpo_loss, length_desensitized_logps, validate_loss_config
+from lightalign.modules.dpo import LOSS_TYPES, DPOLossConfig, dpo_loss, length_desensitized_logps, validate_loss_config
 
 PC = [-10.0, -12.5, -8.0]  # policy chosen
 PR = [-11.0, -11.0, -11.0]  # policy rejected
@@ -183,8 +183,8 @@ def test_length_desensitized_logps_hand_example():
     c0, r0 = length_desensitized_logps(lc, mc, lr, mr, 0.0)
     assert c0.tolist() == pytest.approx([-3.0, -0.5], abs=1e-6)
     assert r0.tolist() == pytest.approx([-1.0, -1.5], abs=1e-6)
-    with pytest.raises(ValueError, match="ld_alpha"):
-        length_desensitized_logps(lc, mc, lr, mr, 1.5)
+    with pytest.raises(ValueError, match="ld_alpha"):  # refused once, where it is configured
+        DPOLossConfig(ld_alpha=1.5)
 
 
 def test_validate_loss_config_errors():

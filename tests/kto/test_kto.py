@@ -188,6 +188,30 @@ def test_precomputed_reference_equals_the_live_reference(tiny_dir, tokenizer, tm
     assert batch["ref_logps"].tolist() == pytest.approx(live.tolist(), abs=1e-5)
 
 
+def test_precompute_ref_batch_size_sets_the_pass_batches(tiny_dir, tokenizer, tmp_path):
+    """KTO takes DPO's precompute knobs (``PrecomputeReferenceKnobs``): the pass runs in batches of
+    ``precompute_ref_batch_size`` rows (default ``val_batch_size``), and a row's reference log-probs do not depend on
+    its batch (the mismatched sequences are columns of the rows, not drawn per batch)."""
+    results, sizes = {}, {}
+    for batch_size in (None, 5):
+        torch.manual_seed(0)
+        module = KTOModule(str(tiny_dir), from_config=True, precompute_ref_log_probs=True,
+                           precompute_ref_batch_size=batch_size,
+                           ref_log_probs_cache_dir=str(tmp_path / f"c{batch_size}"))
+        seen = []
+        original = module.reference_logps
+        module.reference_logps = lambda batch, original=original, seen=seen: (seen.append(len(batch["labels"]))
+                                                                             or original(batch))
+        dm = make_data(UNPAIRED, tokenizer, shuffle=False, val_batch_size=2)
+        torch.manual_seed(0)
+        L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module, dm)
+        results[batch_size], sizes[batch_size] = dm.reference_logps["train"], seen
+    assert max(sizes[None]) == 2 and max(sizes[5]) == 5
+    for a, b in zip(results[None], results[5]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_lora_reference_is_the_base_model_with_adapters_disabled(tiny_dir, tokenizer):
     pytest.importorskip("peft")
     torch.manual_seed(0)
