@@ -74,6 +74,7 @@ class DPOModule(StatHooks, PolicyModule):
     def check_knob_combinations(self) -> None:
         super().check_knob_combinations()
         knobs = self.knobs
+        knobs.implicit_reward.check_single(type(self).__name__)
         reference = knobs.reference.ref_model_name_or_path
         if knobs.loss.reference_free and (knobs.precompute_reference.precompute_ref_log_probs
                                           or knobs.shared_layers.num_shared_layers or reference):

@@ -80,6 +80,10 @@ class KTOModule(StatHooks, PolicyModule):
 
     method_name = "KTO"
 
+    def check_knob_combinations(self) -> None:
+        super().check_knob_combinations()
+        self.knobs.implicit_reward.check_single(type(self).__name__)
+
     def compose(self) -> None:
         super().compose()
         self.reference = Reference.from_knobs(self.knobs.reference, self.knobs.shared_layers)

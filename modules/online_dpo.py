@@ -20,6 +20,7 @@ import torch
 from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.losses.advantages import MissingEOSKnobs, apply_missing_eos_penalty
 from lightalign.modules.losses.dpo import dpo_loss
+from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
 from lightalign.modules.sampling.module import SamplingModule
@@ -37,12 +38,9 @@ ONLINE_DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
 @dataclasses.dataclass(frozen=True)
 class OnlineDPOLossKnobs(KnobGroup):
-    """Online DPO's loss on each sampled pair (``dpo_loss``'s ``sigmoid`` or ``ipo``) and its beta, per epoch."""
+    """Online DPO's loss on each sampled pair (``dpo_loss``'s ``sigmoid`` or ``ipo``)."""
 
     group = "online_dpo_loss"
-    beta: float | list[float] = knob(
-        0.1, "the DPO beta (deviation from the reference; for ``ipo`` the regulariser tau). A list gives one value per "
-             "epoch, the last reused after (TRL).")
     loss_type: Literal["sigmoid", "ipo"] = knob(
         "sigmoid", "``sigmoid`` (DPO) or ``ipo`` (length-normalised log-ratios, as the project's ``dpo_loss``); the "
                    "other DPO loss types need offline pairs and are refused.")
@@ -52,9 +50,6 @@ class OnlineDPOLossKnobs(KnobGroup):
             raise ValueError(f"loss_type={self.loss_type!r} is not available online: OnlineDPOModule takes "
                              f"{list(ONLINE_DPO_LOSS_TYPES)} (as TRL's OnlineDPOTrainer); the other DPO loss types are "
                              "DPOModule's, on offline preference pairs.")
-        betas = [self.beta] if isinstance(self.beta, (int, float)) else list(self.beta)
-        if not betas or any(not float(b) > 0 for b in betas):
-            raise ValueError(f"beta must be > 0, or a non-empty list of values > 0 (one per epoch), got {self.beta!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +131,7 @@ TRAIN_STATS = ("loss", "objective/scores", "objective/scores_margin", "objective
                "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
 
-@takes_knobs(RewardKnobs, JudgeKnobs, OnlineDPOLossKnobs, MissingEOSKnobs, ReferenceKnobs,
+@takes_knobs(RewardKnobs, JudgeKnobs, ImplicitRewardKnobs, OnlineDPOLossKnobs, MissingEOSKnobs, ReferenceKnobs,
              defaults={"max_completion_length": 64, "temperature": 0.9, "disable_dropout": True})
 class OnlineDPOModule(SamplingModule):
     """Online DPO on the prompts of ``PromptDataModule``: two completions per prompt sampled from the policy, ranked

@@ -10,14 +10,25 @@ from lightalign.knobs import KnobGroup, knob
 
 @dataclasses.dataclass(frozen=True)
 class ImplicitRewardKnobs(KnobGroup):
-    """The implicit reward's temperature (DPO, KTO)."""
+    """The implicit reward's temperature (DPO, KTO, online DPO)."""
 
     group = "implicit_reward"
-    beta: float = knob(
+    beta: float | list[float] = knob(
         0.1, "the temperature of the implicit reward ``beta * log(pi / pi_ref)`` (TRL's ``beta``): the strength of "
-             "the implicit KL penalty, higher keeps the policy closer to the reference; > 0 (TRL's default 0.1, "
-             "typical values 0.1-0.5).")
+             "the implicit KL penalty, higher keeps the policy closer to the reference (for ``ipo`` the regulariser "
+             "tau); > 0 (TRL's default 0.1, typical values 0.1-0.5). Online DPO also takes a list: one value per "
+             "epoch, the last reused after (TRL's ``OnlineDPOConfig``).")
 
     def check(self) -> None:
-        if not self.beta > 0:
+        if isinstance(self.beta, (list, tuple)):
+            if not self.beta or any(not float(b) > 0 for b in self.beta):
+                raise ValueError(f"beta must be > 0, or a non-empty list of values > 0 (one per epoch), got "
+                                 f"{self.beta!r}.")
+        elif not self.beta > 0:
             raise ValueError(f"beta must be > 0 (TRL's default is 0.1; typical values 0.1-0.5), got {self.beta}.")
+
+    def check_single(self, method: str) -> None:
+        """A method with one temperature for the whole run refuses a per-epoch list."""
+        if isinstance(self.beta, (list, tuple)):
+            raise ValueError(f"beta is one number for {method}; a list of values, one per epoch, is online DPO's "
+                             f"(got {self.beta!r}).")

@@ -19,12 +19,13 @@ from lightalign.modules.training.policy import PolicyModule
 # refuses): how many ideas the name has.
 SAME_NAME_OTHER_IDEA: dict[str, int] = {
     "epsilon": 2, "epsilon_high": 2,  # GRPO's clip of each token's ratio; RLOO's clip of each completion's ratio
-    # GRPO/RLOO's KL coefficient (``KLKnobs``, 0 = no reference); distillation's point between forward and reverse
-    # KL (``DistillLossKnobs``); online DPO's implicit-reward temperature, one value per epoch (``OnlineDPOLossKnobs``)
+    # GRPO/RLOO's coefficient of an explicit KL term (``KLKnobs``: >= 0, 0 builds no reference); DPO's, KTO's and online
+    # DPO's temperature of the implicit reward (``ImplicitRewardKnobs``: > 0); distillation's point between forward
+    # and reverse KL (``DistillLossKnobs``)
     "beta": 3,
-    # GRPO's policy loss (``GRPOLossConfig``), distillation's divergence (``DistillLossKnobs``), online DPO's pair
-    # loss (``OnlineDPOLossKnobs``): each method's own list of losses
-    "loss_type": 3,
+    # each method's own family of losses: GRPO (``GRPOLossConfig``), DPO (``DPOLossConfig``), KTO
+    # (``KTOLossConfig``), distillation (``DistillLossKnobs``), online DPO (``OnlineDPOLossKnobs``)
+    "loss_type": 5,
     # online RL's micro-batch layout, off unless asked (``RolloutLayoutKnobs``); distillation's rows, unset = the
     # device's measured default decided at fit start on student and teacher (``DistillLayoutKnobs``)
     "padding_free": 2,
