@@ -214,7 +214,6 @@ def generalized_jsd_loss(
     if mask.shape != student_logits.shape[:-1]:
         raise ValueError(f"generalized_jsd_loss: mask {tuple(mask.shape)} must have the logits' shape without the "
                          f"vocabulary dimension, {tuple(student_logits.shape[:-1])}.")
-    check_jsd_beta(beta)
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
     kept = mask.bool().nonzero(as_tuple=True)

@@ -37,12 +37,11 @@ class RolloutKnobs(KnobGroup):
     log_entropy: bool = knob(True, "log the mean token entropy of the policy on its completions.")
 
     def check(self) -> None:
-        if self.num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}.")
+        # num_generations' lower bound is the method's (its advantage's group size): OnlineRLModule checks it
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1 or null (= num_generations), got "
                              f"{self.num_generations_eval}.")
-        if self.generation_batch_size is not None:
+        if self.generation_batch_size is not None and self.num_generations >= 1:
             check_generation_arithmetic(self.generation_batch_size, self.num_generations, None)
 
 def check_generation_arithmetic(generation_batch_size: int, num_generations: int, steps: int | None) -> None:

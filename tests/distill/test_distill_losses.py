@@ -240,18 +240,18 @@ def test_low_precision_student_gets_its_own_dtype_gradient():
 def test_a_teacher_with_another_vocabulary_is_refused():
     with pytest.raises(ValueError, match="vocabulary"):
         generalized_jsd_loss(logits(0), logits(1)[..., :6], mask())
-    with pytest.raises(ValueError, match="beta"):
-        generalized_jsd_loss(logits(0), logits(1), mask(), beta=1.5)
 
 
 
-def test_a_zero_temperature_is_refused_when_the_method_is_built(tiny_dir):
+def test_the_loss_knobs_are_refused_when_the_method_is_built(tiny_dir):
     """The temperature is the sampling knob (``SamplingKnobs``), checked once, at construction; the loss takes it
     as given."""
     from lightalign import DistillModule
 
     with pytest.raises(ValueError, match="temperature must be > 0"):
         DistillModule(str(tiny_dir), from_config=True, teacher_model_name_or_path=str(tiny_dir), temperature=0.0)
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):  # DistillLossKnobs, not every loss call
+        DistillModule(str(tiny_dir), from_config=True, teacher_model_name_or_path=str(tiny_dir), beta=1.5)
 
 
 # ------------------------------------------------------------------------------------------------ on-policy
