@@ -105,6 +105,7 @@ def takes_knobs(*groups: type[KnobGroup], defaults: dict[str, Any] | None = None
             self.construct_from_knobs({**type(self).knob_defaults, **given})
 
         __init__.__signature__ = signature  # type: ignore[attr-defined]
+        __init__.__annotations__ = {name: p.annotation for name, p in signature.parameters.items() if name != "self"}
         __init__.__doc__ = _docstring(cls)
         # the Args also on the class: a subclass's own __init__ (passing **kwargs on) is described from its bases
         cls.__doc__ = (cls.__doc__ or cls.__name__).rstrip() + "\n\n" + __init__.__doc__.split("\n\n", 1)[1]

@@ -20,4 +20,4 @@ class KLKnobs(KnobGroup):
 
     def check(self) -> None:
         if not self.beta >= 0:
-            raise ValueError(f"beta (KL coefficient) must be >= 0 (0.0 disables the KL term), got {self.beta}.")
+            raise ValueError(f"beta must be >= 0 (the KL coefficient; 0.0 disables the KL term), got {self.beta}.")

@@ -6,6 +6,8 @@ server engine's weight pushes end with an error, not a hang, when the server fai
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import sys
 import threading
@@ -88,8 +90,14 @@ def vllm_server_module(grpo_module, **knobs):
     L.seed_everything(0)
     module = grpo_module(reward_funcs=[varied_reward], learning_rate=2e-2, max_completion_length=6,
                          generation_batch_size=8, temperature=0.9, **knobs)
-    module.hparams.use_vllm, module.hparams.vllm_mode = True, "server"
+    as_on_a_gpu(module, use_vllm=True, vllm_mode="server")
     return module
+
+
+def as_on_a_gpu(module, **vllm):
+    """The vLLM knobs set after construction, in the module's group and its saved hyperparameters alike."""
+    module.knobs.vllm = dataclasses.replace(module.knobs.vllm, **vllm)
+    module.hparams.update(vllm)
 
 
 @pytest.fixture
@@ -188,7 +196,7 @@ def test_a_run_resumed_with_a_vllm_rollout_in_flight_trains_as_the_uninterrupted
 def test_vllm_ahead_refusals(grpo_module, quiet_trainer, prompt_data, engines, knobs, message):
     mode = knobs.pop("vllm_mode", "server")
     module = vllm_server_module(grpo_module, **knobs)
-    module.hparams.vllm_mode = mode
+    as_on_a_gpu(module, vllm_mode=mode)
     with pytest.raises(ValueError, match=message):
         fit_on_engine(module, engines, quiet_trainer, prompt_data, max_steps=1)
 
