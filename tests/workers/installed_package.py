@@ -18,6 +18,7 @@ Prints one ``ok: ...`` line per check; any failure raises (exit status 1 with th
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import os
 import pkgutil
@@ -136,11 +137,18 @@ def check_console(work: Path) -> None:
     two = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--plot.enabled", "false"]
     # the teachers first: distill_quickstart.yaml's is the quickstart's export, tools_grpo.yaml's tools_sft.yaml's
     first = ["quickstart.yaml", "tools_sft.yaml"]
-    configs = first + sorted(p.name for p in (examples / "configs").glob("*.yaml") if p.name not in first
-                             and (p.stem.endswith(("_tiny", "_quickstart")) or p.stem.startswith("tools_")))
-    for config in configs:
+    rest = sorted(p.name for p in (examples / "configs").glob("*.yaml") if p.name not in first
+                  and (p.stem.endswith(("_tiny", "_quickstart")) or p.stem.startswith("tools_")))
+
+    def fit(config: str) -> str:
         run("fit", "--config", f"configs/{config}", *two, cwd=examples)
-        print(f"ok: lightalign fit --config configs/{config} (2 steps, from `lightalign examples`)")
+        return f"ok: lightalign fit --config configs/{config} (2 steps, from `lightalign examples`)"
+
+    # two processes at a time (one torch thread each): the teachers, then the configs that read their exports
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for configs in (first, rest):
+            for line in pool.map(fit, configs):
+                print(line)
     assert (examples / "runs" / "quickstart" / "version_0" / "hf_model" / "config.json").is_file()
 
 
