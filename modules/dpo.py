@@ -40,6 +40,7 @@ from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs, SharedLayersKnobs
 from lightalign.modules.reference.model import model_fingerprint
 from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, precompute_reference_logps
+from lightalign.modules.reference.sync import PRECOMPUTED, quantized_reference
 from lightalign.modules.training.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
@@ -80,6 +81,14 @@ class DPOModule(StatHooks, PolicyModule):
                                           or knobs.shared_layers.num_shared_layers or reference):
             raise ValueError("reference_free=True uses no reference model; drop precompute_ref_log_probs, "
                              "num_shared_layers and ref_model_name_or_path.")
+
+    def reference_sync_blocker(self) -> str | None:
+        knobs = self.knobs
+        if knobs.loss.reference_free:
+            return "reference_free=True uses no reference model"
+        if knobs.precompute_reference.precompute_ref_log_probs:
+            return PRECOMPUTED
+        return super().reference_sync_blocker() or quantized_reference(knobs.reference.ref_model_init_kwargs)
 
     def compose(self) -> None:
         super().compose()

@@ -20,6 +20,7 @@ from lightalign.modules.training.logprobs import completion_logps
 from lightalign.modules.reference.component import Reference, ReferenceKnobs, SharedLayersKnobs
 from lightalign.modules.reference.model import model_fingerprint
 from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, precompute_reference_logps
+from lightalign.modules.reference.sync import PRECOMPUTED, quantized_reference
 from lightalign.modules.training.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
@@ -83,6 +84,12 @@ class KTOModule(StatHooks, PolicyModule):
     def check_knob_combinations(self) -> None:
         super().check_knob_combinations()
         self.knobs.implicit_reward.check_single(type(self).__name__)
+
+    def reference_sync_blocker(self) -> str | None:
+        knobs = self.knobs
+        if knobs.precompute_reference.precompute_ref_log_probs:
+            return PRECOMPUTED
+        return super().reference_sync_blocker() or quantized_reference(knobs.reference.ref_model_init_kwargs)
 
     def compose(self) -> None:
         super().compose()

@@ -37,29 +37,24 @@ class ReferenceSyncKnobs(KnobGroup):
             raise ValueError(f"ref_model_sync_steps must be an integer >= 1 (optimizer steps; default 512), got {every}.")
 
 
-def check_reference_sync(hparams: Any, uses_reference_model: bool, method: str) -> None:
-    """Refuse, at construction, the combinations of ``sync_ref_model`` with other groups' knobs a reference update
-    cannot work with (the group's own values are checked by ``ReferenceSyncKnobs``)."""
-    if not hparams.get("sync_ref_model"):
-        return
-    why = None
-    if not uses_reference_model:
-        why = f"{method} has no reference model"
-    elif hparams.get("reference_free"):
-        why = "reference_free=True uses no reference model"
-    elif hparams.get("beta", None) == 0:
-        why = "beta=0 builds no reference model; set beta > 0 to have one"
-    elif hparams.get("precompute_ref_log_probs"):
-        why = ("precompute_ref_log_probs=True computes the reference log-probs once before training, and a reference "
+PRECOMPUTED = ("precompute_ref_log_probs=True computes the reference log-probs once before training, and a reference "
                "that changes during training would make them stale; set precompute_ref_log_probs=False")
-    elif hparams.get("peft_config") is not None:
-        why = ("with LoRA (peft_config) the reference is the base model with the adapters disabled, not a model of "
-               "its own that could be mixed; train without peft_config to sync the reference")
-    elif (hparams.get("ref_model_init_kwargs") or {}).get("quantization_config") is not None:
-        why = "a quantized reference (ref_model_init_kwargs.quantization_config) cannot take a mix of float weights"
+LORA = ("with LoRA (peft_config) the reference is the base model with the adapters disabled, not a model of its own "
+        "that could be mixed; train without peft_config to sync the reference")
+
+
+def refuse_reference_sync(why: str | None) -> None:
+    """``sync_ref_model`` refused, at construction, for the reason a method gives (``reference_sync_blocker``)."""
     if why:
         raise ValueError(f"sync_ref_model=True cannot work here: {why}. Drop sync_ref_model (and its "
                          "ref_model_mixup_alpha / ref_model_sync_steps).")
+
+
+def quantized_reference(init_kwargs: dict[str, Any] | None) -> str | None:
+    """Why a reference loaded with a ``quantization_config`` cannot be mixed (None: it is not quantized)."""
+    if (init_kwargs or {}).get("quantization_config") is not None:
+        return "a quantized reference (ref_model_init_kwargs.quantization_config) cannot take a mix of float weights"
+    return None
 
 
 def check_mixable(policy: torch.nn.Module, reference: torch.nn.Module | None) -> None:

@@ -25,6 +25,7 @@ from lightalign.modules.sampling.config import RolloutSamplingKnobs, SamplingCon
 from lightalign.modules.rollout.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.losses.importance_sampling import ImportanceSamplingKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs
+from lightalign.modules.reference.sync import quantized_reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, RolloutKnobs, check_generation_arithmetic, split_rollout
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
 from lightalign.modules.rollout.state import load_rollout_state, save_rollout_state
@@ -73,6 +74,12 @@ class OnlineRLModule(SamplingModule):
         if num_generations < self.min_generations:
             raise ValueError(f"{type(self).__name__} needs num_generations >= {self.min_generations} "
                              f"({self.group_needs}), got {num_generations}.")
+
+    def reference_sync_blocker(self) -> str | None:
+        if self.uses_reference_model and not self.uses_reference:
+            coef = self.knob_equivalents.get("beta", "beta")
+            return f"{coef}=0 builds no reference model; set {coef} > 0 to have one"
+        return super().reference_sync_blocker() or quantized_reference(self.knobs.reference.ref_model_init_kwargs)
 
     def compose(self) -> None:
         super().compose()

@@ -18,7 +18,7 @@ from lightalign.callbacks.nonfinite import NonfiniteKnobs
 from lightalign.knobs import KnobSet, takes_knobs
 from lightalign.modules.adaptations import AdaptationReport
 from lightalign.modules.losses.router_aux import RouterAuxKnobs
-from lightalign.modules.reference.sync import ReferenceSyncKnobs, check_reference_sync
+from lightalign.modules.reference.sync import LORA, ReferenceSyncKnobs, refuse_reference_sync
 from lightalign.modules.training.acceleration import CPUMemoryKnobs
 from lightalign.modules.training.checkpoint_state import CheckpointState
 from lightalign.modules.training.dropout import DropoutKnobs
@@ -77,13 +77,23 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         saved = {f.name: getattr(group, f.name) for group in self.knobs for f in group.knob_fields()
                  if f.metadata["saved"]}
         self.save_hyperparameters({**subclass_init_args(self, outer), **saved})
-        check_reference_sync(self.hparams, self.uses_reference_model, type(self).__name__)
         self.check_knob_combinations()
         self.compose()
 
     def check_knob_combinations(self) -> None:
         """Refuse combinations of knobs from several groups (each group checked its own knobs); a method extends it,
         calling ``super().check_knob_combinations()`` first. Runs at construction, before ``compose``."""
+        if self.knobs.reference_sync.sync_ref_model:
+            refuse_reference_sync(self.reference_sync_blocker())
+
+    def reference_sync_blocker(self) -> str | None:
+        """Why this run has no reference model of its own in memory for ``sync_ref_model`` to mix into (None: it
+        has one); a method with a reference puts its own reasons first."""
+        if not self.uses_reference_model:
+            return f"{type(self).__name__} has no reference model"
+        if self.knobs.model.peft_config is not None:
+            return LORA
+        return None
 
     def compose(self) -> None:
         """Build the module's components from ``self.knobs`` (a subclass extends it, calling ``super().compose()``
