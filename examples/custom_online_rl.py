@@ -2,7 +2,8 @@
 
 The loop (sampling on any backend, rewards, the rollout buffer, exact resume, every strategy, the fit-start checks)
 is ``OnlineRLModule``'s; ``CriticFreeModule`` adds TRL's rollout schedule and the training layouts. The method
-declares only its own knob (``baseline``) and objective (``rollout_advantages`` and ``training_step``).
+declares only its own knob (``baseline``, a knob group: defined, described and checked once) and objective
+(``rollout_advantages`` and ``training_step``).
 
 Run from the repository root:  python examples/custom_online_rl.py [--steps 4]
 (It is also a LightningCLI class: ``lightalign fit --model examples.custom_online_rl.ReinforceModule ...`` with the
@@ -12,6 +13,7 @@ repository root on PYTHONPATH.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +21,7 @@ import lightning as L
 import torch
 
 from lightalign import PromptDataModule
+from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.rollout.buffer import in_rollout_order, scatter_rows
 from lightalign.modules.rollout.critic_free import CriticFreeModule
 from lightalign.modules.rollout.scoring import metric_key
@@ -26,19 +29,21 @@ from lightalign.modules.rollout.scoring import metric_key
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@dataclasses.dataclass(frozen=True)
+class ReinforceKnobs(KnobGroup):
+    group = "reinforce"
+    baseline: Literal["group", "none"] = knob("group", "``group``: the mean reward of the completion's group; "
+                                                       "``none``: no baseline.")
+
+    def check(self) -> None:
+        if self.baseline not in ("group", "none"):
+            raise ValueError(f"baseline={self.baseline!r} is unknown; use 'group' or 'none'.")
+
+
+@takes_knobs(ReinforceKnobs)
 class ReinforceModule(CriticFreeModule):
-    """REINFORCE: ``loss = -mean_i(A_i * sum_t log pi(y_it))`` with ``A_i = r_i - baseline``.
-
-    Args:
-        baseline: ``group``: the mean reward of the completion's group; ``none``: no baseline.
-        **kwargs: ``CriticFreeModule`` / ``OnlineRLModule`` / ``PolicyModule`` arguments.
-    """
-
-    def __init__(self, model_name_or_path: str | None = None, *, baseline: Literal["group", "none"] = "group",
-                 **kwargs: Any) -> None:
-        if baseline not in ("group", "none"):
-            raise ValueError(f"baseline={baseline!r} is unknown; use 'group' or 'none'.")
-        super().__init__(model_name_or_path, **kwargs)
+    """REINFORCE: ``loss = -mean_i(A_i * sum_t log pi(y_it))`` with ``A_i = r_i - baseline`` (every knob of
+    ``CriticFreeModule``, ``OnlineRLModule`` and ``PolicyModule`` too)."""
 
     @property
     def uses_reference(self) -> bool:
@@ -47,7 +52,7 @@ class ReinforceModule(CriticFreeModule):
     def rollout_advantages(self, chunks: list[dict[str, torch.Tensor]]) -> None:
         (rewards,) = in_rollout_order(chunks, "rewards")
         rewards = torch.nan_to_num(rewards)  # a completion no reward function scored counts 0
-        if self.hparams.baseline == "group":
+        if self.knobs.reinforce.baseline == "group":
             groups = rewards.view(-1, self.hparams.num_generations)
             rewards = (groups - groups.mean(1, keepdim=True)).flatten()
         scatter_rows(chunks, advantages=rewards)
