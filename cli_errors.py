@@ -52,7 +52,12 @@ class OptionError(Exception):
             line = f"{name} has no option {where}" if typed else f"{where}: {name} has no option '{leaf}'"
             match = difflib.get_close_matches(leaf, known, n=1)
             instead = getattr(owner, "knob_equivalents", {}).get(leaf)  # TRL's name for one of the method's knobs
-            if instead:
+            from lightalign.modules.training.policy import RENAMED_KNOBS
+
+            renamed = RENAMED_KNOBS.get(leaf) if section == "model" else None  # TRL's former name of a knob
+            if renamed:
+                line += f"; it is TRL's former name of {f'--{section}.{renamed}' if typed else repr(renamed)}: use that"
+            elif instead:
                 line += f"; its {f'--{section}.{instead}' if typed else repr(instead)} is the same idea"
             elif match:
                 line += f"; did you mean {f'--{section}.{match[0]}' if typed else repr(match[0])}?"

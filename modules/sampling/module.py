@@ -22,14 +22,10 @@ from lightalign.modules.sampling.component import Sampling
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.training.stat_metrics import loggers_write_this_step, read_every_step
 
-RENAMED_KNOBS = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max"}  # TRL's former name -> ours
-
-
 @takes_knobs(SamplingKnobs, VLLMKnobs)
 class SamplingModule(PolicyModule):
     """A method that samples completions from its models (its sampling knobs: ``SamplingKnobs``, ``VLLMKnobs``)."""
 
-    knob_equivalents: dict[str, str] = {}  # TRL's (or a sibling method's) name -> this method's knob for the idea
     progress_stats: tuple[str, ...] = ()  # the statistics shown in the progress bar
     vllm_gpu_memory_utilization_default = 0.3  # TRL's for the method (GRPOConfig, DistillationConfig)
     train_stats: torch.nn.ModuleDict
@@ -61,31 +57,11 @@ class SamplingModule(PolicyModule):
         self.sampling = Sampling(self.sampling_config())
         self.tokenizer: Any = None  # the datamodule's, at setup
 
-    @classmethod
-    def refuse_unknown_knobs(cls, unknown: dict[str, Any]) -> None:
-        """A ``TypeError`` naming the first knob in ``unknown`` (knobs the method does not take), with the method's
-        knob for the same idea (``knob_equivalents``) or the methods that take it."""
-        if not unknown:
-            return
-        knob, name = sorted(unknown)[0], cls.__name__
-        if knob in RENAMED_KNOBS:
-            raise TypeError(f"{knob} is TRL's former name of {RENAMED_KNOBS[knob]}; use that.")
-        instead = cls.knob_equivalents.get(knob)
-        elsewhere = [] if instead else cls.methods_with_knob(knob)
-        raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
-                        + (f"; {' and '.join(elsewhere)} take it" if elsewhere else "")
-                        + f" (`lightalign fit --model.help {name}` lists its knobs).")
-
     def vllm_models(self) -> list[tuple[str, torch.nn.Module, str | None, bool]]:
         """With ``use_vllm``: who samples through an engine of its own, as ``(who, model, model folder, follows
         training)``; a model that follows training has its weights pushed after every optimizer step, the others
         once at fit start. Default: the policy."""
         return [("policy", self.model, self.model_name_or_path, True)]
-
-    @classmethod
-    def methods_with_knob(cls, knob: str) -> list[str]:
-        """Sibling methods that declare ``knob`` (named in the refusal; default: none named)."""
-        return []
 
     # ------------------------------------------------------------------------------------- hooks
     def setup(self, stage: str) -> None:

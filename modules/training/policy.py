@@ -5,6 +5,7 @@ fit-start checks, the non-finite guard and the export."""
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightalign.callbacks.nonfinite import NonfiniteKnobs
-from lightalign.knobs import KnobSet, takes_knobs
+from lightalign.knobs import KnobSet, method_knobs, takes_knobs
 from lightalign.modules.adaptations import AdaptationReport
 from lightalign.modules.losses.router_aux import RouterAuxKnobs
 from lightalign.modules.reference.sync import LORA, ReferenceSyncKnobs, refuse_reference_sync
@@ -28,6 +29,9 @@ from lightalign.modules.training.model_building import ComputeKnobs, ModelBuildi
 from lightalign.modules.training.neftune import NEFTuneKnobs
 from lightalign.modules.training.optimization import Optimization, OptimizationKnobs
 from lightalign.modules.training.side_effects import ScopedSideEffects
+
+# TRL's former names of knobs, refused naming the current one
+RENAMED_KNOBS = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max"}
 
 # constructor arguments of a subclass's own ``__init__`` kept out of the hyperparameters (Python objects)
 UNSAVED_INIT_ARGS = frozenset({"model", "teacher_model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs",
@@ -61,11 +65,37 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
     _unregistered_attributes: frozenset[str] = frozenset({"ref_model", "side_effects", "knobs"})
     ref_model: torch.nn.Module | None = None  # the reference model (``Reference.build``), when the method has one
 
+    knob_equivalents: dict[str, str] = {}  # TRL's (or a sibling method's) name -> this method's knob for the idea
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._unregistered_attributes:
             self.__dict__[name] = value
             return
         super().__setattr__(name, value)
+
+    @classmethod
+    def refuse_unknown_knobs(cls, unknown: dict[str, Any]) -> None:
+        """A ``TypeError`` naming the first knob in ``unknown`` (knobs the method does not take), with TRL's current
+        name for a former one, the method's knob for the same idea (``knob_equivalents``), the methods that take it,
+        or the closest knob name."""
+        if not unknown:
+            return
+        knob, name = sorted(unknown)[0], cls.__name__
+        if knob in RENAMED_KNOBS:
+            raise TypeError(f"{knob} is TRL's former name of {RENAMED_KNOBS[knob]}; use that.")
+        instead = cls.knob_equivalents.get(knob)
+        elsewhere = [] if instead else cls.methods_with_knob(knob)
+        close = [] if instead or elsewhere else difflib.get_close_matches(knob, method_knobs(cls), n=1)
+        raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
+                        + (f"; {' and '.join(elsewhere)} take{'s' if len(elsewhere) == 1 else ''} it"
+                           if elsewhere else "")
+                        + (f"; did you mean {close[0]!r}?" if close else "")
+                        + f" (`lightalign fit --model.help {name}` lists its knobs).")
+
+    @classmethod
+    def methods_with_knob(cls, knob: str) -> list[str]:
+        """Sibling methods that take ``knob`` (named in the refusal; default: none named)."""
+        return []
 
     def construct_from_knobs(self, given: dict[str, Any]) -> None:
         """The constructor ``takes_knobs`` generates calls this with the knobs given: each group is built (and checks

@@ -100,3 +100,16 @@ def test_union_knobs_and_a_missing_config_are_one_line(repo, tmp_path, name, con
     out, file = run_with_override(repo, tmp_path, ["fit", "--config", config], text, extra)
     assert out.splitlines()[0] == f"lightalign: error: {expected.format(file=file)}", out[-4000:]
     assert len(out.splitlines()) == 1 and "Traceback" not in out, out[-4000:]
+
+
+@pytest.mark.slow
+def test_trls_former_knob_name_names_the_current_one(repo, tmp_path):
+    """``vllm_importance_sampling_cap`` (TRL's former name) points to ``..._clip_max``, not to the closest spelling
+    (``..._clip_min``, the other bound)."""
+    proc = console_script.run(repo, "fit", "--config", "configs/grpo_quickstart.yaml",
+                              "--model.vllm_importance_sampling_cap", "2",
+                              "--trainer.logger.init_args.save_dir", str(tmp_path), timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert ("lightalign: error: GRPOModule has no option --model.vllm_importance_sampling_cap; it is TRL's former name "
+            "of --model.vllm_importance_sampling_clip_max: use that") in out, out[-4000:]

@@ -160,3 +160,24 @@ def test_a_subclass_s_own_init_arguments_are_saved_as_hyperparameters(tiny_dir):
 
     module = MySFT(my_weight=0.25, model_name_or_path=str(tiny_dir), from_config=True)
     assert module.hparams.my_weight == 0.25 and module.hparams.from_config is True
+
+
+def test_an_unknown_knob_is_refused_naming_the_closest_or_the_methods_that_take_it(tiny_dir):
+    from lightalign import DPOModule, GRPOModule
+    from lightalign.rewards import digit_fraction_reward
+
+    with pytest.raises(TypeError, match=r"DPOModule has no knob 'bta'; did you mean 'beta'\?"):
+        DPOModule(str(tiny_dir), from_config=True, bta=0.1)
+    with pytest.raises(TypeError, match="GRPOModule has no knob 'num_ppo_epochs'; PPOModule takes it"):
+        GRPOModule(str(tiny_dir), from_config=True, reward_funcs=[digit_fraction_reward], num_ppo_epochs=2)
+    with pytest.raises(TypeError, match="former name of vllm_importance_sampling_clip_max"):
+        GRPOModule(str(tiny_dir), from_config=True, reward_funcs=[digit_fraction_reward],
+                   vllm_importance_sampling_cap=2.0)
+
+
+@pytest.mark.parametrize("given, read", [(True, "group"), (False, "none"), ("batch", "batch")])
+def test_trls_boolean_scale_rewards_reads_as_its_string(given, read):
+    """TRL's former ``scale_rewards: true/false`` (Dr. GRPO recipes) reads as ``group`` / ``none``."""
+    from lightalign.modules.losses.advantages.reward_shaping import RewardShapingKnobs
+
+    assert RewardShapingKnobs(scale_rewards=given).scale_rewards == read

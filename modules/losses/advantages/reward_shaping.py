@@ -104,8 +104,9 @@ class RewardShapingKnobs(KnobGroup):
     """GRPO's way from rewards to advantages."""
 
     group = "reward_shaping"
-    scale_rewards: Literal["group", "batch", "none"] = knob("group", "advantage scaling: ``group`` std, ``batch`` "
-                                                                     "std, or ``none``.")
+    scale_rewards: Literal["group", "batch", "none"] | bool = knob(
+        "group", "advantage scaling: ``group`` std, ``batch`` std, or ``none``; TRL's former booleans are read as "
+                 "``true`` = ``group``, ``false`` = ``none``.")
     normalize_rewards: bool = knob(False, "normalise rewards by their running mean/std before the advantages "
                                           "(statistics of the whole generation batch, every rank's, so all ranks keep "
                                           "the same ones).")
@@ -117,6 +118,11 @@ class RewardShapingKnobs(KnobGroup):
                               "whole generation batch (every rank's); ``scale_rewards`` is then not used, and "
                               "``normalize_rewards`` / ``reward_clip`` (lightalign's, on the summed reward) are refused "
                               "with it.")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool):  # TRL's former type: True = "group", False = "none"
+            object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+        super().__post_init__()
 
     def check(self) -> None:
         check_reward_shaping(self.scale_rewards, self.normalize_rewards, self.reward_clip,
