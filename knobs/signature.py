@@ -27,6 +27,10 @@ class KnobSet:
     def __iter__(self):
         return iter(self.__dict__.values())
 
+    def __contains__(self, group: str) -> bool:
+        """Whether the method takes the group named ``group`` (e.g. ``"neftune" in module.knobs``)."""
+        return group in self.__dict__
+
     def __repr__(self) -> str:
         return f"KnobSet({', '.join(self.__dict__)})"
 

@@ -16,6 +16,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.training.lora import is_peft_model
 from lightalign.modules.training.policy import PolicyModule
+from lightalign.modules.training.neftune import NEFTuneKnobs
 from lightalign.modules.training.preference_forward import (  # noqa: F401  (re-exported: they were defined here)
     completion_lengths,
     completion_token_logps,
@@ -40,7 +41,7 @@ from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs, SharedLayersKnobs
 from lightalign.modules.reference.model import model_fingerprint
 from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, precompute_reference_logps
-from lightalign.modules.reference.sync import PRECOMPUTED, quantized_reference
+from lightalign.modules.reference.sync import PRECOMPUTED, ReferenceSyncKnobs, quantized_reference
 from lightalign.modules.training.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
@@ -51,7 +52,7 @@ PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies"
               "logps/chosen", "logps/rejected")
 
 
-@takes_knobs(ImplicitRewardKnobs, DPOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
+@takes_knobs(NEFTuneKnobs, ReferenceSyncKnobs, ImplicitRewardKnobs, DPOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
              defaults={"disable_dropout": True})
 class DPOModule(StatHooks, PolicyModule):
     """Direct preference optimisation on the pair batches of ``PreferenceDataModule``.

@@ -13,6 +13,7 @@ from torchmetrics.aggregation import MeanMetric
 from lightalign.knobs import takes_knobs
 from lightalign.modules.training.lora import is_peft_model
 from lightalign.modules.training.policy import PolicyModule
+from lightalign.modules.training.neftune import NEFTuneKnobs
 from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
 from lightalign.modules.losses.kto import (LOSS_TYPES, KTOLossConfig, kl_estimate, kto_loss,  # noqa: F401
                                            validate_kto_config)
@@ -20,7 +21,7 @@ from lightalign.modules.training.logprobs import completion_logps
 from lightalign.modules.reference.component import Reference, ReferenceKnobs, SharedLayersKnobs
 from lightalign.modules.reference.model import model_fingerprint
 from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, precompute_reference_logps
-from lightalign.modules.reference.sync import PRECOMPUTED, quantized_reference
+from lightalign.modules.reference.sync import PRECOMPUTED, ReferenceSyncKnobs, quantized_reference
 from lightalign.modules.training.stat_hooks import StatHooks
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
@@ -56,7 +57,7 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], prefi
     return token_logps.sum(-1)
 
 
-@takes_knobs(ImplicitRewardKnobs, KTOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
+@takes_knobs(NEFTuneKnobs, ReferenceSyncKnobs, ImplicitRewardKnobs, KTOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
              defaults={"disable_dropout": True})
 class KTOModule(StatHooks, PolicyModule):
     """KTO (Ethayarajh et al. 2024) on completions judged one at a time (``UnpairedPreferenceDataModule``).

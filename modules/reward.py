@@ -21,6 +21,7 @@ from torchmetrics.aggregation import MeanMetric
 from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.training.lora import is_peft_model
 from lightalign.modules.training.policy import PolicyModule
+from lightalign.modules.training.neftune import NEFTuneKnobs
 from lightalign.modules.training.export import export_hf
 from lightalign.modules.training.stat_hooks import StatHooks
 
@@ -114,7 +115,7 @@ def sequence_classification_peft_config(peft_config: Any) -> Any:
     return peft_config
 
 
-@takes_knobs(RewardLossKnobs, defaults={"disable_dropout": True})
+@takes_knobs(NEFTuneKnobs, RewardLossKnobs, defaults={"disable_dropout": True})
 class RewardModule(StatHooks, PolicyModule):
     """Train a reward model (Bradley-Terry) on the pair batches of ``PreferenceDataModule``.
 

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
+from lightalign.knobs import takes_knobs
+from lightalign.modules.training.neftune import NEFTuneKnobs
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.training.sft_forward import sft_logits
 
@@ -44,6 +46,7 @@ def sft_loss(
     return loss, {"nll_sum": nll_sum.detach(), "num_tokens": num_tokens, "num_correct": num_correct}
 
 
+@takes_knobs(NEFTuneKnobs)
 class SFTModule(PolicyModule):
     """Supervised fine-tuning of a causal LM on the batches of ``SFTDataModule``.
 

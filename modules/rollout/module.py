@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from lightalign.knobs import method_knobs, takes_knobs
+from lightalign.knobs import takes_knobs
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
 from lightalign.modules.sampling.config import RolloutSamplingKnobs, SamplingConfig
 from lightalign.modules.rollout.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.losses.importance_sampling import ImportanceSamplingKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs
-from lightalign.modules.reference.sync import quantized_reference
+from lightalign.modules.reference.sync import ReferenceSyncKnobs, quantized_reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, RolloutKnobs, check_generation_arithmetic, split_rollout
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
 from lightalign.modules.rollout.state import load_rollout_state, save_rollout_state
@@ -37,23 +37,7 @@ from lightalign.rewards.runner import RewardKnobs
 ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
 
-def methods_with_knob(knob: str) -> list[str]:
-    """The public online-RL methods (classes under ``OnlineRLModule``) that take ``knob``."""
-    import lightalign.modules as methods
-
-    for name in methods.__all__:  # imported on first use: every method, so each one is seen
-        getattr(methods, name)
-    found, todo = [], list(OnlineRLModule.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        todo += cls.__subclasses__()
-        if not cls.__name__.startswith("_") and cls.__module__.startswith("lightalign.modules.") \
-                and knob in method_knobs(cls) and knob not in method_knobs(OnlineRLModule):
-            found.append(cls.__name__)
-    return sorted(set(found) - {"CriticFreeModule"})
-
-
-@takes_knobs(RewardKnobs, RolloutKnobs, RolloutSamplingKnobs, ReferenceKnobs, ImportanceSamplingKnobs)
+@takes_knobs(RewardKnobs, RolloutKnobs, RolloutSamplingKnobs, ReferenceKnobs, ReferenceSyncKnobs, ImportanceSamplingKnobs)
 class OnlineRLModule(SamplingModule):
     """The online-RL loop on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults)."""
 
@@ -134,9 +118,6 @@ class OnlineRLModule(SamplingModule):
     # ------------------------------------------------------------------------------------- the method's part
     group_needs = "advantages compare completions of a group"
 
-    @classmethod
-    def methods_with_knob(cls, knob: str) -> list[str]:
-        return methods_with_knob(knob)
 
     @property
     def uses_reference(self) -> bool:

@@ -43,11 +43,6 @@ class SamplingModule(PolicyModule):
         config = self.sampling_config()
         check_vllm_knobs(generation_kwargs=config.generation_kwargs, cache_implementation=config.cache_implementation,
                          **self.knobs.vllm.values())
-        if self.knobs.neftune.neftune_noise_alpha is not None:
-            raise ValueError(f"neftune_noise_alpha is not supported by {type(self).__name__}: NEFTune adds noise to the "
-                             "policy's embeddings in train-mode forwards only, so the training forward would carry "
-                             "noise its samples (and their log-probs) did not. It is a regulariser for SFT, DPO and "
-                             "KTO; drop it here.")
         if self.knobs.vllm.use_vllm and config.backend is not None:
             raise ValueError("use_vllm samples with vLLM; generation_backend / use_transformers_continuous_batching "
                              "pick a transformers backend instead: set only one of them.")

@@ -19,14 +19,13 @@ from lightalign.callbacks.nonfinite import NonfiniteKnobs
 from lightalign.knobs import KnobSet, method_knobs, takes_knobs
 from lightalign.modules.adaptations import AdaptationReport
 from lightalign.modules.losses.router_aux import RouterAuxKnobs
-from lightalign.modules.reference.sync import LORA, ReferenceSyncKnobs, refuse_reference_sync
+from lightalign.modules.reference.sync import LORA, refuse_reference_sync
 from lightalign.modules.training.acceleration import CPUMemoryKnobs
 from lightalign.modules.training.checkpoint_state import CheckpointState
 from lightalign.modules.training.dropout import DropoutKnobs
 from lightalign.modules.training.eval_metrics import EvalMetrics, EvalMetricsKnobs
 from lightalign.modules.training.export import export_hf
 from lightalign.modules.training.model_building import ComputeKnobs, ModelBuilding, ModelKnobs
-from lightalign.modules.training.neftune import NEFTuneKnobs
 from lightalign.modules.training.optimization import Optimization, OptimizationKnobs
 from lightalign.modules.training.side_effects import ScopedSideEffects
 
@@ -51,8 +50,22 @@ def subclass_init_args(module: Any, frame: Any) -> dict[str, Any]:
     return found
 
 
+def methods_with_knob(knob: str) -> list[str]:
+    """The public methods (``lightalign.modules.__all__``, not the bases they extend) that take ``knob``, by name."""
+    import lightalign.modules as methods
+
+    public = [c for c in (getattr(methods, name) for name in methods.__all__) if isinstance(c, type)]
+    leaves = [c for c in public if not any(o is not c and issubclass(o, c) for o in public)]
+    return sorted(c.__name__ for c in leaves if knob in method_knobs(c))
+
+
+def name_list(names: list[str]) -> str:
+    """``A``, ``A and B``, ``A, B and C``."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 @takes_knobs(ModelKnobs, ComputeKnobs, DropoutKnobs, RouterAuxKnobs, OptimizationKnobs, EvalMetricsKnobs,
-             NonfiniteKnobs, NEFTuneKnobs, CPUMemoryKnobs, ReferenceSyncKnobs)
+             NonfiniteKnobs, CPUMemoryKnobs)
 class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.LightningModule):
     """Loads the policy and owns what every post-training method shares (its knobs: ``knob_groups``)."""
 
@@ -87,15 +100,15 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         elsewhere = [] if instead else cls.methods_with_knob(knob)
         close = [] if instead or elsewhere else difflib.get_close_matches(knob, method_knobs(cls), n=1)
         raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
-                        + (f"; {' and '.join(elsewhere)} take{'s' if len(elsewhere) == 1 else ''} it"
+                        + (f"; {name_list(elsewhere)} take{'s' if len(elsewhere) == 1 else ''} it"
                            if elsewhere else "")
                         + (f"; did you mean {close[0]!r}?" if close else "")
                         + f" (`lightalign fit --model.help {name}` lists its knobs).")
 
     @classmethod
     def methods_with_knob(cls, knob: str) -> list[str]:
-        """Sibling methods that take ``knob`` (named in the refusal; default: none named)."""
-        return []
+        """The other public methods that take ``knob`` (named in the refusal)."""
+        return [name for name in methods_with_knob(knob) if name != cls.__name__]
 
     def construct_from_knobs(self, given: dict[str, Any]) -> None:
         """The constructor ``takes_knobs`` generates calls this with the knobs given: each group is built (and checks
@@ -113,7 +126,7 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
     def check_knob_combinations(self) -> None:
         """Refuse combinations of knobs from several groups (each group checked its own knobs); a method extends it,
         calling ``super().check_knob_combinations()`` first. Runs at construction, before ``compose``."""
-        if self.knobs.reference_sync.sync_ref_model:
+        if "reference_sync" in self.knobs and self.knobs.reference_sync.sync_ref_model:  # methods with a reference
             refuse_reference_sync(self.reference_sync_blocker())
 
     def reference_sync_blocker(self) -> str | None:
@@ -174,7 +187,7 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
 
         knobs = self.knobs
         layout, longest = self.batch_layout()
-        neftune = knobs.neftune.neftune_noise_alpha
+        neftune = self.neftune_noise_alpha
         if self.router_aux is not None:
             self.router_aux.remove()
         self.router_aux, aux_note = attach_router_aux_loss(self.model, knobs.router_aux.router_aux_loss_coef, layout)
@@ -183,8 +196,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
             notes.append(self.dropout_report.describe() + self.check_train_determinism())
         notes += [n for n in (aux_note, activation_offload_note(knobs.compute.activation_offloading, self.device)) if n]
         notes += self.fit_start_notes()
-        sync = knobs.reference_sync
-        if sync.sync_ref_model:
+        sync = knobs.reference_sync if "reference_sync" in knobs else None
+        if sync is not None and sync.sync_ref_model:
             notes.append(f"reference synced every {sync.ref_model_sync_steps} steps (alpha {sync.ref_model_mixup_alpha})")
         check_run(self.model, getattr(self, "ref_model", None), layout, longest, self.adaptations, self.device,
                   self.logger if self._trainer is not None else None, notes=notes)
@@ -224,8 +237,13 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         aux = self.router_aux.take() if self.router_aux is not None else None
         return loss if aux is None else loss + self.router_aux.coef * aux.to(loss.dtype)
 
+    @property
+    def neftune_noise_alpha(self) -> float | None:
+        """NEFTune's alpha, for a method that takes ``NEFTuneKnobs`` (the supervised ones); else None."""
+        return self.knobs.neftune.neftune_noise_alpha if "neftune" in self.knobs else None
+
     def attach_neftune(self) -> None:
-        alpha = self.knobs.neftune.neftune_noise_alpha
+        alpha = self.neftune_noise_alpha
         if alpha:  # noise while fitting only; on_fit_end restores the embeddings
             from lightalign.modules.training.neftune import NEFTune
 
@@ -250,8 +268,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         knobs = self.knobs
         self.nonfinite_guard = NonFiniteGuard(knobs.nonfinite.nonfinite, knobs.nonfinite.max_consecutive_nonfinite_steps)
         callbacks: list[L.Callback] = [self.nonfinite_guard, UndoSideEffectsOnError(), CarriedStepMetrics()]
-        sync = knobs.reference_sync
-        if sync.sync_ref_model:
+        sync = knobs.reference_sync if "reference_sync" in knobs else None
+        if sync is not None and sync.sync_ref_model:
             from lightalign.callbacks.reference_sync import ReferenceSync
 
             callbacks.append(ReferenceSync(sync.ref_model_mixup_alpha, sync.ref_model_sync_steps))

@@ -98,11 +98,19 @@ def test_an_asked_one_process_backend_is_refused_at_fit_start_under_several_proc
         module.sampling_backend()
 
 
-@pytest.mark.parametrize("method", ["GRPOModule", "RLOOModule", "PPOModule"])
-def test_neftune_is_refused_by_online_rl(tiny_dir, method):
+@pytest.mark.parametrize("method", ["GRPOModule", "RLOOModule", "PPOModule", "DistillModule", "OnlineDPOModule"])
+def test_neftune_is_not_a_knob_of_the_sampling_methods(tiny_dir, method):
+    """NEFTune's noise is in train-mode forwards only: on sampled completions the training forward would carry noise
+    their log-probs did not. Only the supervised methods take the knob; the others name them."""
+    import inspect
+
     import lightalign
     from lightalign.rewards import digit_fraction_reward
 
-    with pytest.raises(ValueError, match=f"neftune_noise_alpha is not supported by {method}"):
-        getattr(lightalign, method)(str(tiny_dir), from_config=True, reward_funcs=[digit_fraction_reward],
-                                    neftune_noise_alpha=5.0)
+    cls = getattr(lightalign, method)
+    assert "neftune_noise_alpha" not in inspect.signature(cls).parameters  # nor in --model.help
+    knobs = dict(reward_funcs=[digit_fraction_reward]) if method != "DistillModule" else dict(
+        teacher_model_name_or_path=str(tiny_dir))
+    with pytest.raises(TypeError, match=f"{method} has no knob 'neftune_noise_alpha'; DPOModule, KTOModule, "
+                                        "RewardModule and SFTModule take it"):
+        cls(str(tiny_dir), from_config=True, neftune_noise_alpha=5.0, **knobs)

@@ -149,13 +149,15 @@ def test_sync_ref_model_refusals(tiny_model, tiny_dir):
         (lambda: DPOModule(str(tiny_dir), from_config=True, sync_ref_model=True,
                            ref_model_init_kwargs={"quantization_config": {"load_in_8bit": True}}), "quantized"),
         (lambda: GRPOModule(model=tiny_model, reward_funcs=[len], sync_ref_model=True), "beta=0"),
-        (lambda: SFTModule(model=tiny_model, sync_ref_model=True), "SFTModule has no reference model"),
         (lambda: DPOModule(model=tiny_model, ref_model_mixup_alpha=1.5), "ref_model_mixup_alpha must lie in"),
         (lambda: DPOModule(model=tiny_model, ref_model_sync_steps=0), "ref_model_sync_steps must be an integer"),
     ]
     for make, message in cases:
         with pytest.raises(ValueError, match=message):
             make()
+    with pytest.raises(TypeError, match="SFTModule has no knob 'sync_ref_model'; DPOModule, GRPOModule, KTOModule, "
+                                        "PPOModule and RLOOModule take it"):  # a method without a reference
+        SFTModule(model=tiny_model, sync_ref_model=True)
 
 
 def test_sync_happens_every_n_optimizer_steps(tiny_dir, data_dir, tmp_path):
