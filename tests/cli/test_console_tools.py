@@ -46,6 +46,10 @@ def test_tool_config_trains_and_logs_trajectories(repo, tmp_path, tool_policy_di
     ("tools", "[examples.agent.calculator.nope]", "tool"),
 ])
 def test_wrong_import_path_is_one_line_before_training(repo, tmp_path, knob, value, what):
-    out = lightalign(repo, *tools_run(tmp_path, f"--model.init_args.{knob}", value), status=1)
+    """A model folder that exists (the shipped config's is another run's export, absent from a fresh clone, and its
+    refusal would come first)."""
+    out = lightalign(repo, *tools_run(tmp_path, "--model.init_args.model_name_or_path", "assets/models/tiny",
+                                      "--model.init_args.from_config", "true", f"--model.init_args.{knob}", value),
+                     status=1)
     assert f"lightalign: error: Cannot import {what} '" in out and "Traceback" not in out
     assert not list(tmp_path.rglob("metrics.csv"))
