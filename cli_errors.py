@@ -62,11 +62,11 @@ class OptionError(Exception):
             elif match:
                 line += f"; did you mean {f'--{section}.{match[0]}' if typed else repr(match[0])}?"
             elif section == "model":
-                from lightalign.modules.training.policy import methods_with_knob, name_list
+                from lightalign.modules.training.policy import methods_with_knob, taken_by
 
                 others = [m for m in methods_with_knob(leaf) if m != name]
                 if others:
-                    line += f"; {name_list(others)} take{'s' if len(others) == 1 else ''} it."
+                    line += f"; {taken_by(others)}."
             hint = f"`lightalign fit --{section}.help {class_path}` lists its options." if class_path else ""
             return line + ("\n" + hint if hint else "")
         # a knob typed as a Union (`lmbda: float | None`): jsonargparse lists each subtype's refusal. `model` itself

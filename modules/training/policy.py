@@ -32,19 +32,18 @@ from lightalign.modules.training.side_effects import ScopedSideEffects
 # TRL's former names of knobs, refused naming the current one
 RENAMED_KNOBS = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max"}
 
-# constructor arguments of a subclass's own ``__init__`` kept out of the hyperparameters (Python objects)
-UNSAVED_INIT_ARGS = frozenset({"model", "teacher_model", "optimizer", "lr_scheduler", "eval_metrics", "reward_funcs",
-                               "tools", "environment_factory", "judge"})
 
 
 def subclass_init_args(module: Any, frame: Any) -> dict[str, Any]:
     """The named arguments of the ``__init__`` frames of ``module`` from ``frame`` outwards: a subclass that declares
-    arguments of its own in an ``__init__`` (rather than as a knob group) gets them saved as hyperparameters too."""
+    arguments of its own in an ``__init__`` (rather than as a knob group) gets them saved as hyperparameters too.
+    Its knobs are left to their groups, which say which ones are saved."""
+    knobs = method_knobs(type(module))
     found: dict[str, Any] = {}
     while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is module:
         info = inspect.getargvalues(frame)
         for name in info.args[1:]:
-            if name not in UNSAVED_INIT_ARGS:
+            if name not in knobs:
                 found[name] = info.locals[name]
         frame = frame.f_back
     return found
@@ -59,9 +58,11 @@ def methods_with_knob(knob: str) -> list[str]:
     return sorted(c.__name__ for c in leaves if knob in method_knobs(c))
 
 
-def name_list(names: list[str]) -> str:
-    """``A``, ``A and B``, ``A, B and C``."""
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+def taken_by(names: list[str]) -> str:
+    """``A takes it``, ``A and B take it``, ``A, B and C take it`` (the methods a refusal names)."""
+    if len(names) == 1:
+        return f"{names[0]} takes it"
+    return ", ".join(names[:-1]) + " and " + names[-1] + " take it"
 
 
 @takes_knobs(ModelKnobs, ComputeKnobs, DropoutKnobs, RouterAuxKnobs, OptimizationKnobs, EvalMetricsKnobs,
@@ -100,8 +101,7 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         elsewhere = [] if instead else cls.methods_with_knob(knob)
         close = [] if instead or elsewhere else difflib.get_close_matches(knob, method_knobs(cls), n=1)
         raise TypeError(f"{name} has no knob {knob!r}" + (f"; its {instead} is the same idea" if instead else "")
-                        + (f"; {name_list(elsewhere)} take{'s' if len(elsewhere) == 1 else ''} it"
-                           if elsewhere else "")
+                        + (f"; {taken_by(elsewhere)}" if elsewhere else "")
                         + (f"; did you mean {close[0]!r}?" if close else "")
                         + f" (`lightalign fit --model.help {name}` lists its knobs).")
 
