@@ -32,6 +32,7 @@ _EXPORTS = {
     **dict.fromkeys(["DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "OnlineDPOModule", "PolicyModule", "PPOModule",
                      "RewardModule", "RLOOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
                      "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
+    **dict.fromkeys(["CPOModule", "ORPOModule", "cpo_loss", "orpo_loss"], "lightalign.modules"),
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
@@ -40,6 +41,7 @@ __all__ = [
     "AtomicCheckpointIO",
     "CheckpointError",
     "CompletionSamples",
+    "CPOModule",
     "DPOModule",
     "DeviceCacheCleanup",
     "DistillModule",
@@ -53,6 +55,7 @@ __all__ = [
     "ModelNotFoundError",
     "NEFTune",
     "OnlineDPOModule",
+    "ORPOModule",
     "NonFiniteGuard",
     "PolicyModule",
     "PPOModule",
@@ -65,11 +68,13 @@ __all__ = [
     "Trainer",
     "UnpairedPreferenceDataModule",
     "create_reference_model",
+    "cpo_loss",
     "dpo_loss",
     "grpo_loss",
     "kto_loss",
     "load_causal_lm",
     "load_tokenizer",
+    "orpo_loss",
     "reward_loss",
     "sft_loss",
 ]

@@ -42,11 +42,12 @@ from lightalign.trainer import RUN_CALLBACKS, TRAINER_DEFAULTS, run_callbacks
 
 
 KNOB_HELP = """lightalign: LLM post-training on PyTorch Lightning: SFT, DPO, KTO, reward models, GRPO, RLOO, PPO,
-distillation and online DPO (iterative SFT from Python: lightalign.IterativeSFT).
+distillation, online DPO, CPO/SimPO/AlphaPO and ORPO (iterative SFT from Python: lightalign.IterativeSFT).
 
 The method and data knobs belong to the classes a config names; list them with
   lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RLOOModule, KTOModule,
-                                                       RewardModule, PPOModule, DistillModule, OnlineDPOModule)
+                                                       RewardModule, PPOModule, DistillModule, OnlineDPOModule,
+                                                       CPOModule, ORPOModule)
   lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule,
                                                        UnpairedPreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config

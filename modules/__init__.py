@@ -7,6 +7,8 @@ from lightalign._lazy import lazy_attributes
 
 _EXPORTS = {
     "DistillModule": "lightalign.modules.distill",
+    **dict.fromkeys(["CPOModule", "CPO_LOSS_TYPES", "cpo_loss"], "lightalign.modules.cpo"),
+    **dict.fromkeys(["ORPOModule", "orpo_loss"], "lightalign.modules.orpo"),
     **dict.fromkeys(["LOSS_TYPES", "DPOModule", "dpo_loss"], "lightalign.modules.dpo"),
     **dict.fromkeys(["generalized_jsd_loss", "on_policy_distillation_advantages", "on_policy_distillation_loss"],
                     "lightalign.modules.losses.distill"),
@@ -29,6 +31,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 __all__ = [
     "LOSS_TYPES", "CriticFreeModule", "DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
     "ONLINE_DPO_LOSS_TYPES", "OnlineDPOModule", "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
+    "CPOModule", "CPO_LOSS_TYPES", "ORPOModule", "cpo_loss", "orpo_loss",
     "dpo_loss", "generalized_jsd_loss", "grpo_loss", "kto_loss", "on_policy_distillation_advantages",
     "on_policy_distillation_loss", "reward_loss", "sft_loss",
 ]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.training.lora import is_peft_model
@@ -21,9 +20,11 @@ from lightalign.modules.training.preference_forward import (  # noqa: F401  (re-
     completion_lengths,
     completion_token_logps,
     completion_token_logps_and_alignment,
+    pair_batch_layout,
     pair_count,
     real_token_count,
     shared_prompt_layout,
+    warn_long_shared_rows,
 )
 from lightalign.knobs import takes_knobs
 from lightalign.modules.losses.dpo import (  # noqa: F401  (re-exported: the public names of the DPO loss)
@@ -219,24 +220,11 @@ class DPOModule(StatHooks, PolicyModule):
 
     # ------------------------------------------------------------------------------------- hooks
     def batch_layout(self) -> tuple[str, int | None]:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        shared = getattr(datamodule, "prompt_sharing", False)
-        # padding-free pairs are SFT's padding-free row (same forward, sft_logits): its conformance cell holds
-        layout = ("dpo_shared" if shared else "padding_free" if getattr(datamodule, "padding_free", False)
-                  else "dpo_classic")
-        return layout, getattr(datamodule, "max_length", None)
+        return pair_batch_layout(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
 
     def on_fit_start(self) -> None:
         self.check_model_layout()  # before the reference pass: a refused layout costs no compute
-        datamodule = getattr(self.trainer, "datamodule", None)
-        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        pack_length = getattr(datamodule, "pack_length", 0)
-        if getattr(datamodule, "prompt_sharing", False) and (pack_length is None or pack_length > 512) \
-                and attn == "eager":
-            rank_zero_warn(f"Pairs share rows of about {pack_length or 'all the'} tokens (the datamodule's "
-                           "pack_length), and eager attention computes every query against every key of a row: "
-                           "its cost and memory grow with the square of the row. Set pack_length to about 512, "
-                           "or use sdpa.")
+        warn_long_shared_rows(getattr(self.trainer, "datamodule", None), self.model)
         self._move_reference()
         if self.knobs.precompute_reference.precompute_ref_log_probs:
             self.precompute_reference(self.trainer.datamodule)

@@ -1,10 +1,14 @@
 """The pair-batch layouts of ``PreferenceDataModule`` seen from the model (shared-prompt, classic padded, classic
 padding-free): how many pairs a batch holds, its
-completion lengths, and the per-token completion log-probs of one forward (``DPOModule`` reads them)."""
+completion lengths, the per-token completion log-probs of one forward, and the run's layout as the adaptations check
+names it (``DPOModule``, ``CPOModule`` and ``ORPOModule`` read them)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightalign.modules.training.logprobs import (
     completion_logps,
@@ -98,3 +102,24 @@ def unpack_row(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     for i, part in enumerate(row.split(sizes)):
         out[i, : part.shape[0] - 1] = part[:-1]
     return out
+
+
+def pair_batch_layout(datamodule: Any) -> tuple[str, int | None]:
+    """The layout of ``PreferenceDataModule``'s pair batches (``adaptations.LAYOUTS``) and their longest sequence."""
+    shared = getattr(datamodule, "prompt_sharing", False)
+    # padding-free pairs are SFT's padding-free row (same forward, sft_logits): its conformance cell holds
+    layout = ("dpo_shared" if shared else "padding_free" if getattr(datamodule, "padding_free", False)
+              else "dpo_classic")
+    return layout, getattr(datamodule, "max_length", None)
+
+
+def warn_long_shared_rows(datamodule: Any, model: torch.nn.Module) -> None:
+    """At fit start: warn when pairs share long rows under eager attention (quadratic in the row's length)."""
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    pack_length = getattr(datamodule, "pack_length", 0)
+    if getattr(datamodule, "prompt_sharing", False) and (pack_length is None or pack_length > 512) \
+            and attn == "eager":
+        rank_zero_warn(f"Pairs share rows of about {pack_length or 'all the'} tokens (the datamodule's "
+                       "pack_length), and eager attention computes every query against every key of a row: "
+                       "its cost and memory grow with the square of the row. Set pack_length to about 512, "
+                       "or use sdpa.")
