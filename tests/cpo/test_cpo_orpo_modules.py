@@ -1,0 +1,98 @@
+"""CPOModule and ORPOModule: no reference model anywhere, one policy forward per batch, the same loss and gradients
+in both pair layouts, TRL's statistics under ``train/`` and ``val/``, and their knob checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightalign import CPOModule, ORPOModule, PreferenceDataModule
+from lightalign.datamodules.preference import PreferenceCollator
+from lightalign.datamodules.shared_prefix import SharedPromptCollator
+from lightalign.knobs import method_knobs
+
+REFERENCE_KNOBS = ("ref_model_name_or_path", "precompute_ref_log_probs", "sync_ref_model", "num_shared_layers",
+                   "reference_free")
+CPO_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+             "logps/rejected", "nll_loss")
+METHODS = [(CPOModule, {"loss_type": "sigmoid"}, CPO_STATS), (CPOModule, {"loss_type": "simpo"}, CPO_STATS),
+           (ORPOModule, {}, (*CPO_STATS, "log_odds_ratio", "log_odds_chosen"))]
+IDS = ["cpo-sigmoid", "cpo-simpo", "orpo"]
+
+
+def _model(tiny_dir):
+    config = AutoConfig.from_pretrained(tiny_dir)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _rows(data_dir, n):
+    lines = (data_dir / "arithmetic_preference.jsonl").read_text().splitlines()[:n]
+    return Dataset.from_list([json.loads(line) for line in lines])
+
+
+@pytest.mark.parametrize("cls, knobs, stats", METHODS, ids=IDS)
+def test_layouts_give_the_same_loss_and_gradients(tiny_dir, data_dir, cls, knobs, stats):
+    """The shared-prompt layout (default) and the classic padded one: one loss, one gradient (float32 sums in
+    another order). Mutation: the shared layout's chosen lengths one too many (``completion_lengths``) -> fails."""
+    dm = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir))
+    dm.setup("fit")
+    rows = [dm.train_dataset[i] for i in range(4)]
+    losses, grads = [], []
+    for collator in (PreferenceCollator(0), SharedPromptCollator(0, 512)):
+        module = cls(model=_model(tiny_dir), **knobs)
+        loss = module._step(collator(rows), module.train_stats)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in module.model.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-5)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
+@pytest.mark.parametrize("cls, knobs, stats", METHODS[1:], ids=IDS[1:])
+def test_no_reference_one_forward_per_batch_and_trls_statistics(tiny_dir, data_dir, quiet_trainer, cls, knobs,
+                                                                 stats):
+    """No reference knob, component or pass: the policy's forward runs once per training batch, and TRL's
+    statistics are logged under ``train/`` and ``val/``. Mutations: ``CPOModule`` taking ``ReferenceKnobs`` (its
+    knobs then list ``ref_model_name_or_path``) -> fails; a second policy forward in ``_step`` -> fails."""
+    assert not set(REFERENCE_KNOBS) & set(method_knobs(cls))
+    with pytest.raises(TypeError, match="has no knob 'ref_model_name_or_path'; DPOModule"):
+        cls(str(tiny_dir), from_config=True, ref_model_name_or_path=str(tiny_dir))
+    module = cls(model=_model(tiny_dir), learning_rate=1e-3, **knobs)
+    forwards = []
+    module.model.register_forward_hook(lambda *args: forwards.append(module.training))
+    dm = PreferenceDataModule(_rows(data_dir, 12), tokenizer=str(tiny_dir), batch_size=4, val_split_size=4)
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None)
+    trainer.fit(module, dm)
+    assert forwards.count(True) == 2  # two training batches, one forward each (and no reference pass)
+    assert module.ref_model is None and not module.uses_reference_model
+    assert not any("ref" in name for name, _ in module.named_children())
+    for stage in ("train", "val"):
+        missing = [name for name in stats if f"{stage}/{name}" not in trainer.callback_metrics]
+        assert not missing, (stage, missing)
+    assert trainer.callback_metrics["train/nll_loss"] > 0
+
+
+def test_knob_checks(tiny_dir):
+    """Refusals naming the knob, before any model loads."""
+    with pytest.raises(ValueError, match="Unknown CPO loss_type 'kto_pair'; valid names are: 'sigmoid', 'hinge'"):
+        CPOModule(str(tiny_dir), from_config=True, loss_type="kto_pair")
+    with pytest.raises(ValueError, match="has no NLL term"):
+        CPOModule(str(tiny_dir), from_config=True, loss_type="alphapo", cpo_alpha=0.5)
+    with pytest.raises(ValueError, match="label_smoothing must lie in"):
+        CPOModule(str(tiny_dir), from_config=True, label_smoothing=0.5)
+    with pytest.raises(ValueError, match="cpo_alpha must be"):
+        CPOModule(str(tiny_dir), from_config=True, cpo_alpha=-1.0)
+    with pytest.raises(ValueError, match="beta is one number for CPOModule"):
+        CPOModule(str(tiny_dir), from_config=True, beta=[0.1, 0.2])
+    with pytest.raises(ValueError, match=r"beta \(ORPO's odds-ratio weight lambda\) must be"):
+        ORPOModule(str(tiny_dir), from_config=True, beta=-0.1)
+    with pytest.warns(UserWarning, match="label_smoothing=0.1 is ignored by loss_type='hinge'"):
+        CPOModule(str(tiny_dir), from_config=True, loss_type="hinge", label_smoothing=0.1)
