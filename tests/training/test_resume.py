@@ -69,6 +69,10 @@ CASES = [
     # next rollout (the next epoch's) sampled ahead, kept in the step-2 checkpoint; the resumed run samples on in
     # step across the epoch end
     ("grpo_async", 2, 6, 2, 3, None, 4),
+    # DDP CPO (SimPO) and ORPO, no reference: 12 pairs per rank in batches of 4, 3 steps per epoch; killed at 3 ->
+    # resume 2 (mid-epoch), the resumed run crosses the epoch end
+    ("cpo", 2, 5, 2, 3, None, 3),
+    ("orpo", 2, 5, 2, 3, None, 3),
 ]
 
 

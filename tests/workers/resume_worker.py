@@ -1,4 +1,4 @@
-"""Run a small SFT/DPO/GRPO training as a separate process, optionally SIGKILLed at a step, optionally resumed.
+"""Run a small SFT/DPO/CPO/ORPO/GRPO training as a separate process, optionally SIGKILLed at a step, optionally resumed.
 
 Used by tests/training/test_resume.py:  python tests/workers/resume_worker.py --method sft --out DIR --max-steps 14 --every 4
                                  [--kill-at 10 | --kill-at-validation 8] [--resume] [--devices 2]
@@ -126,6 +126,15 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
         return (DPOModule(model, disable_dropout=False, sync_ref_model=True, ref_model_mixup_alpha=0.5,
                           ref_model_sync_steps=2, **common),
                 PreferenceDataModule(rows("arithmetic_preference.jsonl", 44), tokenizer=TINY, batch_size=4), 2)
+    if method in ("cpo", "orpo"):
+        # no reference; dropout kept on (their default turns it off), so a resume restores every rank's RNG;
+        # 12 pairs per rank in batches of 4: 3 steps per epoch
+        from lightalign import CPOModule, ORPOModule
+
+        module = (CPOModule(model, loss_type="simpo", disable_dropout=False, **common) if method == "cpo"
+                  else ORPOModule(model, disable_dropout=False, **common))
+        return module, PreferenceDataModule(rows("arithmetic_preference.jsonl", 12 * devices), tokenizer=TINY,
+                                            batch_size=4), 1
     if method == "grpo":
         # a rollout (2 prompts x 4 completions) serves 4 steps (2 micro-batches x 2 iterations); 4 prompts per
         # rank (--prompts-per-rank): 2 rollouts, 8 steps per epoch. The adaptive entropy coefficient rises every step (entropy < target):
