@@ -40,7 +40,7 @@ def _rows(data_dir, n):
 def test_layouts_give_the_same_loss_and_gradients(tiny_dir, data_dir, cls, knobs, stats):
     """The shared-prompt layout (default) and the classic padded one: one loss, one gradient (float32 sums in
     another order). Mutation: the shared layout's chosen lengths one too many (``completion_lengths``) -> fails."""
-    dm = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir))
+    dm = PreferenceDataModule(_rows(data_dir, 4), tokenizer=str(tiny_dir), val_split_size=0)
     dm.setup("fit")
     rows = [dm.train_dataset[i] for i in range(4)]
     losses, grads = [], []

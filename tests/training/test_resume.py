@@ -71,8 +71,8 @@ CASES = [
     ("grpo_async", 2, 6, 2, 3, None, 4),
     # DDP CPO (SimPO) and ORPO, no reference: 12 pairs per rank in batches of 4, 3 steps per epoch; killed at 3 ->
     # resume 2 (mid-epoch), the resumed run crosses the epoch end
-    ("cpo", 2, 5, 2, 3, None, 3),
-    ("orpo", 2, 5, 2, 3, None, 3),
+    ("cpo", 2, 4, 2, 3, None, 3),
+    ("orpo", 2, 4, 2, 3, None, 3),
 ]
 
 
