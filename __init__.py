@@ -32,6 +32,8 @@ _EXPORTS = {
     **dict.fromkeys(["DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "OnlineDPOModule", "PolicyModule", "PPOModule",
                      "RewardModule", "RLOOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
                      "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
+    **dict.fromkeys(["TPOModule", "tpo_loss"], "lightalign.modules"),
+    "TriplePreferenceDataModule": "lightalign.datamodules",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
@@ -62,7 +64,9 @@ __all__ = [
     "SFTDataModule",
     "SFTModule",
     "TokenThroughput",
+    "TPOModule",
     "Trainer",
+    "TriplePreferenceDataModule",
     "UnpairedPreferenceDataModule",
     "create_reference_model",
     "dpo_loss",
@@ -72,4 +76,5 @@ __all__ = [
     "load_tokenizer",
     "reward_loss",
     "sft_loss",
+    "tpo_loss",
 ]

@@ -22,10 +22,15 @@ SAME_NAME_OTHER_IDEA: dict[str, int] = {
     # GRPO/RLOO's coefficient of an explicit KL term (``KLKnobs``: >= 0, 0 builds no reference); DPO's, KTO's and online
     # DPO's temperature of the implicit reward (``ImplicitRewardKnobs``: > 0); distillation's point between forward
     # and reverse KL (``DistillLossKnobs``)
-    "beta": 3,
+    # ... and TPO's temperature of its reference-free reward ``beta * log pi`` (``TPOLossConfig``: > 0, TRL's 0.01)
+    "beta": 4,
     # each method's own family of losses: GRPO (``GRPOLossConfig``), DPO (``DPOLossConfig``), KTO
-    # (``KTOLossConfig``), distillation (``DistillLossKnobs``), online DPO (``OnlineDPOLossKnobs``)
-    "loss_type": 5,
+    # (``KTOLossConfig``), distillation (``DistillLossKnobs``), online DPO (``OnlineDPOLossKnobs``), TPO
+    # (``TPOLossConfig``)
+    "loss_type": 6,
+    # the label-noise rate of each preference loss family that reads it: DPO's loss types (``DPOLossConfig``), TPO's
+    # sigmoid and tpo-l (``TPOLossConfig``)
+    "label_smoothing": 2,
     # online RL's micro-batch layout, off unless asked (``RolloutLayoutKnobs``); distillation's rows, unset = the
     # device's measured default decided at fit start on student and teacher (``DistillLayoutKnobs``)
     "padding_free": 2,
