@@ -69,10 +69,15 @@ class TPOModule(StatHooks, PolicyModule):
         super().setup(stage)
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:
-            if not hasattr(datamodule, "include_reference"):
-                raise ValueError(f"TPOModule trains on triples (prompt, chosen, rejected, reference): use "
-                                 f"TriplePreferenceDataModule, not {type(datamodule).__name__}.")
-            datamodule.include_reference = self.knobs.loss.tpo_alpha != 0.0  # 0: no forward on the gold response
+            self.use_datamodule(datamodule)
+
+    def use_datamodule(self, datamodule: Any) -> None:
+        """Refuse data without triples; tell the triple data whether its batches carry the reference rows (not
+        with ``tpo_alpha = 0``: no forward on the gold response). Runs before any loader is built."""
+        if not hasattr(datamodule, "include_reference"):
+            raise ValueError(f"TPOModule trains on triples (prompt, chosen, rejected, reference): use "
+                             f"TriplePreferenceDataModule, not {type(datamodule).__name__}.")
+        datamodule.include_reference = self.knobs.loss.tpo_alpha != 0.0
 
     def batch_layout(self) -> tuple[str, int | None]:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
