@@ -94,7 +94,7 @@ class TPOLossConfig(KnobGroup):
     tpo_alpha: float = knob(
         1.0, "weight of the negative log-likelihood of the gold ``reference`` response (mean over its tokens) added "
              "to the loss; >= 0. 0 drops the term and its forward: the batches then hold chosen and rejected only.")
-    tpo_l_gamma: float = knob(0.5, "target reward margin gamma of ``tpo-l`` (TRL's default 0.5); other types ignore it.")
+    tpo_l_gamma: float = knob(0.5, "target reward margin gamma of ``tpo-l`` (TRL's default 0.5); the others ignore it.")
 
     def check(self) -> None:
         kind = TPO_LOSS_TYPES[self.loss_type]  # refuses an unknown name, listing the registered ones

@@ -43,7 +43,8 @@ def test_explicit_implicit_and_conversational_triples_tokenize_alike(tiny_dir, w
              **{k: [{"role": "assistant", "content": r[k]}] for k in ("chosen", "rejected", "reference")}}
             for r in TRIPLES]
     row = _rows(write_jsonl(chat, "chat.jsonl"), tiny_dir)[0]
-    assert "19" in tokenizer.decode(row["reference_input_ids"]) and "19" not in tokenizer.decode(row["prompt_input_ids"])
+    assert "19" in tokenizer.decode(row["reference_input_ids"])
+    assert "19" not in tokenizer.decode(row["prompt_input_ids"])
 
 
 @pytest.mark.parametrize("bad, match", [
