@@ -33,6 +33,8 @@ _EXPORTS = {
                      "RewardModule", "RLOOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
                      "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
     **dict.fromkeys(["CPOModule", "ORPOModule", "cpo_loss", "orpo_loss"], "lightalign.modules"),
+    **dict.fromkeys(["TPOModule", "tpo_loss"], "lightalign.modules"),
+    "TriplePreferenceDataModule": "lightalign.datamodules",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
@@ -65,7 +67,9 @@ __all__ = [
     "SFTDataModule",
     "SFTModule",
     "TokenThroughput",
+    "TPOModule",
     "Trainer",
+    "TriplePreferenceDataModule",
     "UnpairedPreferenceDataModule",
     "create_reference_model",
     "cpo_loss",
@@ -77,4 +81,5 @@ __all__ = [
     "orpo_loss",
     "reward_loss",
     "sft_loss",
+    "tpo_loss",
 ]

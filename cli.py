@@ -47,9 +47,9 @@ distillation, online DPO, CPO/SimPO/AlphaPO and ORPO (iterative SFT from Python:
 The method and data knobs belong to the classes a config names; list them with
   lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RLOOModule, KTOModule,
                                                        RewardModule, PPOModule, DistillModule, OnlineDPOModule,
-                                                       CPOModule, ORPOModule)
+                                                       CPOModule, ORPOModule, TPOModule)
   lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule,
-                                                       UnpairedPreferenceDataModule)
+                                                       UnpairedPreferenceDataModule, TriplePreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config
 Learning curves of finished runs: lightalign plot RUN_DIR [RUN_DIR ...] (see lightalign plot --help)
 The shipped configs, tiny model assets and example data, into a folder to run them from: lightalign examples DIR

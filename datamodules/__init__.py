@@ -8,6 +8,7 @@ _EXPORTS = {
     **dict.fromkeys(["PromptCollator", "PromptDataModule"], "lightalign.datamodules.prompt"),
     **dict.fromkeys(["PreferenceCollator", "PreferenceDataModule"], "lightalign.datamodules.preference"),
     "SFTDataModule": "lightalign.datamodules.sft",
+    **dict.fromkeys(["TriplePreferenceCollator", "TriplePreferenceDataModule"], "lightalign.datamodules.triple_preference"),
     **dict.fromkeys(["UnpairedPreferenceCollator", "UnpairedPreferenceDataModule"], "lightalign.datamodules.unpaired"),
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
@@ -16,4 +17,5 @@ __all__ = [
     "DataFormatError", "PaddingCollator", "PaddingFreeCollator", "PreferenceCollator", "PreferenceDataModule", "PromptCollator",
     "PromptDataModule",
     "SFTDataModule", "UnpairedPreferenceCollator", "UnpairedPreferenceDataModule",
+    "TriplePreferenceCollator", "TriplePreferenceDataModule",
 ]

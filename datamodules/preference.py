@@ -73,7 +73,8 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
     return n
 
 
-def tokenize_preference_row(row: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
+def tokenize_preference_row(row: dict[str, Any], tokenizer: Any,
+                            completions: Sequence[str] = COMPLETIONS) -> dict[str, list[int]]:
     """Prompt and completions -> token ids (before truncation).
 
     ``prompt + chosen`` and ``prompt + rejected`` are tokenized as whole texts, so every sequence is the
@@ -81,25 +82,25 @@ def tokenize_preference_row(row: dict[str, Any], tokenizer: Any) -> dict[str, li
     The prompt is the tokenized prompt up to where it stops being a prefix of both whole sequences, and each
     completion is the rest of its sequence, as TRL does. As TRL does, EOS ends each completion of standard
     (string) rows unless it is already there; conversational completions end where the chat template closes the
-    assistant turn.
+    assistant turn. ``completions``: the columns tokenized after the prompt (a triple adds ``reference``).
     """
     prompt = row["prompt"]
     wholes: dict[str, list[int]] = {}
     if is_conversation(prompt):
         prompt_text = None
-        for key in COMPLETIONS:
+        for key in completions:
             prompt_text, completion_text = render_prompt_completion(tokenizer, prompt, row[key])
             wholes[key] = tokenizer(prompt_text + completion_text, add_special_tokens=False)["input_ids"]
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         eos = tokenizer.eos_token_id
-        for key in COMPLETIONS:
+        for key in completions:
             ids = tokenizer(prompt + row[key], add_special_tokens=True)["input_ids"]
             wholes[key] = ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
-    split = min(common_prefix_length(prompt_ids, wholes[key]) for key in COMPLETIONS)
+    split = min(common_prefix_length(prompt_ids, wholes[key]) for key in completions)
     out = {"prompt_input_ids": prompt_ids[:split]}
-    for key in COMPLETIONS:
+    for key in completions:
         out[f"{key}_input_ids"] = wholes[key][split:]
     return out
 
@@ -202,15 +203,15 @@ class PreferenceCollator:
 
     Returns ``input_ids``, ``attention_mask`` and ``completion_mask`` (1 on completion tokens), and passes
     precomputed ``ref_chosen_logps`` / ``ref_rejected_logps`` and the rows' ``margin`` (``[B]``) through when the
-    rows carry them.
+    rows carry them. ``completions``: the row blocks, in order (a triple batch adds ``reference``).
     """
 
-    def __init__(self, pad_token_id: int) -> None:
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id: int, completions: Sequence[str] = COMPLETIONS) -> None:
+        self.pad_token_id, self.completions = pad_token_id, tuple(completions)
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         seqs, masks = [], []
-        for key in COMPLETIONS:
+        for key in self.completions:
             for row in rows:
                 prompt, completion = row["prompt_input_ids"], row[f"{key}_input_ids"]
                 seqs.append(list(prompt) + list(completion))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 SEED = 1234
@@ -206,6 +207,7 @@ def build(out: Path) -> None:
         rows.append({"prompt": prompt_str(a, op, b), "chosen": str(c),
                      "rejected": str(wrong_answer(rng, c))})
     write_jsonl(out / "arithmetic_preference.jsonl", rows)
+    write_jsonl(out / "arithmetic_tpo.jsonl", [tpo_row(r) for r in rows])
 
     # Preference (conversational).
     rng = random.Random(SEED + 4)
@@ -248,6 +250,19 @@ def build(out: Path) -> None:
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
          "seventeen eighteen nineteen").split()
 _TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def tpo_row(pair: dict) -> dict:
+    """A TPO triple from an arithmetic preference pair, without randomness: the gold ``reference`` is the correct
+    answer (the pair's chosen), ``chosen`` the near miss (the pair's rejected, off by 1, 2, 3 or 10), ``rejected``
+    a far miss: the result of the other operation (``a-b`` for ``a+b=`` and back), or, when that equals one of the
+    others (``b`` of 0 or 5), the near miss mirrored about the correct answer."""
+    a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", pair["prompt"]).groups()
+    correct, near = int(pair["chosen"]), int(pair["rejected"])
+    far = solve(int(a), "-" if op == "+" else "+", int(b))
+    if far in (correct, near):
+        far = 2 * correct - near
+    return {"prompt": pair["prompt"], "chosen": str(near), "rejected": str(far), "reference": str(correct)}
 
 
 def number_words(n: int) -> str:

@@ -20,6 +20,7 @@ _EXPORTS = {
     "create_reference_model": "lightalign.modules.reference.model",
     **dict.fromkeys(["RewardModule", "reward_loss"], "lightalign.modules.reward"),
     "RLOOModule": "lightalign.modules.rloo",
+    **dict.fromkeys(["TPOModule", "tpo_loss"], "lightalign.modules.tpo"),
     "CriticFreeModule": "lightalign.modules.rollout.critic_free",
     "OnlineRLModule": "lightalign.modules.rollout.module",
     **dict.fromkeys(["SFTModule", "sft_loss"], "lightalign.modules.sft"),
@@ -32,6 +33,7 @@ __all__ = [
     "LOSS_TYPES", "CriticFreeModule", "DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
     "ONLINE_DPO_LOSS_TYPES", "OnlineDPOModule", "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
     "CPOModule", "CPO_LOSS_TYPES", "ORPOModule", "cpo_loss", "orpo_loss",
+    "TPOModule", "tpo_loss",
     "dpo_loss", "generalized_jsd_loss", "grpo_loss", "kto_loss", "on_policy_distillation_advantages",
     "on_policy_distillation_loss", "reward_loss", "sft_loss",
 ]

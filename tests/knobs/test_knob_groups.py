@@ -21,15 +21,17 @@ SAME_NAME_OTHER_IDEA: dict[str, int] = {
     "epsilon": 2, "epsilon_high": 2,  # GRPO's clip of each token's ratio; RLOO's clip of each completion's ratio
     # GRPO/RLOO's coefficient of an explicit KL term (``KLKnobs``: >= 0, 0 builds no reference); DPO's, KTO's and online
     # DPO's temperature of the implicit reward (``ImplicitRewardKnobs``: > 0); distillation's point between forward
-    # and reverse KL (``DistillLossKnobs``); ORPO's weight of the odds-ratio term, the paper's lambda (``ORPOLossKnobs``)
-    "beta": 4,
+    # and reverse KL (``DistillLossKnobs``); ORPO's weight of the odds-ratio term, the paper's lambda (``ORPOLossKnobs``);
+    # TPO's temperature of its reference-free reward ``beta * log pi`` (``TPOLossConfig``: > 0, TRL's 0.01)
+    "beta": 5,
     # each method's own family of losses: GRPO (``GRPOLossConfig``), DPO (``DPOLossConfig``), KTO
     # (``KTOLossConfig``), distillation (``DistillLossKnobs``), online DPO (``OnlineDPOLossKnobs``), CPO
-    # (``CPOLossConfig``)
-    "loss_type": 6,
+    # (``CPOLossConfig``), TPO (``TPOLossConfig``)
+    "loss_type": 7,
     # the assumed label-noise rate of a conservative logistic loss, defined by each loss family with the loss types
-    # of its own that read it: DPO's (``DPOLossConfig``) and CPO's (``CPOLossConfig``)
-    "label_smoothing": 2,
+    # of its own that read it: DPO's (``DPOLossConfig``), CPO's (``CPOLossConfig``), TPO's sigmoid and tpo-l
+    # (``TPOLossConfig``)
+    "label_smoothing": 3,
     # online RL's micro-batch layout, off unless asked (``RolloutLayoutKnobs``); distillation's rows, unset = the
     # device's measured default decided at fit start on student and teacher (``DistillLayoutKnobs``)
     "padding_free": 2,

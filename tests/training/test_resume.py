@@ -73,6 +73,9 @@ CASES = [
     # resume 2 (mid-epoch), the resumed run crosses the epoch end
     ("cpo", 2, 4, 2, 3, None, 3),
     ("orpo", 2, 4, 2, 3, None, 3),
+    # DDP TPO (reference-free; 8 triples per rank, 2 per micro-batch: 4 steps per epoch), killed at 3 -> resume 2;
+    # its running train/num_tokens count resumes too
+    ("tpo", 2, 6, 2, 3, None, 4),
 ]
 
 
@@ -119,6 +122,9 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
     if final_a.get("reference") is not None:  # the synced reference is not the initial policy any more
         assert not all(torch.equal(init[k], final_a["reference"][k]) for k in init)
     assert any(abs(v) > 1e-6 for v in la.values()), la
+    if method == "tpo":  # the running token count (a buffer) continues where it stopped
+        ta, tb = _losses(a, "train/num_tokens"), _losses(b, "train/num_tokens")
+        assert sorted(ta) == list(range(max_steps)) and all(ta[s] == tb[s] for s in shared), (ta, tb)
     if method == "grpo_tools":  # the rollouts were multi-turn: every trajectory's first turn is the scripted call
         calls = _losses(a, "train/tools/call_frequency")
         assert calls and all(v >= 1 for v in calls.values()), calls

@@ -8,8 +8,8 @@ its wheel (no editable install), in a working directory outside the repository: 
    package imports (a package folder left out of the wheel, or a module importing one, fails here by name).
 2. Every public class of ``lightalign``'s ``__all__`` resolves, and each method trains two optimizer steps through the
    Python API on a tiny Qwen2 model this script builds (2 layers, hidden 32) from the shipped tokenizer, on the
-   shipped example data read from the installed package: SFT, DPO, CPO, ORPO, KTO, reward, GRPO, RLOO, PPO, online DPO,
-   distillation, iterative SFT; ``lightalign.Trainer`` writes its run folder; an untrained module exports.
+   shipped example data read from the installed package: SFT, DPO, CPO, ORPO, TPO, KTO, reward, GRPO, RLOO, PPO,
+   online DPO, distillation, iterative SFT; ``lightalign.Trainer`` writes its run folder; an untrained module exports.
 3. The console script: ``lightalign fit --help``; ``lightalign examples DIR``, then from DIR every shipped offline
    config (the quickstart, the ``*_tiny`` and ``*_quickstart`` ones, the tool configs) for two steps, each exiting 0.
 
@@ -95,6 +95,8 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
     for method in (la.CPOModule, la.ORPOModule):
         fit_two_steps(method(m, learning_rate=1e-3), la.PreferenceDataModule(**preference))
     fit_two_steps(la.RewardModule(m, learning_rate=1e-3), la.PreferenceDataModule(**preference, prompt_sharing=False))
+    fit_two_steps(la.TPOModule(m, learning_rate=1e-3),
+                  la.TriplePreferenceDataModule(**dict(preference, path=str(data / "arithmetic_tpo.jsonl"))))
     fit_two_steps(la.KTOModule(m, learning_rate=1e-3),
                   la.UnpairedPreferenceDataModule(str(data / "arithmetic_unpaired.jsonl"), tokenizer=m, max_length=32,
                                                   batch_size=4))

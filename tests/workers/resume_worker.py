@@ -115,6 +115,7 @@ def rows(name: str, n: int) -> Dataset:
 
 def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, validate: bool = False):
     from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
+    from lightalign import TPOModule, TriplePreferenceDataModule
 
     common = dict(from_config=True, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=2)
     if method == "sft":
@@ -135,6 +136,10 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
                   else ORPOModule(model, disable_dropout=False, **common))
         return module, PreferenceDataModule(rows("arithmetic_preference.jsonl", 12 * devices), tokenizer=TINY,
                                             batch_size=4), 1
+    if method == "tpo":
+        # dropout kept on (TPO's default turns it off); each rank its own triples, 2 per micro-batch
+        return (TPOModule(model, disable_dropout=False, loss_type="tpo-l", **common),
+                TriplePreferenceDataModule(rows("arithmetic_tpo.jsonl", 8 * devices), tokenizer=TINY, batch_size=2), 1)
     if method == "grpo":
         # a rollout (2 prompts x 4 completions) serves 4 steps (2 micro-batches x 2 iterations); 4 prompts per
         # rank (--prompts-per-rank): 2 rollouts, 8 steps per epoch. The adaptive entropy coefficient rises every step (entropy < target):
