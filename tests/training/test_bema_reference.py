@@ -1,7 +1,8 @@
 """BEMA as the reference model (``update_ref_model``, ``BEMAReference``): the same reference weights as TRL 1.16's
 ``BEMACallback(update_ref_model=True)`` after every optimizer step over a fixed weight sequence
 (tests/fixtures/trl_bema_parity.pt, written by bench/trl_parity/bema.py), also across a save and restore of the
-callback's state mid-sequence; the knob group's checks and the refusals at construction."""
+callback's state mid-sequence; the knob group's checks and the refusals at construction; the shipped DPO config's
+BEMA block through the console script."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import console_script
 from lightalign import DPOModule, GRPOModule, KTOModule, OnlineDPOModule, SFTModule
 from lightalign.callbacks.bema_reference import BEMAReference
 from lightalign.modules.reference.bema import BEMAKnobs
@@ -123,3 +125,30 @@ def test_refusals_at_construction(tiny_model, tiny_dir):
                  lambda: OnlineDPOModule(model=tiny_model, reward_funcs=[len], update_ref_model=True),
                  lambda: GRPOModule(model=tiny_model, reward_funcs=[len], beta=0.04, update_ref_model=True)):
         assert make().knobs.bema.update_ref_model
+
+
+@pytest.mark.slow
+def test_dpo_tiny_config_with_its_bema_block_uncommented(repo, tmp_path):
+    """configs/dpo_tiny.yaml with its commented BEMA block switched on, through the console script, the block's
+    frequencies set to 2 for a 4-step run: it trains, the fit-start line says the reference is BEMA's, and the last
+    checkpoint holds the BEMA state and a reference rewritten twice (steps 2 and 4), which is no longer the
+    initial policy."""
+    text = (repo / "configs" / "dpo_tiny.yaml").read_text()
+    block = [line for line in text.splitlines() if line.strip().startswith(("# update_ref_model:", "# update_freq:",
+                                                                              "# ref_model_update_freq:"))]
+    assert len(block) == 3, block
+    for line in block:
+        text = text.replace(line, line.replace("# ", "", 1))
+    config = tmp_path / "dpo_bema.yaml"
+    config.write_text(text)
+    proc = console_script.run(repo, "fit", "--config", str(config), "--trainer.max_steps", "4",
+                              "--model.update_freq", "2", "--model.ref_model_update_freq", "2",
+                              "--data.batch_size", "4", "--trainer.limit_val_batches", "0", "--plot.enabled", "false",
+                              "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "reference = BEMA of the policy, renewed every 2 steps (average every 2)" in out, out[-4000:]
+    checkpoint = torch.load(next((tmp_path / "runs").rglob("last.ckpt")), weights_only=True)
+    state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("BEMAReference"))
+    assert (state["last_step"], state["updates"], state["reference_updates"]) == (4, 2, 2), state
+    assert not all(torch.equal(state["theta0"][n], state["reference"][n]) for n in state["theta0"])
