@@ -30,9 +30,9 @@ class BEMAKnobs(KnobGroup):
 
     group = "bema"
     update_ref_model: bool = knob(
-        False, "BEMA reference (TRL's BEMACallback(update_ref_model=True)): the reference becomes a bias-corrected "
-               "exponential moving average of the policy's weights, renewed every ``ref_model_update_freq`` optimizer "
-               "steps; kept in checkpoints. Not with sync_ref_model, precomputed reference log-probs, LoRA, a "
+        False, "BEMA reference (TRL's BEMACallback(update_ref_model=True)): the reference becomes an exponential "
+               "moving average of the policy's weights with BEMA's bias correction, renewed every "
+               "``ref_model_update_freq`` optimizer steps; kept in checkpoints. Not with sync_ref_model, precomputed reference log-probs, LoRA, a "
                "quantized reference or FSDP/ZeRO-3.")
     update_freq: int = knob(400, "BEMA: optimizer steps between updates of the average (the paper's phi; default 400).")
     ema_power: float = knob(0.5, "BEMA: the EMA weight's power kappa, beta_t = (lag + multiplier * t) ** -kappa "

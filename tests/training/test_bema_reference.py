@@ -152,3 +152,39 @@ def test_dpo_tiny_config_with_its_bema_block_uncommented(repo, tmp_path):
     state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("BEMAReference"))
     assert (state["last_step"], state["updates"], state["reference_updates"]) == (4, 2, 2), state
     assert not all(torch.equal(state["theta0"][n], state["reference"][n]) for n in state["theta0"])
+
+
+def _fit_two_steps(module, data) -> BEMAReference:
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(module, data)
+    return next(c for c in trainer.callbacks if isinstance(c, BEMAReference))
+
+
+@pytest.mark.parametrize("method", ["kto", "online_dpo"])
+def test_methods_beside_dpo_rewrite_their_reference(method, tiny_dir, data_dir):
+    """KTO and online DPO (their reference built by their own ``configure_model``) take the BEMA reference: after
+    two optimizer steps (average and reference renewed at each) the reference in use is the average, and no longer
+    the initial policy. Mutation: KTO without ``uses_reference_model`` -> refused at construction."""
+    from lightalign import PromptDataModule, UnpairedPreferenceDataModule
+    from lightalign.rewards import digit_fraction_reward
+
+    torch.manual_seed(0)
+    bema = dict(from_config=True, learning_rate=1e-2, update_ref_model=True, update_freq=1, ref_model_update_freq=1)
+    if method == "kto":
+        module = KTOModule(str(tiny_dir), **bema)
+        data = UnpairedPreferenceDataModule(str(data_dir / "arithmetic_unpaired.jsonl"), tokenizer=str(tiny_dir),
+                                            max_length=32, batch_size=4)
+    else:
+        module = OnlineDPOModule(str(tiny_dir), reward_funcs=[digit_fraction_reward], max_completion_length=4, **bema)
+        data = PromptDataModule(str(data_dir / "arithmetic_prompts.jsonl"), tokenizer=str(tiny_dir),
+                                max_prompt_length=16, batch_size=2)
+    callback = _fit_two_steps(module, data)
+    assert (callback.updates, callback.reference_updates) == (2, 2)
+    reference = dict(module.ref_model.named_parameters())
+    for name, average in callback.weights.average.items():
+        assert torch.equal(reference[name], average), name
+    assert not all(torch.equal(reference[n], callback.weights.theta0[n]) for n in callback.weights.names)
