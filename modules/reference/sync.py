@@ -40,7 +40,7 @@ class ReferenceSyncKnobs(KnobGroup):
 PRECOMPUTED = ("precompute_ref_log_probs=True computes the reference log-probs once before training, and a reference "
                "that changes during training would make them stale; set precompute_ref_log_probs=False")
 LORA = ("with LoRA (peft_config) the reference is the base model with the adapters disabled, not a model of its own "
-        "that could be mixed; train without peft_config to sync the reference")
+        "whose weights could be rewritten; train without peft_config to update the reference")
 
 
 def refuse_reference_sync(why: str | None) -> None:
