@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightalign.modules.reference.sync import check_mixable, mix_into_reference
+from lightalign.modules.reference.sync import check_mixable, mix_into_reference, refuse_sharded_reference
 
 
 class ReferenceSync(L.Callback):
@@ -25,12 +25,7 @@ class ReferenceSync(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._module = pl_module
-        strategy = trainer.strategy
-        name = type(strategy).__name__
-        if "FSDP" in name or getattr(strategy, "zero_stage_3", False):
-            raise ValueError(f"sync_ref_model=True is not supported with {name} (ZeRO-3 / FSDP): the policy's "
-                             "parameters are sharded across ranks while the reference is whole. Use DDP or "
-                             "DeepSpeed ZeRO-1/2, or drop sync_ref_model.")
+        refuse_sharded_reference(trainer.strategy)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         check_mixable(pl_module.model, pl_module.ref_model)

@@ -42,6 +42,7 @@ from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs, SharedLayersKnobs
 from lightalign.modules.reference.model import model_fingerprint
 from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, precompute_reference_logps
+from lightalign.modules.reference.bema import BEMAKnobs
 from lightalign.modules.reference.sync import PRECOMPUTED, ReferenceSyncKnobs, quantized_reference
 from lightalign.modules.training.stat_hooks import StatHooks
 
@@ -53,7 +54,7 @@ PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies"
               "logps/chosen", "logps/rejected")
 
 
-@takes_knobs(NEFTuneKnobs, ReferenceSyncKnobs, ImplicitRewardKnobs, DPOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
+@takes_knobs(NEFTuneKnobs, ReferenceSyncKnobs, BEMAKnobs, ImplicitRewardKnobs, DPOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
              defaults={"disable_dropout": True})
 class DPOModule(StatHooks, PolicyModule):
     """Direct preference optimisation on the pair batches of ``PreferenceDataModule``.

@@ -21,6 +21,7 @@ from lightalign.modules.training.logprobs import completion_logps
 from lightalign.modules.reference.component import Reference, ReferenceKnobs, SharedLayersKnobs
 from lightalign.modules.reference.model import model_fingerprint
 from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, precompute_reference_logps
+from lightalign.modules.reference.bema import BEMAKnobs
 from lightalign.modules.reference.sync import PRECOMPUTED, ReferenceSyncKnobs, quantized_reference
 from lightalign.modules.training.stat_hooks import StatHooks
 
@@ -57,7 +58,7 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], prefi
     return token_logps.sum(-1)
 
 
-@takes_knobs(NEFTuneKnobs, ReferenceSyncKnobs, ImplicitRewardKnobs, KTOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
+@takes_knobs(NEFTuneKnobs, ReferenceSyncKnobs, BEMAKnobs, ImplicitRewardKnobs, KTOLossConfig, ReferenceKnobs, SharedLayersKnobs, PrecomputeReferenceKnobs,
              defaults={"disable_dropout": True})
 class KTOModule(StatHooks, PolicyModule):
     """KTO (Ethayarajh et al. 2024) on completions judged one at a time (``UnpairedPreferenceDataModule``).
@@ -81,6 +82,7 @@ class KTOModule(StatHooks, PolicyModule):
     """
 
     method_name = "KTO"
+    uses_reference_model = True
 
     def check_knob_combinations(self) -> None:
         super().check_knob_combinations()

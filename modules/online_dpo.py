@@ -21,7 +21,9 @@ from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.losses.advantages import MissingEOSKnobs, apply_missing_eos_penalty
 from lightalign.modules.losses.dpo import dpo_loss
 from lightalign.modules.losses.implicit_reward import ImplicitRewardKnobs
+from lightalign.modules.reference.bema import BEMAKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs
+from lightalign.modules.reference.sync import quantized_reference
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
 from lightalign.modules.sampling.module import SamplingModule
 from lightalign.modules.training.stat_metrics import StatMetrics, metric_key
@@ -131,7 +133,7 @@ TRAIN_STATS = ("loss", "objective/scores", "objective/scores_margin", "objective
                "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
 
-@takes_knobs(RewardKnobs, JudgeKnobs, ImplicitRewardKnobs, OnlineDPOLossKnobs, MissingEOSKnobs, ReferenceKnobs,
+@takes_knobs(RewardKnobs, JudgeKnobs, ImplicitRewardKnobs, OnlineDPOLossKnobs, MissingEOSKnobs, ReferenceKnobs, BEMAKnobs,
              defaults={"max_completion_length": 64, "temperature": 0.9, "disable_dropout": True})
 class OnlineDPOModule(SamplingModule):
     """Online DPO on the prompts of ``PromptDataModule``: two completions per prompt sampled from the policy, ranked
@@ -164,6 +166,7 @@ class OnlineDPOModule(SamplingModule):
     """
 
     method_name = "Online DPO"
+    uses_reference_model = True
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
     progress_stats = ("loss", "reward/mean")  # with a judge: ("loss", "win_rate")
     summary_stats = {"win_rate": "max"}  # the run summary's lines beyond the shared ones (RunSummary)
@@ -183,6 +186,9 @@ class OnlineDPOModule(SamplingModule):
         if penalty is not None and judge is not None:
             raise ValueError(f"missing_eos_penalty must be a positive number subtracted from a reward, got {penalty} "
                              "with a judge, which gives no reward to subtract it from; drop it.")
+
+    def reference_sync_blocker(self) -> str | None:
+        return super().reference_sync_blocker() or quantized_reference(self.knobs.reference.ref_model_init_kwargs)
 
     def compose(self) -> None:
         super().compose()

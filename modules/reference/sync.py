@@ -40,7 +40,7 @@ class ReferenceSyncKnobs(KnobGroup):
 PRECOMPUTED = ("precompute_ref_log_probs=True computes the reference log-probs once before training, and a reference "
                "that changes during training would make them stale; set precompute_ref_log_probs=False")
 LORA = ("with LoRA (peft_config) the reference is the base model with the adapters disabled, not a model of its own "
-        "that could be mixed; train without peft_config to sync the reference")
+        "whose weights could be rewritten; train without peft_config to update the reference")
 
 
 def refuse_reference_sync(why: str | None) -> None:
@@ -57,18 +57,29 @@ def quantized_reference(init_kwargs: dict[str, Any] | None) -> str | None:
     return None
 
 
-def check_mixable(policy: torch.nn.Module, reference: torch.nn.Module | None) -> None:
-    """At fit start: the reference exists and has the policy's parameter names and shapes."""
+def refuse_sharded_reference(strategy: Any, knob: str = "sync_ref_model") -> None:
+    """At setup: ``knob`` (a reference rewritten from the policy's weights) is refused under FSDP / ZeRO-3, where
+    each rank holds a shard of the policy's parameters while the reference is whole."""
+    name = type(strategy).__name__
+    if "FSDP" in name or getattr(strategy, "zero_stage_3", False):
+        raise ValueError(f"{knob}=True is not supported with {name} (ZeRO-3 / FSDP): the policy's parameters are "
+                         f"sharded across ranks while the reference is whole. Use DDP or DeepSpeed ZeRO-1/2, or drop "
+                         f"{knob}.")
+
+
+def check_mixable(policy: torch.nn.Module, reference: torch.nn.Module | None, knob: str = "sync_ref_model") -> None:
+    """At fit start: the reference exists and has the policy's parameter names and shapes (``knob`` writes the
+    policy's weights, or an average of them, into it parameter by parameter)."""
     if reference is None:
-        raise ValueError("sync_ref_model=True but this run has no reference model in memory to update.")
+        raise ValueError(f"{knob}=True but this run has no reference model in memory to update.")
     mine = {n: p.shape for n, p in policy.named_parameters()}
     theirs = {n: p.shape for n, p in reference.named_parameters()}
     if mine != theirs:
         differ = sorted(set(mine) ^ set(theirs)) or [n for n in mine if mine[n] != theirs[n]]
         raise ValueError(
-            "sync_ref_model=True mixes the policy into the reference parameter by parameter, but the reference "
+            f"{knob}=True writes the policy's weights into the reference parameter by parameter, but the reference "
             f"(ref_model_name_or_path) has other parameters (e.g. {differ[:2]}). Use a reference of the policy's "
-            "architecture, or drop sync_ref_model."
+            f"architecture, or drop {knob}."
         )
 
 

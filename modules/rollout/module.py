@@ -25,6 +25,7 @@ from lightalign.modules.sampling.config import RolloutSamplingKnobs, SamplingCon
 from lightalign.modules.rollout.offpolicy.component import OffPolicyRollouts
 from lightalign.modules.losses.importance_sampling import ImportanceSamplingKnobs
 from lightalign.modules.reference.component import Reference, ReferenceKnobs
+from lightalign.modules.reference.bema import BEMAKnobs
 from lightalign.modules.reference.sync import ReferenceSyncKnobs, quantized_reference
 from lightalign.modules.rollout.buffer import RolloutBuffer, RolloutKnobs, check_generation_arithmetic, split_rollout
 from lightalign.modules.rollout.scoring import fallback_stat, score_rollout
@@ -37,7 +38,7 @@ from lightalign.rewards.runner import RewardKnobs
 ROLLOUT_STATS = ("loss", "entropy", "reward/mean", "reward/std", "completions/mean_length", "completions/clipped_ratio")
 
 
-@takes_knobs(RewardKnobs, RolloutKnobs, RolloutSamplingKnobs, ReferenceKnobs, ReferenceSyncKnobs, ImportanceSamplingKnobs)
+@takes_knobs(RewardKnobs, RolloutKnobs, RolloutSamplingKnobs, ReferenceKnobs, ReferenceSyncKnobs, BEMAKnobs, ImportanceSamplingKnobs)
 class OnlineRLModule(SamplingModule):
     """The online-RL loop on the prompt batches of ``PromptDataModule`` (TRL's knob names and defaults)."""
 

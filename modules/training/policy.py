@@ -19,6 +19,7 @@ from lightalign.callbacks.nonfinite import NonfiniteKnobs
 from lightalign.knobs import KnobSet, method_knobs, takes_knobs
 from lightalign.modules.adaptations import AdaptationReport
 from lightalign.modules.losses.router_aux import RouterAuxKnobs
+from lightalign.modules.reference.bema import refuse_bema_reference
 from lightalign.modules.reference.sync import LORA, refuse_reference_sync
 from lightalign.modules.training.acceleration import CPUMemoryKnobs
 from lightalign.modules.training.checkpoint_state import CheckpointState
@@ -74,7 +75,10 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
     # the method's proper name ("Online DPO"): the model card and the fit-time notes say it (None: the class name)
     method_name: str | None = None
     # switch knob -> the knobs that act only when it is on: the model card leaves them out when it is off
-    switched_knobs: dict[str, tuple[str, ...]] = {"sync_ref_model": ("ref_model_mixup_alpha", "ref_model_sync_steps")}
+    switched_knobs: dict[str, tuple[str, ...]] = {
+        "sync_ref_model": ("ref_model_mixup_alpha", "ref_model_sync_steps"),
+        "update_ref_model": ("update_freq", "ema_power", "bias_power", "lag", "update_after", "multiplier",
+                             "min_ema_multiplier", "device", "ref_model_update_freq", "ref_model_update_after")}
     # attributes kept out of the module tree (never optimised, checkpointed or wrapped by a strategy)
     _unregistered_attributes: frozenset[str] = frozenset({"ref_model", "side_effects", "knobs"})
     ref_model: torch.nn.Module | None = None  # the reference model (``Reference.build``), when the method has one
@@ -128,6 +132,9 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         calling ``super().check_knob_combinations()`` first. Runs at construction, before ``compose``."""
         if "reference_sync" in self.knobs and self.knobs.reference_sync.sync_ref_model:  # methods with a reference
             refuse_reference_sync(self.reference_sync_blocker())
+        if "bema" in self.knobs and self.knobs.bema.update_ref_model:  # the methods with a reference
+            sync = "reference_sync" in self.knobs and self.knobs.reference_sync.sync_ref_model
+            refuse_bema_reference(sync, self.reference_sync_blocker())
 
     def reference_sync_blocker(self) -> str | None:
         """Why this run has no reference model of its own in memory for ``sync_ref_model`` to mix into (None: it
@@ -199,6 +206,10 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         sync = knobs.reference_sync if "reference_sync" in knobs else None
         if sync is not None and sync.sync_ref_model:
             notes.append(f"reference synced every {sync.ref_model_sync_steps} steps (alpha {sync.ref_model_mixup_alpha})")
+        bema = knobs.bema if "bema" in knobs else None
+        if bema is not None and bema.update_ref_model:
+            notes.append(f"reference = BEMA of the policy, renewed every {bema.ref_model_update_freq} steps "
+                         f"(average every {bema.update_freq})")
         check_run(self.model, getattr(self, "ref_model", None), layout, longest, self.adaptations, self.device,
                   self.logger if self._trainer is not None else None, notes=notes)
 
@@ -273,6 +284,11 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
             from lightalign.callbacks.reference_sync import ReferenceSync
 
             callbacks.append(ReferenceSync(sync.ref_model_mixup_alpha, sync.ref_model_sync_steps))
+        bema = knobs.bema if "bema" in knobs else None
+        if bema is not None and bema.update_ref_model:
+            from lightalign.callbacks.bema_reference import BEMAReference
+
+            callbacks.append(BEMAReference(bema))
         return callbacks
 
     @property

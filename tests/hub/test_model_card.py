@@ -109,7 +109,9 @@ def test_an_exported_card_names_the_method_run_and_folder_and_leaves_out_knobs_o
     assert "Trained with lightalign's Online DPO (`OnlineDPOModule`) from" in body and "ONLINEDPO" not in body
     assert f'folder = "{(run / "hf_model").resolve()}"' in body and "model = AutoModelForCausalLM.from_pretrained(folder)" in body
     assert "vllm_" not in body and "ref_model_sync_steps" not in body and "`top_p`" in body
-    assert "Left out (off here): 12 knobs that act only when `use_vllm` is on." in body  # online DPO has no sync
+    # online DPO has no sync; its BEMA reference (update_ref_model) is off
+    assert ("Left out (off here): 10 knobs that act only when `update_ref_model` is on; 12 knobs that act only when "
+            "`use_vllm` is on.") in body and "ref_model_update_freq" not in body
     # the reward functions (objects, not saved hyperparameters) by import path (mutation: not added -> fails)
     assert "| `reward_funcs` | `['lightalign.rewards.functions.digit_fraction_reward']` |" in body
     on = dict(inputs, hparams={**inputs["hparams"], "use_vllm": True})  # the feature on: its knobs are listed

@@ -76,6 +76,12 @@ CASES = [
     # DDP TPO (reference-free; 8 triples per rank, 2 per micro-batch: 4 steps per epoch), killed at 3 -> resume 2;
     # its running train/num_tokens count resumes too
     ("tpo", 2, 6, 2, 3, None, 4),
+    # DDP DPO with a BEMA reference (update_ref_model): 3 steps per epoch, killed at 3 -> resume 2, whose checkpoint
+    # holds theta_0 of step 1 (neither the initial nor the resumed policy) and the reference written at steps 1-2
+    ("dpo_bema", 2, 6, 2, 3, None, 3),
+    # GRPO with a BEMA reference, one process: one rollout (2 prompts) per epoch of 4 steps, killed at 3 -> resume 2
+    # (mid-rollout: the buffered rollout's reference log-probs were scored with the BEMA reference of step 0)
+    ("grpo_bema", 1, 6, 2, 3, None, 4),
 ]
 
 
@@ -112,6 +118,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
     _assert_equal_tree(final_a["optimizer"], final_b["optimizer"], f"{method}: optimizer state after resume")
     # DPO syncs its reference (TR-DPO) every 2 steps: the resumed runs restored the mixed reference
     _assert_equal_tree(final_a.get("reference"), final_b.get("reference"), f"{method}: reference after resume")
+    _assert_equal_tree(final_a.get("bema"), final_b.get("bema"), f"{method}: BEMA state after resume")
     la, lb = _losses(a), _losses(b)
     assert sorted(la) == list(range(max_steps)), sorted(la)
     shared = [s for s in la if s >= resume1]

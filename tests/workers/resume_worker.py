@@ -140,6 +140,13 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
         # dropout kept on (TPO's default turns it off); each rank its own triples, 2 per micro-batch
         return (TPOModule(model, disable_dropout=False, loss_type="tpo-l", **common),
                 TriplePreferenceDataModule(rows("arithmetic_tpo.jsonl", 8 * devices), tokenizer=TINY, batch_size=2), 1)
+    if method == "dpo_bema":
+        # the reference is TRL's BEMA of the policy: theta_0 taken after step 1, the average renewed at steps 3 and
+        # 5, copied into the reference every step; 12 rows per rank in pairs, 3 steps per epoch
+        return (DPOModule(model, disable_dropout=False, update_ref_model=True, update_after=1, update_freq=2,
+                          ref_model_update_freq=1, **common),
+                PreferenceDataModule(rows("arithmetic_preference.jsonl", 12 * devices), tokenizer=TINY,
+                                     batch_size=2), 2)
     if method == "grpo":
         # a rollout (2 prompts x 4 completions) serves 4 steps (2 micro-batches x 2 iterations); 4 prompts per
         # rank (--prompts-per-rank): 2 rollouts, 8 steps per epoch. The adaptive entropy coefficient rises every step (entropy < target):
@@ -151,6 +158,14 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
         val = dict(val_path=rows("arithmetic_prompts.jsonl", 2), batch_size=2) if validate else {}
         return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY,
                                         **val), 1
+    if method == "grpo_bema":
+        # the GRPO case's knobs with a KL term (beta 0.04: a reference is built) whose reference is TRL's BEMA of
+        # the policy: theta_0 after step 1, the average renewed every 2 steps, copied into the reference every step
+        module = GRPOModule(model, reward_funcs=[varied_reward], num_generations=4, generation_batch_size=8,
+                            steps_per_generation=2, num_iterations=2, max_completion_length=6, beta=0.04,
+                            update_ref_model=True, update_after=1, update_freq=2, ref_model_update_freq=1,
+                            normalize_rewards=True, scale_rewards="none", **common)
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY), 1
     if method == "grpo_async":
         # the GRPO case's knobs, sampled one rollout ahead (a rollout trains 4 optimizer steps: max_staleness 4) by
         # a sampling process per rank: a checkpoint inside a rollout holds the next one, sampled or in flight
@@ -233,7 +248,9 @@ def main() -> None:
     if trainer.is_global_zero:
         reference = getattr(module, "ref_model", None)
         torch.save({"model": module.model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
-                    "reference": reference.state_dict() if reference is not None else None}, out / "final.pt")
+                    "reference": reference.state_dict() if reference is not None else None,
+                    "bema": next((c.state_dict() for c in trainer.callbacks if type(c).__name__ == "BEMAReference"),
+                                 None)}, out / "final.pt")
     print("DONE", trainer.global_step, file=sys.stderr)
 
 
