@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Build ``assets/models/tiny-bpe320``: a tiny model whose tokenizer is NOT the shipped one (the teacher of
-``configs/gold_quickstart.yaml``, cross-tokenizer distillation).
+"""Build ``assets/models/tiny-bpe320``: a tiny model whose tokenizer is NOT the shipped one (the student of
+``configs/gold_quickstart.yaml``, whose teacher has the shipped tokenizer: cross-tokenizer distillation).
 
-    python assets/build_gold_teacher.py            # writes assets/models/tiny-bpe320 (deterministic)
-    python assets/build_gold_teacher.py OUT_DIR    # writes the same files into OUT_DIR (the tests rebuild it)
+    python assets/build_tiny_bpe320.py            # writes assets/models/tiny-bpe320 (deterministic)
+    python assets/build_tiny_bpe320.py OUT_DIR    # writes the same files into OUT_DIR
 
 The tokenizer is byte-level BPE like the shipped one (cross-tokenizer ULD aligns byte spans, which needs byte-level
 pieces) but trained with another split: digits in runs of up to three (``\\p{N}{1,3}``, as Llama 3 splits them,
