@@ -115,8 +115,8 @@ def test_uld_loss_and_gradient_match_trl(index):
                            teacher_unpredicted_first=[start == 0 for start in t_starts])
     loss.backward()
     assert loss.item() == pytest.approx(case["loss"].item(), rel=2e-6, abs=1e-7)
-    rows = full.grad.abs().sum(-1) != 0
-    assert torch.equal(rows, case["grad_rows"])
+    rows = case["grad_rows"]  # TRL's nonzero rows; ours elsewhere are zero up to float32 rounding
+    assert full.grad[~rows].abs().max().item() < 1e-7
     ours = full.grad[rows].double() @ projection(full.shape[-1])
     torch.testing.assert_close(ours, case["grad_projected"], rtol=1e-4, atol=1e-6)
     assert stats["distillation"].item() > 0
