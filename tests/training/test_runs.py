@@ -230,7 +230,8 @@ def _seeded_teacher(tiny_dir: Path, folder: Path) -> Path:
 def test_a_sampling_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(repo, tiny_dir, tmp_path,
                                                                                       config):
     """The shipped distillation (lmbda 0.5: each step draws whether the student samples or the data's completions
-    are used) and online DPO configs: a run SIGKILLed after its step-4 checkpoint, once later steps are logged, and
+    are used), GOLD (the same draws; a student of another tokenizer than the teacher's, the ULD loss) and online DPO
+    configs: a run SIGKILLed after its step-4 checkpoint, once later steps are logged, and
     continued by the same command (--ckpt_path last) exports the weights of an uninterrupted run, bit for bit: the
     lmbda draws and the samples after the checkpoint are the ones the uninterrupted run drew."""
     from safetensors.torch import load_file
