@@ -44,6 +44,14 @@ def test_combinations_uld_cannot_run_are_refused_at_construction(knobs, named):
         GOLDModule(TINY, from_config=True, teacher_model_name_or_path=OTHER, use_uld_loss=True, **knobs)
 
 
+def test_uld_knobs_without_use_uld_loss_are_refused_not_ignored():
+    """TRL ignores them; here they name the switch (mutation: ``ULDKnobs.check`` without the unused-knob check)."""
+    with pytest.raises(ValueError, match="uld_teacher_temperature, teacher_tokenizer_name_or_path configure|"
+                                         "teacher_tokenizer_name_or_path, uld_teacher_temperature configure"):
+        GOLDModule(TINY, from_config=True, teacher_model_name_or_path=TINY, uld_teacher_temperature=2.0,
+                   teacher_tokenizer_name_or_path=OTHER)
+
+
 def char_tokenizer(folder: Path):
     """A character-level byte tokenizer (byte-level pre-tokenisation, no merges): the 256 byte symbols plus the
     shipped special tokens, built with the ``tokenizers`` library and saved to ``folder``."""
