@@ -20,7 +20,8 @@ from lightalign.knobs import takes_knobs
 from lightalign.modules.distill import DistillModule
 from lightalign.modules.losses.uld import ULDKnobs, uld_loss
 from lightalign.modules.reference.token_alignment import byte_spans, is_byte_level, matched_vocabulary, teacher_rows
-from lightalign.modules.training.logprobs import completion_logits
+from lightalign.modules.rollout.offpolicy.component import update_mismatch_stats
+from lightalign.modules.training.logprobs import completion_logits, selective_log_softmax
 
 __all__ = ["GOLDModule"]
 
@@ -57,7 +58,8 @@ class GOLDModule(DistillModule):
     loss's JSD. The rows are padded (``padding_free`` is refused: the two models run on different tokens), the
     completions come from the student or the data (``seq_kd`` is refused: the teacher would sample in its own
     tokens), and ``loss_type`` is ``gkd`` (``on_policy`` reads the teacher's log-prob of the student's tokens,
-    which another vocabulary does not have).
+    which another vocabulary does not have). With ``use_vllm`` the student's engine samples as in
+    ``DistillModule`` (the mismatch statistics are logged; ULD reads no sampler log-prob).
 
     Logged as ``DistillModule``: ``train/loss``, ``train/divergence`` (here the ULD distillation term before its
     weight), the sources, ``train/completions/mean_length``; ``val/divergence`` on the student's samples.
@@ -68,8 +70,8 @@ class GOLDModule(DistillModule):
     matched: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def check_knob_combinations(self) -> None:
-        """With ``use_uld_loss``: ``loss_type`` gkd, no ``seq_kd``, no ``padding_free``, no vLLM, and a teacher
-        tokenizer to read for a built teacher."""
+        """With ``use_uld_loss``: ``loss_type`` gkd, no ``seq_kd``, no ``padding_free``, and a teacher tokenizer to
+        read for a built teacher."""
         hp = self.hparams
         if hp.use_uld_loss:
             refused = [(hp.loss_type != "gkd", f"loss_type {hp.loss_type!r} (on_policy reads the teacher's log-prob "
@@ -78,8 +80,6 @@ class GOLDModule(DistillModule):
                        (hp.seq_kd, "seq_kd (the teacher would sample in its own tokens): set seq_kd: false"),
                        (hp.padding_free, "padding_free (student and teacher run on different tokenisations, "
                                          "padded): leave padding_free unset"),
-                       (hp.use_vllm, "use_vllm (not built for cross-tokenizer distillation yet): set use_vllm: "
-                                     "false"),
                        (self.knobs.teacher.teacher_model is not None and not hp.teacher_tokenizer_name_or_path,
                         "a built teacher_model without teacher_tokenizer_name_or_path (the teacher's tokenizer "
                         "cannot be told from it): name its tokenizer")]
@@ -119,7 +119,8 @@ class GOLDModule(DistillModule):
     def distill_loss(self, rows: dict[str, torch.Tensor], stats: torch.nn.ModuleDict | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``DistillModule``'s loss, or with ``use_uld_loss`` the ULD loss of the student's rows against the
-        teacher's re-tokenisation of their text."""
+        teacher's re-tokenisation of their text; rows a vLLM engine sampled (``sampling_logps``) log the
+        engine-student mismatch in ``stats`` (the loss reads no sampler log-prob)."""
         if not self.hparams.use_uld_loss:
             return super().distill_loss(rows, stats)
         hp, student_tok, teacher_tok = self.hparams, self.tokenizer, self.teacher_tokenizer
@@ -137,6 +138,10 @@ class GOLDModule(DistillModule):
             student_logits = completion_logits(self.model, rows, through_last=True)
         with torch.no_grad():
             teacher_logits = completion_logits(self.teacher_eval(), teacher, through_last=True)
+        if "sampling_logps" in rows and stats is not None:
+            with torch.no_grad():
+                own = selective_log_softmax(student_logits[:, :-1].detach() / hp.temperature, rows["completion_ids"])
+            update_mismatch_stats(stats, own, rows["sampling_logps"].to(own.dtype), rows["completion_mask"].bool())
         loss, parts = uld_loss(
             student_logits, teacher_logits, student_ids, completions,
             [byte_spans(student_tok, ids) for ids in student_ids] if hp.use_extended_uld else None, spans,

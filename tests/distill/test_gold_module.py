@@ -144,3 +144,35 @@ def test_the_modules_uld_loss_is_each_sequence_run_alone_through_both_models(tmp
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     assert divergence.item() == pytest.approx(parts["distillation"].item(), rel=1e-5)
     assert t_completions[0] != completions[0]  # the teacher did read other tokens
+
+
+def test_with_use_vllm_the_students_engine_samples_and_the_mismatch_is_logged(tmp_path, monkeypatch):
+    """ULD on completions a (stand-in) vLLM engine of the student sampled: the engine gets the student's weights at
+    fit start and after each step, every batch is its samples, and the engine-student log-prob mismatch is logged
+    (mutation: the ULD path without the mismatch update -> no finite train/sampling/kl)."""
+    import shutil
+
+    import lightning as L
+
+    from helpers.fake_vllm import vllm_module
+    from lightalign import PromptDataModule
+    from lightalign.hub import load_causal_lm
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(OTHER, teacher)
+    torch.manual_seed(1)
+    load_causal_lm(str(teacher), from_config=True).save_pretrained(teacher)
+    engines: list = []
+    torch.manual_seed(0)
+    module = vllm_module(GOLDModule, monkeypatch, engines, TINY, from_config=True,
+                         teacher_model_name_or_path=str(teacher), use_uld_loss=True, lmbda=1.0,
+                         max_completion_length=5, learning_rate=1e-2)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, max_steps=2)
+    trainer.fit(module, PromptDataModule(str(Path(TINY).parents[2] / "examples" / "data" / "arithmetic_sft.jsonl"),
+                                         tokenizer=TINY, max_prompt_length=16, batch_size=4))
+    (student,) = engines
+    assert student.who == "student" and [step for step, _ in student.loads] == [0, 1, 2]
+    assert len(student.completions) == 2  # one engine call per batch
+    kl = trainer.callback_metrics["train/sampling/kl"]
+    assert torch.isfinite(kl) and kl.item() > 0  # the stand-in engine's log-probs are shifted from the student's
