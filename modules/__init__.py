@@ -9,6 +9,8 @@ _EXPORTS = {
     "DistillModule": "lightalign.modules.distill",
     **dict.fromkeys(["CPOModule", "CPO_LOSS_TYPES", "cpo_loss"], "lightalign.modules.cpo"),
     **dict.fromkeys(["ORPOModule", "orpo_loss"], "lightalign.modules.orpo"),
+    "GOLDModule": "lightalign.modules.gold",
+    "uld_loss": "lightalign.modules.losses.uld",
     **dict.fromkeys(["LOSS_TYPES", "DPOModule", "dpo_loss"], "lightalign.modules.dpo"),
     **dict.fromkeys(["generalized_jsd_loss", "on_policy_distillation_advantages", "on_policy_distillation_loss"],
                     "lightalign.modules.losses.distill"),
@@ -30,6 +32,7 @@ _EXPORTS = {
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
+    "GOLDModule", "uld_loss",
     "LOSS_TYPES", "CriticFreeModule", "DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
     "ONLINE_DPO_LOSS_TYPES", "OnlineDPOModule", "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
     "CPOModule", "CPO_LOSS_TYPES", "ORPOModule", "cpo_loss", "orpo_loss",

@@ -18,7 +18,8 @@ class TeacherKnobs(KnobGroup):
     group = "teacher"
     teacher_model_name_or_path: str | None = knob(
         None, "the teacher: a hub name or a local folder with ``config.json`` and weights. Its vocabulary must be the "
-              "student's (checked from both configs before any weights load).")
+              "student's (checked from both configs before any weights load), unless ``GOLDModule``'s "
+              "``use_uld_loss`` distils across tokenizers.")
     teacher_model: torch.nn.Module | None = knob(
         None, "an already built teacher model (Python API only), instead of ``teacher_model_name_or_path``.",
         saved=False)

@@ -46,7 +46,8 @@ def check_same_vocabulary(student: Any, teacher: Any, student_kwargs: dict[str, 
             "token over output layers of the same size. Models of one family can differ here only because their "
             "embedding matrices are padded to different sizes (e.g. a family's large and small checkpoints): "
             "lightalign does not map padded vocabularies yet; pick a teacher and student whose configs give the "
-            "same vocab_size.")
+            "same vocab_size, or distil across tokenizers with lightalign.GOLDModule and use_uld_loss: true "
+            "(Universal Logit Distillation: the teacher re-tokenises the student's text; docs/gold.md).")
 
 
 def describe_model(model_or_path: Any) -> str:

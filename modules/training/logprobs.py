@@ -152,14 +152,17 @@ def padded_position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor], through_last: bool = False,
+                      ) -> torch.Tensor:
     """The logits ``[B, T, V]`` predicting each completion token of padded ``[left-padded prompt, completion]``
     rows (positions counted from each row's first real token, as the samplers used), a view of the model's output:
-    no copy, untempered."""
+    no copy, untempered. ``through_last``: ``[B, T + 1, V]``, the logits at the last completion position too
+    (what cross-tokenizer ULD's ``observed`` strategy reads)."""
     t = rows["completion_ids"].shape[1]
     input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
     attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1)
     if forward_accepts(model, "position_ids"):
         inputs["position_ids"] = padded_position_ids(attention_mask)
-    return model(**inputs).logits[:, :-1]
+    logits = model(**inputs).logits
+    return logits if through_last else logits[:, :-1]

@@ -226,17 +226,18 @@ def _seeded_teacher(tiny_dir: Path, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("config", ["distill_quickstart", "online_dpo_quickstart"])
+@pytest.mark.parametrize("config", ["distill_quickstart", "online_dpo_quickstart", "gold_quickstart"])
 def test_a_sampling_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(repo, tiny_dir, tmp_path,
                                                                                       config):
     """The shipped distillation (lmbda 0.5: each step draws whether the student samples or the data's completions
-    are used) and online DPO configs: a run SIGKILLed after its step-4 checkpoint, once later steps are logged, and
+    are used), GOLD (the same draws; a student of another tokenizer than the teacher's, the ULD loss) and online DPO
+    configs: a run SIGKILLed after its step-4 checkpoint, once later steps are logged, and
     continued by the same command (--ckpt_path last) exports the weights of an uninterrupted run, bit for bit: the
     lmbda draws and the samples after the checkpoint are the ones the uninterrupted run drew."""
     from safetensors.torch import load_file
 
     extra = []
-    if config == "distill_quickstart":
+    if config in ("distill_quickstart", "gold_quickstart"):  # gold's student has another tokenizer than this teacher
         extra = ["--model.teacher_model_name_or_path", str(_seeded_teacher(tiny_dir, tmp_path / "teacher"))]
 
     def args(save_dir: Path) -> list[str]:
@@ -269,7 +270,9 @@ def test_a_sampling_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_w
     b = load_file(run / "hf_model" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
-    if config == "distill_quickstart":  # both sources were drawn, so the draws mattered
+    if config == "gold_quickstart":  # the cross-tokenizer loss ran (the fit-start line says the rows' layout)
+        assert "padded rows (use_uld_loss" in out
+    if config in ("distill_quickstart", "gold_quickstart"):  # both sources were drawn, so the draws mattered
         sources = [row["train/student_sampled"] for row in csv.DictReader(open(run / "metrics.csv")) if
                    row.get("train/student_sampled")]
         assert {float(v) for v in sources} == {0.0, 1.0}, sources

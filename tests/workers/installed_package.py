@@ -109,6 +109,11 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
     fit_two_steps(la.DistillModule(m, teacher_model_name_or_path=m, lmbda=0.5, **short),
                   la.PromptDataModule(str(data / "arithmetic_sft.jsonl"), tokenizer=m, max_prompt_length=16,
                                       batch_size=4))
+    other = str(package / "assets" / "models" / "tiny-bpe320")  # another tokenizer: the cross-tokenizer student
+    fit_two_steps(la.GOLDModule(other, from_config=True, teacher_model_name_or_path=m, use_uld_loss=True, lmbda=0.5,
+                                **short),
+                  la.PromptDataModule(str(data / "arithmetic_sft.jsonl"), tokenizer=other, max_prompt_length=16,
+                                      batch_size=4))
     iterative = la.IterativeSFT(m, learning_rate=1e-3, max_length=32, device="cpu")
     for _ in range(2):
         iterative.step(texts=["1+1=", "2+2="], texts_labels=["2", "4"])
