@@ -1,0 +1,68 @@
+"""The self-distillation losses (modules/losses/self_distill.py) against TRL 1.16's own SDFT and SDPO loss code on
+identical tensors (tests/fixtures/trl_sdft_parity.pt and trl_sdpo_parity.pt, written by bench/trl_parity/sdft.py and
+sdpo.py in the bench venv), and the knob group's refusals.
+
+Mutations that fail these tests: the divergence's direction swapped (``alpha`` read as ``1 - alpha``: the alpha 0
+and 1 cases), the top-k support renormalised with the tail bucket too or not renormalised at all (the
+``topk_logits`` cases), the importance weight dropped or not clipped (the clip cases), the reduction as one mean
+over every kept token instead of per completion then over completions (every case: the completions keep different
+token counts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightalign.modules.losses.self_distill import SelfDistillLossKnobs, self_distillation_loss
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def _config(case: dict) -> SelfDistillLossKnobs:
+    return SelfDistillLossKnobs(distillation_alpha=case["distillation_alpha"],
+                                distillation_mode=case["distillation_mode"],
+                                distillation_topk=case["distillation_topk"],
+                                distillation_is_clip=case["distillation_is_clip"],
+                                distillation_add_tail=case["distillation_add_tail"])
+
+
+def _ours(x: dict, case: dict, mask: torch.Tensor):
+    student = x["student_logits"].clone().requires_grad_(True)
+    loss, stats = self_distillation_loss(student, x["teacher_logits"], x["completion_ids"], mask, _config(case),
+                                         old_logps=x["old_logps"] if case["with_old"] else None)
+    loss.backward()
+    return loss.detach(), student.grad, stats["distillation_loss"]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # float32 arithmetic on O(1) values over a few hundred terms: a few ulps of the largest entry
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))
+
+
+def test_sdft_loss_matches_trl():
+    saved = torch.load(FIXTURES / "trl_sdft_parity.pt", weights_only=True)
+    x = saved["inputs"]
+    assert len(saved["cases"]) == 18
+    for case in saved["cases"]:
+        loss, grad, logged = _ours(x, case, x["loss_mask"])
+        label = {k: case[k] for k in ("distillation_mode", "distillation_alpha", "distillation_topk",
+                                      "distillation_add_tail", "distillation_is_clip", "with_old")}
+        assert float(case["loss"]) != 0.0, label
+        assert _close(loss, case["loss"]), (label, float(loss), float(case["loss"]))
+        assert _close(grad, case["grad"]), label
+        assert _close(logged, case["logged"]), label
+
+
+@pytest.mark.parametrize("values, needle", [
+    ({"distillation_mode": "sampled_token", "distillation_alpha": 0.5}, "needs distillation_alpha 1.0"),
+    ({"distillation_mode": "topk_logits", "distillation_topk": None}, "set distillation_topk"),
+    ({"distillation_alpha": 1.5}, "must lie in [0, 1]"),
+    ({"distillation_mode": "logits"}, "distillation_mode must be one of"),
+    ({"distillation_is_clip": 0.0}, "distillation_is_clip must be > 0"),
+])
+def test_knob_refusals_name_the_knob(values, needle):
+    with pytest.raises(ValueError, ) as err:
+        SelfDistillLossKnobs(**values)
+    assert needle in str(err.value)
