@@ -60,6 +60,8 @@ CASES = [
     ("dpo", 1, 9, 3, 5, 7, 6),
     # a rollout serves 4 steps, 2 rollouts/epoch: 8 steps/epoch. Kill at 3 -> resume 2 (mid-rollout); 9 -> 8
     ("grpo", 1, 10, 2, 3, 9, 8),
+    # SDFT: 4 steps per epoch, an EMA teacher (kept in checkpoints); killed once, at 3 -> resume 2 (mid-epoch)
+    ("sdft", 1, 4, 2, 3, None, 4),
     # The DDP cases take 2 prompts per rank (one rollout, 4 steps per epoch) and are killed once, at 3 -> resume 2
     # (mid-rollout; the resumed run crosses the epoch end at 4): a resume from an epoch end is the cases' above.
     # DDP GRPO with tool calls (the single-process case's knobs): each rank its own prompts, multi-turn rollouts

@@ -162,6 +162,14 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
                             entropy_target=100.0, **common)
         prompts = Dataset.from_list([{"prompt": QUESTION, "answer": "6"}] * (prompts_per_rank * devices))
         return module, PromptDataModule(prompts, tokenizer=model, max_prompt_length=256), 1
+    if method == "sdft":
+        # 2 prompts x 2 completions per step, 8 prompts: 4 steps per epoch; dropout kept on; an EMA teacher (rate
+        # 0.5 every step) that a resume must restore
+        from lightalign import SDFTModule
+
+        module = SDFTModule(model, num_generations=2, generation_batch_size=4, max_completion_length=6,
+                            disable_dropout=False, teacher_model_kind="ema", teacher_update_rate=0.5, **common)
+        return module, PromptDataModule(rows("arithmetic_privileged.jsonl", 8), tokenizer=TINY), 1
     raise SystemExit(f"unknown method {method}")
 
 
