@@ -66,3 +66,33 @@ def test_knob_refusals_name_the_knob(values, needle):
     with pytest.raises(ValueError, ) as err:
         SelfDistillLossKnobs(**values)
     assert needle in str(err.value)
+
+
+def test_sdpo_loss_matches_trl():
+    """SDPO's objective (``sdpo_loss``: GRPO's policy term and the self-distillation term, mixed by
+    ``distillation_weight``) against ``SDPOTrainer.compute_loss``. Mutations: the weights swapped (``w`` on the policy
+    term), the ``self_distillation_mask`` ignored (every completion distilled), the policy term's old log-probs not
+    passed (the ratio always 1) -- each fails a case."""
+    from lightalign.modules.losses.grpo import GRPOLossConfig
+    from lightalign.modules.losses.sdpo import sdpo_loss
+
+    saved = torch.load(FIXTURES / "trl_sdpo_parity.pt", weights_only=True)
+    x = saved["inputs"]
+    assert len(saved["cases"]) == 27
+    for case in saved["cases"]:
+        label = {k: v for k, v in case.items() if k not in ("loss", "grad")}
+        config = SelfDistillLossKnobs(distillation_alpha=case["distillation_alpha"],
+                                      distillation_mode=case["distillation_mode"],
+                                      distillation_topk=case["distillation_topk"],
+                                      distillation_is_clip=case["distillation_is_clip"])
+        policy = GRPOLossConfig(loss_type=case["loss_type"], epsilon=0.2, epsilon_high=0.28,
+                                importance_sampling_level=case["importance_sampling_level"])
+        student = x["student_logits"].clone().requires_grad_(True)
+        loss, _ = sdpo_loss(student, x["teacher_logits"], x["completion_ids"], x["completion_mask"],
+                            x["self_distillation_mask"], x["advantages"], x["old_logps"] if case["with_old"] else None,
+                            distillation_weight=case["distillation_weight"], distill_config=config,
+                            policy_config=policy, max_completion_length=saved["max_completion_length"])
+        loss.backward()
+        assert float(case["loss"]) != 0.0, label
+        assert _close(loss.detach(), case["loss"]), (label, float(loss), float(case["loss"]))
+        assert _close(student.grad, case["grad"]), label
