@@ -30,7 +30,7 @@ _EXPORTS = {
     **dict.fromkeys(["AtomicCheckpointIO", "CheckpointError"], "lightalign.strategies"),
     "Trainer": "lightalign.trainer",
     **dict.fromkeys(["DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "OnlineDPOModule", "PolicyModule", "PPOModule",
-                     "RewardModule", "RLOOModule", "SDFTModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
+                     "RewardModule", "RLOOModule", "SDFTModule", "SDPOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
                      "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
@@ -44,6 +44,7 @@ __all__ = [
     "DeviceCacheCleanup",
     "DistillModule",
     "SDFTModule",
+    "SDPOModule",
     "DataFormatError",
     "GRPOModule",
     "RLOOModule",
