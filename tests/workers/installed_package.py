@@ -105,6 +105,9 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
     fit_two_steps(la.DistillModule(m, teacher_model_name_or_path=m, lmbda=0.5, **short),
                   la.PromptDataModule(str(data / "arithmetic_sft.jsonl"), tokenizer=m, max_prompt_length=16,
                                       batch_size=4))
+    fit_two_steps(la.SDFTModule(m, num_generations=2, generation_batch_size=4, **short),
+                  la.PromptDataModule(str(data / "arithmetic_privileged.jsonl"), tokenizer=m, max_prompt_length=16))
+    fit_two_steps(la.SDPOModule(m, num_generations=4, success_reward_threshold=0.0, **online), la.PromptDataModule(**prompts))
     iterative = la.IterativeSFT(m, learning_rate=1e-3, max_length=32, device="cpu")
     for _ in range(2):
         iterative.step(texts=["1+1=", "2+2="], texts_labels=["2", "4"])
