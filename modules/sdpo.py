@@ -139,7 +139,7 @@ class SDPOModule(GRPOModule):
         scatter_rows(chunks, teacher_prompt_ids=teacher_ids, teacher_prompt_mask=teacher_mask,
                      self_distillation_mask=torch.tensor(active, dtype=torch.float32, device=self.device))
         for name, value in stats.items():
-            self.train_stats[metric_key(name)].update(torch.tensor(value))
+            self.train_stats[metric_key(name)].update(torch.tensor(value, device=self.device))
 
     # ------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -163,7 +163,7 @@ class SDPOModule(GRPOModule):
                                 policy_config=self.loss_config, max_completion_length=hp.max_completion_length,
                                 num_items_in_batch=num_items, loss_scale=scale)
         s = self.train_stats
-        s[metric_key("loss")].update(loss.detach() / scale)
+        s[metric_key("loss")].update(stats["loss"])
         for name, key in (("distillation_loss", "distillation_loss"), ("policy_loss", "policy_loss"),
                           ("clip_ratio", "clip_ratio/region_mean"), ("clip_ratio/low", "clip_ratio/low_mean"),
                           ("clip_ratio/high", "clip_ratio/high_mean")):

@@ -48,15 +48,17 @@ def sdpo_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None,
     (``teacher_logits`` may be None at weight 0); ``self_distillation_mask`` ``[B]``: 1 for a completion with a
     teacher prompt; ``advantages`` ``[B]``; ``old_logps`` ``[B, T]`` or None (on-policy). ``num_items_in_batch`` and
     ``loss_scale`` are ``grpo_loss``'s (the ``dapo``-like types' step token count and the factor the caller
-    multiplies the policy term by, so the returned loss already carries it). Stats: ``policy_loss`` and the clip
-    ratios (weight < 1), ``distillation_loss`` (weight > 0)."""
+    multiplies the policy term by, so the returned loss already carries it). Stats: ``loss`` (the mix without
+    ``loss_scale``, detached), ``policy_loss`` and the clip ratios (weight < 1), ``distillation_loss`` (weight > 0)."""
     loss = student_logits.new_zeros(())
+    shown = student_logits.new_zeros(()).detach()
     stats: dict[str, torch.Tensor] = {}
     if distillation_weight > 0.0:
         loss_mask = completion_mask * self_distillation_mask.to(completion_mask.dtype).unsqueeze(1)
         distill, distill_stats = self_distillation_loss(student_logits, teacher_logits, completion_ids, loss_mask,
                                                         distill_config, old_logps=old_logps)
         loss = loss + distillation_weight * distill
+        shown = shown + distillation_weight * distill.detach()
         stats.update(distill_stats)
     if distillation_weight < 1.0:
         logps = selective_log_softmax(student_logits, completion_ids)
@@ -64,5 +66,7 @@ def sdpo_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None,
                                          max_completion_length=max_completion_length,
                                          num_items_in_batch=num_items_in_batch, loss_scale=loss_scale)
         loss = loss + (1.0 - distillation_weight) * policy * loss_scale
+        shown = shown + (1.0 - distillation_weight) * policy.detach()
         stats.update(policy_stats)
+    stats["loss"] = shown
     return loss, stats

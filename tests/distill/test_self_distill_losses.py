@@ -88,7 +88,7 @@ def test_sdpo_loss_matches_trl():
         policy = GRPOLossConfig(loss_type=case["loss_type"], epsilon=0.2, epsilon_high=0.28,
                                 importance_sampling_level=case["importance_sampling_level"])
         student = x["student_logits"].clone().requires_grad_(True)
-        loss, _ = sdpo_loss(student, x["teacher_logits"], x["completion_ids"], x["completion_mask"],
+        loss, stats = sdpo_loss(student, x["teacher_logits"], x["completion_ids"], x["completion_mask"],
                             x["self_distillation_mask"], x["advantages"], x["old_logps"] if case["with_old"] else None,
                             distillation_weight=case["distillation_weight"], distill_config=config,
                             policy_config=policy, max_completion_length=saved["max_completion_length"])
@@ -96,3 +96,4 @@ def test_sdpo_loss_matches_trl():
         assert float(case["loss"]) != 0.0, label
         assert _close(loss.detach(), case["loss"]), (label, float(loss), float(case["loss"]))
         assert _close(student.grad, case["grad"]), label
+        assert _close(stats["loss"], case["loss"]), label  # the logged loss (no loss_scale here)
