@@ -57,6 +57,19 @@ def test_rows_a_teacher_prompt_cannot_be_made_of_are_refused_by_row_and_column(r
     assert needle in str(err.value)
 
 
+def test_fit_refuses_rows_without_privileged_context_before_any_rollout(tiny_dir):
+    rows = [dict(r) for r in ROWS]
+    rows[3]["privileged_context"] = None
+    module = SDFTModule(str(tiny_dir), from_config=True, num_generations=2, generation_batch_size=4,
+                        max_completion_length=4)
+    module.rollout = None  # a rollout would fail with a TypeError, not the refusal
+    data = PromptDataModule(Dataset.from_list(rows), tokenizer=str(tiny_dir), max_prompt_length=32)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, max_steps=1, limit_val_batches=0)
+    with pytest.raises(DataFormatError, match="row 3 has no column 'privileged_context'"):
+        trainer.fit(module, data)
+
+
 class Spy:
     """Records each training rollout's rows, the batch the sampler saw, and the loss recomputed by hand."""
 
