@@ -60,8 +60,9 @@ CASES = [
     ("dpo", 1, 9, 3, 5, 7, 6),
     # a rollout serves 4 steps, 2 rollouts/epoch: 8 steps/epoch. Kill at 3 -> resume 2 (mid-rollout); 9 -> 8
     ("grpo", 1, 10, 2, 3, 9, 8),
-    # SDFT: 4 steps per epoch, an EMA teacher (kept in checkpoints); killed once, at 3 -> resume 2 (mid-epoch)
-    ("sdft", 1, 4, 2, 3, None, 4),
+    # DDP SDFT: 8 prompts per rank, 4 steps per epoch, an EMA teacher (kept in checkpoints); killed once, at 3 ->
+    # resume 2 (mid-epoch)
+    ("sdft", 2, 4, 2, 3, None, 4),
     # SDPO: GRPO's schedule (a rollout serves 4 steps, 8 steps/epoch), an EMA teacher; killed once, at 3 -> resume 2
     # (mid-rollout: the buffered rollout's teacher prompts come back with it)
     ("sdpo", 1, 4, 2, 3, None, 8),

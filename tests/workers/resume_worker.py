@@ -169,7 +169,7 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
 
         module = SDFTModule(model, num_generations=2, generation_batch_size=4, max_completion_length=6,
                             disable_dropout=False, teacher_model_kind="ema", teacher_update_rate=0.5, **common)
-        return module, PromptDataModule(rows("arithmetic_privileged.jsonl", 8), tokenizer=TINY), 1
+        return module, PromptDataModule(rows("arithmetic_privileged.jsonl", 8 * devices), tokenizer=TINY), 1
     if method == "sdpo":
         # the GRPO case's rollout schedule (a rollout of 2 prompts x 4 serves 4 steps: sampling log-probs, so the
         # clipped importance weight acts), a reward with successes in most groups (>= 3 of 0..6), half policy
