@@ -68,8 +68,6 @@ class SDPOModule(GRPOModule):
         refused = {
             "beta": (knobs.kl.beta > 0, "TRL 1.16's SDPO applies no KL term (its beta is stored, unused) and the "
                                         "teacher holds the reference model's place: set beta 0"),
-            "sync_ref_model": (knobs.reference_sync.sync_ref_model, "the teacher is the policy's copy; "
-                                                                    "teacher_model_kind 'ema' makes it follow"),
             "ref_model_name_or_path": (bool(knobs.reference.ref_model_name_or_path or
                                             knobs.reference.ref_model_init_kwargs),
                                        "the teacher is the policy itself (teacher_model_kind), no other model"),
@@ -84,6 +82,10 @@ class SDPOModule(GRPOModule):
         for name, (on, why) in refused.items():
             if on:
                 raise ValueError(f"SDPOModule does not take {name} here: {why}.")
+
+    def reference_sync_blocker(self) -> str | None:
+        return ("SDPO's teacher holds the reference's place and is the policy's own copy; teacher_model_kind 'ema' "
+                "makes it follow the policy (teacher_update_rate, teacher_sync_steps)")
 
     def compose(self) -> None:
         super().compose()

@@ -55,6 +55,7 @@ def alternating_reward(prompts, completions, completion_ids, **kwargs):
 
 @pytest.mark.parametrize("knobs, needle", [({"beta": 0.1}, "does not take beta"),
                                            ({"padding_free": True}, "does not take prompt_sharing / padding_free"),
+                                           ({"sync_ref_model": True}, "teacher_model_kind 'ema' makes it follow"),
                                            ({"distillation_weight": 1.5}, "distillation_weight must lie in [0, 1]")])
 def test_knobs_sdpo_cannot_honour_are_refused(tiny_dir, knobs, needle):
     with pytest.raises(ValueError) as err:
