@@ -15,6 +15,12 @@ student's log-probs. Cases: ``distillation_weight`` 1, 0.5, 0; each ``distillati
 dr_grpo, dapo; ``importance_sampling_level`` token and sequence; with and without the sampling log-probs (the
 clipped importance weight and the policy ratio), ``distillation_is_clip`` 2.0 and None. Saved per case: the loss
 and its gradient with respect to the student logits.
+
+Reprompts: TRL's ``SuccessfulRolloutTeacherContextBuilder.build`` on a stand-in trainer (one process; completions
+whose ids decode to fixed texts; its tokenisation replaced by a stub that records the teacher messages) for two
+groups of 4 with rewards on both sides of ``success_reward_threshold``, string and conversational prompts, feedback
+strings (one empty), under several settings of the reprompt knobs. Saved per setting: the teacher messages and the
+``self_distillation_mask``.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
-from trl.experimental.sdpo.sdpo_trainer import DistillationLogits, SDPOTrainer  # noqa: E402
+from trl.experimental.sdpo.sdpo_config import SDPOConfig  # noqa: E402
+from trl.experimental.sdpo.sdpo_trainer import (DistillationLogits, SDPOTrainer,  # noqa: E402
+                                                 SuccessfulRolloutTeacherContextBuilder)
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "trl_sdpo_parity.pt"
 MAX_COMPLETION_LENGTH = 7
@@ -80,6 +88,53 @@ def case(x, weight: float, mode: str, alpha: float, topk, clip, loss_type: str, 
             "importance_sampling_level": level, "with_old": with_old, "loss": loss.detach(), "grad": student.grad}
 
 
+REPROMPT_TEXTS = ["12", "<think>hm</think>13", "x", "14", "a", "b", "c", "d"]
+REPROMPT_REWARDS = [0.0, 1.0, 0.5, 1.0, 0.2, 0.9, 0.0, 0.99]
+REPROMPT_FEEDBACK = ["too short", None, "", "wrong", "off by one", None, "no digits", ""]
+REPROMPT_SETTINGS = [
+    {},
+    {"dont_reprompt_on_self_success": False, "remove_thinking_from_demonstration": True},
+    {"include_environment_feedback": True},
+    {"include_environment_feedback": True, "environment_feedback_only_without_solution": True},
+    {"use_successful_as_teacher": False, "include_environment_feedback": True},
+    {"success_reward_threshold": 0.5, "reprompt_template": "[{prompt}]{feedback}{solution}"},
+]
+
+
+def reprompt_prompts() -> list:
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "6+7="}]
+    return ["11+1="] * 4 + [chat] * 4
+
+
+def reprompt_case(settings: dict) -> dict:
+    defaults = {f: SDPOConfig.__dataclass_fields__[f].default for f in (
+        "use_successful_as_teacher", "success_reward_threshold", "dont_reprompt_on_self_success", "reprompt_template",
+        "solution_template", "feedback_template", "include_environment_feedback",
+        "environment_feedback_only_without_solution", "remove_thinking_from_demonstration", "max_reprompt_len")}
+    args = types.SimpleNamespace(**{**defaults, **settings})
+    texts = REPROMPT_TEXTS
+    trainer = types.SimpleNamespace(
+        args=args, num_generations=4, model=types.SimpleNamespace(training=True),
+        accelerator=types.SimpleNamespace(device="cpu", process_index=0, gather=lambda t: t,
+                                          pad_across_processes=lambda t, dim, pad_index: t),
+        _tokenizer=types.SimpleNamespace(pad_token_id=0),
+        processing_class=types.SimpleNamespace(decode=lambda ids, skip_special_tokens: texts[int(ids[0]) - 1]))
+    builder = SuccessfulRolloutTeacherContextBuilder(trainer)
+    seen = []
+
+    def record(messages):
+        seen.extend(messages)
+        return {"prompt_ids": torch.zeros(len(messages), 1, dtype=torch.long),
+                "prompt_mask": torch.ones(len(messages), 1, dtype=torch.long)}
+
+    builder._tokenize_teacher_messages = record
+    ids = torch.zeros(8, 2, dtype=torch.long)
+    ids[:, 0] = torch.arange(1, 9)
+    out = builder.build({"completion_ids": ids, "completion_mask": torch.ones(8, 2, dtype=torch.long)},
+                        reprompt_prompts(), torch.tensor(REPROMPT_REWARDS), feedbacks=REPROMPT_FEEDBACK)
+    return {"settings": settings, "teacher_messages": seen, "self_distillation_mask": out["self_distillation_mask"]}
+
+
 def main() -> None:
     x = inputs()
     modes = (("sampled_token", 1.0, None), ("topk_logits", 0.5, 4), ("full_logits", 0.0, None))
@@ -95,7 +150,10 @@ def main() -> None:
     cases.append(case(x, 0.5, "topk_logits", 0.5, 4, 2.0, "grpo", "sequence", True))
     cases.append(case(x, 0.0, "sampled_token", 1.0, None, 2.0, "grpo", "sequence", True))
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"inputs": x, "max_completion_length": MAX_COMPLETION_LENGTH, "cases": cases}, OUT)
+    reprompts = {"prompts": reprompt_prompts(), "texts": REPROMPT_TEXTS, "rewards": REPROMPT_REWARDS,
+                 "feedback": REPROMPT_FEEDBACK, "cases": [reprompt_case(s) for s in REPROMPT_SETTINGS]}
+    torch.save({"inputs": x, "max_completion_length": MAX_COMPLETION_LENGTH, "cases": cases,
+                "reprompts": reprompts}, OUT)
     print(f"wrote {len(cases)} cases to {OUT}")
 
 

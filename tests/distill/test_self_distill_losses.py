@@ -97,3 +97,20 @@ def test_sdpo_loss_matches_trl():
         assert _close(loss.detach(), case["loss"]), (label, float(loss), float(case["loss"]))
         assert _close(student.grad, case["grad"]), label
         assert _close(stats["loss"], case["loss"]), label  # the logged loss (no loss_scale here)
+
+
+def test_sdpo_reprompts_match_trl():
+    """SDPO's teacher prompts (``Reprompts``) against TRL's ``SuccessfulRolloutTeacherContextBuilder.build`` for
+    six settings of the reprompt knobs on string and conversational prompts (two groups of 4, rewards on both sides
+    of the threshold, feedback with an empty string). Mutations: a completion shown itself, ``>`` for ``>=``, the
+    feedback shown despite ``environment_feedback_only_without_solution``, the think block kept -- each fails a
+    setting."""
+    from lightalign.modules.reference.teacher_context import RepromptKnobs, Reprompts
+
+    saved = torch.load(FIXTURES / "trl_sdpo_parity.pt", weights_only=True)["reprompts"]
+    assert len(saved["cases"]) == 6
+    for case in saved["cases"]:
+        out, active, _ = Reprompts(RepromptKnobs(**case["settings"]))(
+            saved["prompts"], saved["texts"], saved["rewards"], saved["feedback"], group=4)
+        assert out == case["teacher_messages"], case["settings"]
+        assert active == [bool(v) for v in case["self_distillation_mask"].tolist()], case["settings"]
