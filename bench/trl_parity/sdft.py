@@ -13,6 +13,11 @@ padding tail and one completion with no kept token, and, for the clipping cases,
 0.5, 1 (``sampled_token``: 1 only, TRL refuses others); top-k 4 with and without ``distillation_add_tail``; top-k
 equal to the vocabulary; ``distillation_is_clip`` 2.0 and 0.5 with old log-probs, and None. Saved per case: the
 loss, its gradient with respect to the student logits, and TRL's logged ``distillation_loss``.
+
+Teacher prompts: TRL's ``DemonstrationTeacherContextBuilder.select_generation_prompts`` (the prompts it tokenizes for
+the teacher) on a stand-in trainer carrying ``args.teacher_prompt_template``, for string and conversational prompts
+and privileged contexts given as a string, a list of messages (text and content-part lists) and a number, under
+TRL's default template and another.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
-from trl.experimental.sdft.sdft_trainer import DistillationLogits, SDFTTrainer  # noqa: E402
+from trl.experimental.sdft.sdft_trainer import (DemonstrationTeacherContextBuilder,  # noqa: E402
+                                                 DistillationLogits, SDFTTrainer)
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "trl_sdft_parity.pt"
 
@@ -62,6 +68,21 @@ def case(x, mode: str, alpha: float, topk, add_tail: bool, clip, with_old: bool)
             "loss": loss.detach(), "grad": student.grad, "logged": torch.tensor(logged[0])}
 
 
+PROMPTS = ["3+4=", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "5+6="}], "7-2="]
+CONTEXTS = ["Answer: 7", [{"role": "assistant", "content": "11"},
+                          {"role": "user", "content": [{"type": "text", "text": "check"}, {"type": "image"}]}], 5]
+TEMPLATES = ["{prompt}\n\n{privileged_context}", "Hint: {privileged_context}. {prompt}"]
+
+
+def teacher_prompt_cases() -> list[dict]:
+    cases = []
+    for template in TEMPLATES:
+        trainer = types.SimpleNamespace(args=types.SimpleNamespace(teacher_prompt_template=template))
+        composed = DemonstrationTeacherContextBuilder(trainer).select_generation_prompts(PROMPTS, CONTEXTS)
+        cases.append({"teacher_prompt_template": template, "teacher_prompts": composed})
+    return cases
+
+
 def main() -> None:
     x = inputs()
     cases = []
@@ -77,7 +98,8 @@ def main() -> None:
         cases.append(case(x, "full_logits", 0.0, None, False, clip, True))
     cases.append(case(x, "topk_logits", 0.5, 4, False, 2.0, False))  # a clip but no old log-probs: no weight
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"inputs": x, "cases": cases}, OUT)
+    torch.save({"inputs": x, "cases": cases, "teacher_prompts": {"prompts": PROMPTS, "contexts": CONTEXTS,
+                                                                 "cases": teacher_prompt_cases()}}, OUT)
     print(f"wrote {len(cases)} cases to {OUT}")
 
 

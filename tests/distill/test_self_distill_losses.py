@@ -55,6 +55,20 @@ def test_sdft_loss_matches_trl():
         assert _close(logged, case["logged"]), label
 
 
+def test_sdft_teacher_prompts_match_trl():
+    """SDFT's teacher prompts (``DemonstrationPrompts``) against TRL's ``DemonstrationTeacherContextBuilder`` for
+    string and conversational prompts and string / message-list / other privileged contexts, two templates.
+    Mutations: the placeholders swapped, a message list's texts joined by a space, the system message dropped --
+    each fails."""
+    from lightalign.modules.reference.teacher_context import DemonstrationPrompts, TeacherPromptKnobs
+
+    saved = torch.load(FIXTURES / "trl_sdft_parity.pt", weights_only=True)["teacher_prompts"]
+    assert len(saved["cases"]) == 2
+    for case in saved["cases"]:
+        build = DemonstrationPrompts(TeacherPromptKnobs(teacher_prompt_template=case["teacher_prompt_template"]))
+        assert build(saved["prompts"], saved["contexts"]) == case["teacher_prompts"], case["teacher_prompt_template"]
+
+
 @pytest.mark.parametrize("values, needle", [
     ({"distillation_mode": "sampled_token", "distillation_alpha": 0.5}, "needs distillation_alpha 1.0"),
     ({"distillation_mode": "topk_logits", "distillation_topk": None}, "set distillation_topk"),
