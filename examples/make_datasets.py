@@ -246,6 +246,13 @@ def build(out: Path) -> None:
                 [{"prompt": prompt_str(a, op, b), "chosen": str(solve(a, op, b)), "rejected": number_words(solve(a, op, b))}
                  for a, op, b in rng.sample(PROBLEMS, 1000)])
 
+    # Prompts with privileged context (for self-distillation, SDFT): the teacher also sees a worked answer, the
+    # student only the prompt.
+    rng = random.Random(SEED + 8)
+    write_jsonl(out / "arithmetic_privileged.jsonl",
+                [{"prompt": prompt_str(a, op, b), "privileged_context": f"Answer: {solve(a, op, b)}",
+                  "answer": str(solve(a, op, b))} for a, op, b in rng.sample(PROBLEMS, 500)])
+
 
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
          "seventeen eighteen nineteen").split()

@@ -23,6 +23,9 @@ _EXPORTS = {
     **dict.fromkeys(["RewardModule", "reward_loss"], "lightalign.modules.reward"),
     "RLOOModule": "lightalign.modules.rloo",
     **dict.fromkeys(["TPOModule", "tpo_loss"], "lightalign.modules.tpo"),
+    "SDFTModule": "lightalign.modules.sdft",
+    "SDPOModule": "lightalign.modules.sdpo",
+    "self_distillation_loss": "lightalign.modules.losses.self_distill",
     "CriticFreeModule": "lightalign.modules.rollout.critic_free",
     "OnlineRLModule": "lightalign.modules.rollout.module",
     **dict.fromkeys(["SFTModule", "sft_loss"], "lightalign.modules.sft"),
@@ -34,9 +37,9 @@ __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 __all__ = [
     "GOLDModule", "uld_loss",
     "LOSS_TYPES", "CriticFreeModule", "DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
-    "ONLINE_DPO_LOSS_TYPES", "OnlineDPOModule", "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
+    "ONLINE_DPO_LOSS_TYPES", "OnlineDPOModule", "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SDFTModule", "SDPOModule", "SFTModule", "create_reference_model",
     "CPOModule", "CPO_LOSS_TYPES", "ORPOModule", "cpo_loss", "orpo_loss",
     "TPOModule", "tpo_loss",
     "dpo_loss", "generalized_jsd_loss", "grpo_loss", "kto_loss", "on_policy_distillation_advantages",
-    "on_policy_distillation_loss", "reward_loss", "sft_loss",
+    "on_policy_distillation_loss", "reward_loss", "self_distillation_loss", "sft_loss",
 ]

@@ -60,6 +60,12 @@ CASES = [
     ("dpo", 1, 9, 3, 5, 7, 6),
     # a rollout serves 4 steps, 2 rollouts/epoch: 8 steps/epoch. Kill at 3 -> resume 2 (mid-rollout); 9 -> 8
     ("grpo", 1, 10, 2, 3, 9, 8),
+    # DDP SDFT: 8 prompts per rank, 4 steps per epoch, an EMA teacher (kept in checkpoints); killed once, at 3 ->
+    # resume 2 (mid-epoch)
+    ("sdft", 2, 4, 2, 3, None, 4),
+    # SDPO: GRPO's schedule (a rollout serves 4 steps, 8 steps/epoch), an EMA teacher; killed once, at 3 -> resume 2
+    # (mid-rollout: the buffered rollout's teacher prompts come back with it)
+    ("sdpo", 1, 4, 2, 3, None, 8),
     # The DDP cases take 2 prompts per rank (one rollout, 4 steps per epoch) and are killed once, at 3 -> resume 2
     # (mid-rollout; the resumed run crosses the epoch end at 4): a resume from an epoch end is the cases' above.
     # DDP GRPO with tool calls (the single-process case's knobs): each rank its own prompts, multi-turn rollouts
@@ -96,7 +102,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
         assert kill2 % every and resume2 % epoch_steps == 0 and resume2 < max_steps  # then from an epoch end
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--max-steps", str(max_steps), "--every", str(every), "--devices", str(devices)]
-    if method.startswith("grpo"):  # a rollout of 2 prompts serves 4 steps
+    if method.startswith(("grpo", "sdpo")):  # a rollout of 2 prompts serves 4 steps
         common += ["--prompts-per-rank", str(epoch_steps // 2)]
     # the uninterrupted run, then the run that gets killed (one after the other: each launch is forked from the one
     # console server, which serves one call at a time; side by side they would only share the same cores)

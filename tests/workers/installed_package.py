@@ -114,6 +114,9 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
                                 **short),
                   la.PromptDataModule(str(data / "arithmetic_sft.jsonl"), tokenizer=other, max_prompt_length=16,
                                       batch_size=4))
+    fit_two_steps(la.SDFTModule(m, num_generations=2, generation_batch_size=4, **short),
+                  la.PromptDataModule(str(data / "arithmetic_privileged.jsonl"), tokenizer=m, max_prompt_length=16))
+    fit_two_steps(la.SDPOModule(m, num_generations=4, success_reward_threshold=0.0, **online), la.PromptDataModule(**prompts))
     iterative = la.IterativeSFT(m, learning_rate=1e-3, max_length=32, device="cpu")
     for _ in range(2):
         iterative.step(texts=["1+1=", "2+2="], texts_labels=["2", "4"])

@@ -191,6 +191,25 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
                             entropy_target=100.0, **common)
         prompts = Dataset.from_list([{"prompt": QUESTION, "answer": "6"}] * (prompts_per_rank * devices))
         return module, PromptDataModule(prompts, tokenizer=model, max_prompt_length=256), 1
+    if method == "sdft":
+        # 2 prompts x 2 completions per step, 8 prompts: 4 steps per epoch; dropout kept on; an EMA teacher (rate
+        # 0.5 every step) that a resume must restore
+        from lightalign import SDFTModule
+
+        module = SDFTModule(model, num_generations=2, generation_batch_size=4, max_completion_length=6,
+                            disable_dropout=False, teacher_model_kind="ema", teacher_update_rate=0.5, **common)
+        return module, PromptDataModule(rows("arithmetic_privileged.jsonl", 8 * devices), tokenizer=TINY), 1
+    if method == "sdpo":
+        # the GRPO case's rollout schedule (a rollout of 2 prompts x 4 serves 4 steps: sampling log-probs, so the
+        # clipped importance weight acts), a reward with successes in most groups (>= 3 of 0..6), half policy
+        # gradient, half top-k self-distillation towards an EMA teacher (rate 0.5) that a resume must restore
+        from lightalign import SDPOModule
+
+        module = SDPOModule(model, reward_funcs=[varied_reward], num_generations=4, generation_batch_size=8,
+                            steps_per_generation=2, num_iterations=2, max_completion_length=6, disable_dropout=False,
+                            success_reward_threshold=3.0, distillation_weight=0.5, distillation_mode="topk_logits",
+                            distillation_topk=8, distillation_alpha=0.5, teacher_update_rate=0.5, **common)
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY), 1
     raise SystemExit(f"unknown method {method}")
 
 
