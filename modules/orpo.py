@@ -15,8 +15,9 @@ from lightalign.modules.training.reference_free_pairs import PAIR_LOSS_STATS, Re
 class ORPOModule(ReferenceFreePairModule):
     """Odds-ratio preference optimisation (TRL's ORPOTrainer): SFT and preference alignment in one loss, no reference.
 
-    The NLL of the chosen completions plus ``beta`` (the paper's lambda) times the odds-ratio term on per-token mean
-    log-probs.
+    The NLL of the whole chosen sequences (prompt tokens included, as TRL computes it) plus ``beta`` (the paper's
+    lambda) times the odds-ratio term on the completions' per-token mean log-probs. In the shared-prompt layout the
+    pair's one forward also computes logits at the prompt positions for it (``completion_and_prompt_logps``).
 
     Its knobs: ``ORPOLossKnobs``' ``beta``, NEFTune's and ``PolicyModule``'s; ``disable_dropout`` defaults to on,
     as in TRL. Logged (``train/``, ``val/``): ``loss``, ``rewards/*`` (``beta`` times the mean log-probs),
@@ -25,7 +26,9 @@ class ORPOModule(ReferenceFreePairModule):
 
     method_name = "ORPO"
     logged_stats = (*PAIR_LOSS_STATS, "log_odds_ratio", "log_odds_chosen")
+    scores_chosen_prompt = True
 
     def pair_loss(self, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
-                  rejected_lengths: torch.Tensor):
-        return orpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, config=self.knobs.loss)
+                  rejected_lengths: torch.Tensor, *prompt: torch.Tensor):
+        return orpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, *prompt,
+                         config=self.knobs.loss)

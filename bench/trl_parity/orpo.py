@@ -5,13 +5,13 @@ Regenerate by hand from the repository root, in the bench venv (TRL never enters
     OMP_NUM_THREADS=1 .venv-bench/bin/python bench/trl_parity/orpo.py   # writes tests/fixtures/trl_orpo_parity.pt
 
 Nothing of lightalign is imported; the seeded rows and logits are bench/trl_parity/cpo.py's (``pair_inputs``), with
-one-token prompts. ``ORPOTrainer.get_batch_loss_metrics`` (called on a stand-in ``self`` carrying only what it
+prompts of 3, 4, 2 and 1 tokens (a pair's two rows share the prompt's length). ``ORPOTrainer.get_batch_loss_metrics`` (called on a stand-in ``self`` carrying only what it
 reads: ``beta``, TRL's own ``concatenated_forward``, ``concatenated_inputs``, ``get_batch_logps`` and
 ``odds_ratio_loss``, a CPU ``accelerator`` whose ``gather_for_metrics`` is the identity, and a stand-in model
 returning the seeded logits) forms the whole loss: the cross-entropy of the chosen rows minus ``beta`` times the
-mean log-sigmoid of the log odds ratio of the per-token mean log-probs. TRL's cross-entropy counts every
-non-padding token of the chosen row after the first, prompt included; with one-token prompts that is the chosen
-completion's tokens, what ours counts (docs/cpo.md says where the two differ). Cases: ``beta`` 0.1 (TRL's default),
+mean log-sigmoid of the log odds ratio of the completions' per-token mean log-probs. TRL's cross-entropy is one
+token mean over every non-padding token of the batch's chosen rows after each row's first, prompt tokens included,
+so the multi-token prompts here tell it apart from a completion-only NLL. Cases: ``beta`` 0.1 (TRL's default),
 0 (plain NLL), 0.5 and 2.0. Saved per case: ``beta``, the loss, its gradient with respect to the logits, and TRL's
 logged metrics.
 """
@@ -52,7 +52,7 @@ def case(x: dict[str, torch.Tensor], beta: float) -> dict:
 
 def main() -> None:
     torch.manual_seed(0)
-    x = pair_inputs([1, 1, 1, 1])
+    x = pair_inputs([3, 4, 2, 1])
     cases = [case(x, beta) for beta in BETAS]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"trl_version": str(trl.__version__), "torch_version": str(torch.__version__), "inputs": x,

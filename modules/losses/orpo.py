@@ -1,6 +1,6 @@
 """ORPO's loss as a pure tensor function (``orpo_loss``: TRL's ORPOTrainer, odds-ratio preference optimisation) and
-its knob, ``ORPOLossKnobs``: the NLL of the chosen completions plus ``beta`` times the odds-ratio term, no
-reference model.
+its knob, ``ORPOLossKnobs``: the NLL of the whole chosen sequences (prompt and completion tokens, as TRL's
+ORPOTrainer computes it) plus ``beta`` times the odds-ratio term on the completions, no reference model.
 
 The odds of a completion are ``p / (1 - p)`` with ``p = exp(mean token log-prob)``; the odds-ratio term is
 ``-log sigmoid(log odds(chosen) - log odds(rejected))``. ORPO's ``beta`` is the weight of that term (the paper's
@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from lightalign.knobs import KnobGroup, knob
-from lightalign.modules.losses.cpo import chosen_nll
 
 LOG_HALF = -math.log(2.0)
 
@@ -53,12 +52,19 @@ def orpo_loss(
     rejected_logps: torch.Tensor,
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
+    chosen_prompt_logps: torch.Tensor,
+    chosen_prompt_lengths: torch.Tensor,
     *,
     config: ORPOLossKnobs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """ORPO's loss of a batch from summed completion log-probs ``[B]`` and completion token counts ``[B]``:
-    ``chosen_nll - beta * mean(log sigmoid(log_odds_ratio))`` on the per-token mean log-probs (counts clamped to
-    >= 1). Computation is in float32 (float64 if an input is float64).
+    """ORPO's loss of a batch from summed completion log-probs ``[B]`` and completion token counts ``[B]``, and
+    the chosen sequences' summed log-probs of their predicted prompt tokens ``[B]`` (every prompt token but the
+    first) and those tokens' counts ``[B]``: ``nll - beta * mean(log sigmoid(log_odds_ratio))``.
+
+    ``nll`` is the mean token NLL over every predicted token of the batch's chosen sequences, prompt and completion
+    (one token mean over the batch, not a mean of per-sequence means: TRL's cross-entropy over the chosen rows).
+    The odds ratio compares the completions' per-token mean log-probs (counts clamped to >= 1). Computation is in
+    float32 (float64 if an input is float64).
 
     Returns ``(loss, chosen_rewards [B], rejected_rewards [B], stats)``: the rewards ``beta * mean log-prob``
     (detached); ``stats`` (TRL's names, detached): ``logps/chosen``, ``logps/rejected`` (batch means of the
@@ -67,7 +73,8 @@ def orpo_loss(
     """
     dtype = torch.float64 if torch.float64 in (chosen_logps.dtype, rejected_logps.dtype) else torch.float32
     chosen, rejected = chosen_logps.to(dtype), rejected_logps.to(dtype)
-    nll = chosen_nll(chosen, chosen_lengths)
+    prompt = chosen_prompt_logps.to(dtype)
+    nll = -(chosen.sum() + prompt.sum()) / (chosen_lengths.sum() + chosen_prompt_lengths.sum()).to(dtype)
     chosen = chosen / chosen_lengths.to(dtype).clamp(min=1.0)
     rejected = rejected / rejected_lengths.to(dtype).clamp(min=1.0)
     log_odds = log_odds_ratio(chosen, rejected)

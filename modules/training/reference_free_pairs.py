@@ -2,9 +2,11 @@
 the pair batches of ``PreferenceDataModule``: one policy forward per batch, the summed completion log-probs and
 completion lengths of every chosen and rejected completion, the method's pair loss on them, and TRL's statistics.
 
-No reference model is loaded and no reference pass runs: the loss reads the policy's log-probs only. Both batch
-layouts (shared-prompt, the default, and the classic padded one) give the same log-probs (``completion_token_logps``),
-so the same loss.
+No reference model is loaded and no reference pass runs: the loss reads the policy's log-probs only. Every batch
+layout (shared-prompt, the default, the classic padded one and padding-free) gives the same log-probs
+(``completion_token_logps``), so the same loss. A method whose loss also reads the chosen sequences' prompt tokens
+(ORPO's NLL over the whole chosen sequence) sets ``scores_chosen_prompt``: that forward then also gives their
+summed log-probs and counts (``completion_and_prompt_logps``); the others compute nothing at the prompt positions.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torchmetrics.aggregation import MeanMetric
 from lightalign.modules.losses.implicit_reward import REWARD_STATS, reward_stats
 from lightalign.modules.training.policy import PolicyModule
 from lightalign.modules.training.preference_forward import (
+    completion_and_prompt_logps,
     completion_lengths,
     completion_token_logps,
     pair_batch_layout,
@@ -34,11 +37,15 @@ class ReferenceFreePairModule(StatHooks, PolicyModule):
     """
 
     logged_stats: tuple[str, ...] = PAIR_LOSS_STATS
+    scores_chosen_prompt: bool = False  # pair_loss also receives the chosen prompts' log-probs and counts
 
     def pair_loss(self, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
-                  rejected_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+                  rejected_lengths: torch.Tensor, *prompt: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """``(loss, chosen_rewards [B], rejected_rewards [B], stats)`` of summed completion log-probs ``[B]`` and
-        completion token counts ``[B]`` (the method's loss function, given its knob group)."""
+        completion token counts ``[B]`` (the method's loss function, given its knob group); with
+        ``scores_chosen_prompt``, ``prompt`` is the chosen sequences' summed prompt log-probs ``[B]`` and predicted
+        prompt token counts ``[B]``."""
         raise NotImplementedError
 
     def compose(self) -> None:
@@ -47,12 +54,15 @@ class ReferenceFreePairModule(StatHooks, PolicyModule):
         self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in self.logged_stats})
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
-        token_logps, _ = completion_token_logps(self.model, batch)  # the batch's one forward
+        if self.scores_chosen_prompt:  # the batch's one forward
+            token_logps, _, *prompt = completion_and_prompt_logps(self.model, batch)
+        else:
+            (token_logps, _), prompt = completion_token_logps(self.model, batch), []
         sums = token_logps.sum(-1)
         half = sums.shape[0] // 2
         chosen_lengths, rejected_lengths = completion_lengths(batch)
         loss, chosen_rewards, rejected_rewards, extra = self.pair_loss(sums[:half], sums[half:], chosen_lengths,
-                                                                       rejected_lengths)
+                                                                       rejected_lengths, *prompt)
         values = {"loss": loss.detach(), **reward_stats(chosen_rewards, rejected_rewards), **extra}
         n = float(chosen_lengths.shape[0])
         for key in self.logged_stats:

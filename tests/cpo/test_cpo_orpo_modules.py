@@ -1,5 +1,6 @@
 """CPOModule and ORPOModule: no reference model anywhere, one policy forward per batch, the same loss and gradients
-in both pair layouts, TRL's statistics under ``train/`` and ``val/``, and their knob checks."""
+in every pair layout (ORPO's NLL over the whole chosen sequence, prompt included, in each), TRL's statistics under
+``train/`` and ``val/``, and their knob checks."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightalign import CPOModule, ORPOModule, PreferenceDataModule
-from lightalign.datamodules.preference import PreferenceCollator
+from lightalign.datamodules.preference import PaddingFreePreferenceCollator, PreferenceCollator
 from lightalign.datamodules.shared_prefix import SharedPromptCollator
 from lightalign.knobs import method_knobs
+from lightalign.modules.training.preference_forward import completion_and_prompt_logps
 
 REFERENCE_KNOBS = ("ref_model_name_or_path", "precompute_ref_log_probs", "sync_ref_model", "num_shared_layers",
                    "reference_free")
@@ -36,15 +38,71 @@ def _rows(data_dir, n):
     return Dataset.from_list([json.loads(line) for line in lines])
 
 
-@pytest.mark.parametrize("cls, knobs, stats", METHODS, ids=IDS)
-def test_layouts_give_the_same_loss_and_gradients(tiny_dir, data_dir, cls, knobs, stats):
-    """The shared-prompt layout (default) and the classic padded one: one loss, one gradient (float32 sums in
-    another order). Mutation: the shared layout's chosen lengths one too many (``completion_lengths``) -> fails."""
-    dm = PreferenceDataModule(_rows(data_dir, 4), tokenizer=str(tiny_dir), val_split_size=0)
+# prompts of different lengths; pack_length 12 spreads the pairs over rows, the longest first (not in pair order)
+UNEVEN = [{"prompt": "7=", "chosen": "7", "rejected": "8"},
+          {"prompt": "21+82=", "chosen": "103", "rejected": "93"},
+          {"prompt": "100+250+3=", "chosen": "353", "rejected": "35"},
+          {"prompt": "9-4=", "chosen": "5", "rejected": "6"}]
+COLLATORS = [PreferenceCollator(0), SharedPromptCollator(0, 12), PaddingFreePreferenceCollator()]
+
+
+def _uneven_rows(tiny_dir):
+    dm = PreferenceDataModule(Dataset.from_list(UNEVEN), tokenizer=str(tiny_dir), val_split_size=0)
     dm.setup("fit")
-    rows = [dm.train_dataset[i] for i in range(4)]
+    rows = sorted((dm.train_dataset[i] for i in range(4)), key=lambda row: row["index"])
+    assert len({len(row["prompt_input_ids"]) for row in rows}) == 4
+    return rows
+
+
+def test_chosen_prompt_logps_in_every_layout(tiny_dir):
+    """ORPO's prompt part of the NLL, from each layout's one forward: each chosen sequence's predicted prompt tokens
+    (all but the first) and their summed log-probs, the same in the classic, shared-prompt (several rows, pairs
+    out of order) and padding-free layouts, and the completion log-probs unchanged beside them. Mutations: the shared
+    layout's prompt tokens assigned to the wrong pair (``prompt_pairs`` from the rejected sequence id without the
+    modulo, or from the row's segment number) -> fails; a segment's first prompt token counted (``positions > 0``
+    dropped) -> fails."""
+    rows = _uneven_rows(tiny_dir)
+    model = _model(tiny_dir)
+    out = []
+    for collator in COLLATORS:
+        batch = collator(rows)
+        if isinstance(collator, SharedPromptCollator):
+            assert batch["input_ids"].shape[0] > 1
+        with torch.no_grad():
+            out.append(completion_and_prompt_logps(model, batch))
+    for token_logps, mask, prompt_logps, prompt_lengths in out:
+        assert prompt_lengths.tolist() == [len(row["prompt_input_ids"]) - 1 for row in rows]
+        torch.testing.assert_close(prompt_logps, out[0][2], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(token_logps.sum(-1), out[0][0].sum(-1), atol=1e-5, rtol=1e-5)
+    assert (out[0][2] < 0).all()  # every prompt here has 2 tokens or more
+
+
+def test_orpo_nll_is_the_chosen_rows_cross_entropy(tiny_dir):
+    """``ORPOModule`` at ``beta`` 0 is its NLL alone: in every layout, TRL's cross-entropy of the padded chosen
+    rows (every real token after each row's first, prompt included, one token mean over the batch), computed here
+    with ``F.cross_entropy``. Mutation: ``ORPOModule.scores_chosen_prompt`` off with zeros passed for the prompt part
+    (the completion-only NLL) -> fails."""
+    rows = _uneven_rows(tiny_dir)
+    module = ORPOModule(model=_model(tiny_dir), beta=0.0)
+    classic = COLLATORS[0](rows)
+    with torch.no_grad():
+        logits = module.model(input_ids=classic["input_ids"], attention_mask=classic["attention_mask"]).logits
+        labels = classic["input_ids"].masked_fill(classic["attention_mask"] == 0, -100)[:4, 1:]
+        expected = torch.nn.functional.cross_entropy(logits[:4, :-1].flatten(0, 1), labels.flatten())
+        for collator in COLLATORS:
+            torch.testing.assert_close(module._step(collator(rows), module.train_stats), expected, atol=1e-6,
+                                       rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls, knobs, stats", METHODS, ids=IDS)
+def test_layouts_give_the_same_loss_and_gradients(tiny_dir, cls, knobs, stats):
+    """The shared-prompt layout (default), the classic padded one and padding-free, on prompts of different
+    lengths: one loss, one gradient (float32 sums in another order). Mutations: the shared layout's chosen lengths
+    one too many (``completion_lengths``) -> fails; ORPO's shared layout leaving out the prompt's log-probs (its
+    ``prompt_logps`` zeros) -> fails."""
+    rows = _uneven_rows(tiny_dir)
     losses, grads = [], []
-    for collator in (PreferenceCollator(0), SharedPromptCollator(0, 512)):
+    for collator in COLLATORS:
         module = cls(model=_model(tiny_dir), **knobs)
         loss = module._step(collator(rows), module.train_stats)
         loss.backward()

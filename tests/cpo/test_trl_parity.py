@@ -3,14 +3,20 @@ logits (tests/fixtures/trl_cpo_parity.pt and trl_orpo_parity.pt, written by benc
 the bench venv): the whole loss (preference term and NLL term), its gradient with respect to the logits, and the
 logged statistics.
 
-Mutations run, each failing these tests: a flipped sign of the reward difference in ``cpo_loss``; the NLL term
-dropped from ``cpo_loss`` (and from ``orpo_loss``); SimPO without length normalisation (``simpo`` registered with
-``length_normalized=False``); ``alphapo`` keeping the NLL term; ORPO's odds ratio with ``log1mexp`` replaced by 0
-(a log-prob ratio instead of an odds ratio)."""
+ORPO's inputs have prompts of 3, 4, 2 and 1 tokens, and ours runs the classic layout's real forward helper
+(``completion_and_prompt_logps``, on a stand-in model returning the seeded logits): TRL's NLL is one token mean over
+the whole chosen rows, prompt tokens included.
+
+Mutations run, each failing these tests: ORPO's NLL over the chosen completions only again (the prompt log-probs
+and counts left out of ``orpo_loss``'s ``nll``); ORPO's NLL as a mean of per-sequence means; a flipped sign of
+the reward difference in ``cpo_loss``; the NLL term dropped from ``cpo_loss`` (and from ``orpo_loss``); SimPO
+without length normalisation (``simpo`` registered with ``length_normalized=False``); ``alphapo`` keeping the NLL
+term; ORPO's odds ratio with ``log1mexp`` replaced by 0 (a log-prob ratio instead of an odds ratio)."""
 
 from __future__ import annotations
 
 import functools
+import types
 from pathlib import Path
 
 import pytest
@@ -20,6 +26,7 @@ from lightalign.modules.losses.cpo import CPOLossConfig, cpo_loss
 from lightalign.modules.losses.implicit_reward import reward_stats
 from lightalign.modules.losses.orpo import ORPOLossKnobs, orpo_loss
 from lightalign.modules.training.logprobs import completion_logps
+from lightalign.modules.training.preference_forward import completion_and_prompt_logps
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CPO_KNOBS = ("loss_type", "label_smoothing", "cpo_alpha", "simpo_gamma", "alpha")
@@ -76,8 +83,16 @@ def test_cpo_equals_trl(index):
                          ids=[f"beta{c['beta']}" for c in parity("orpo")["cases"]])
 def test_orpo_equals_trl(index):
     data = parity("orpo")
-    case = data["cases"][index]
-    logits, pairs = pair_logps(data["inputs"])
-    loss, chosen_rewards, rejected_rewards, stats = orpo_loss(*pairs, config=ORPOLossKnobs(beta=case["beta"]))
+    case, x = data["cases"][index], data["inputs"]
+    assert (x["labels"][:4] == -100).logical_and(x["attention_mask"][:4].bool()).sum(-1).tolist() == [3, 4, 2, 1]
+    logits = x["logits"].clone().requires_grad_(True)
+    stand_in = lambda input_ids, attention_mask, use_cache: types.SimpleNamespace(logits=logits)  # noqa: E731
+    batch = {"input_ids": x["input_ids"], "attention_mask": x["attention_mask"], "completion_mask": x["labels"] != -100}
+    token_logps, mask, prompt_logps, prompt_lengths = completion_and_prompt_logps(stand_in, batch)
+    assert prompt_lengths.tolist() == [2, 3, 1, 0]  # every prompt token but the row's first
+    sums, lengths = token_logps.sum(-1), mask.sum(-1)
+    loss, chosen_rewards, rejected_rewards, stats = orpo_loss(
+        sums[:4], sums[4:], lengths[:4], lengths[4:], prompt_logps, prompt_lengths,
+        config=ORPOLossKnobs(beta=case["beta"]))
     loss.backward()
     assert_matches(loss, logits.grad, {**stats, **reward_stats(chosen_rewards, rejected_rewards)}, case, 2e-6)
