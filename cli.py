@@ -46,7 +46,8 @@ distillation and online DPO (iterative SFT from Python: lightalign.IterativeSFT)
 
 The method and data knobs belong to the classes a config names; list them with
   lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RLOOModule, KTOModule,
-                                                       RewardModule, PPOModule, DistillModule, OnlineDPOModule)
+                                                       RewardModule, PPOModule, DistillModule, OnlineDPOModule,
+                                                       A2POModule)
   lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule,
                                                        UnpairedPreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config

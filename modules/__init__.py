@@ -6,6 +6,7 @@ asynchronous rollouts), reference/ and adaptations/."""
 from lightalign._lazy import lazy_attributes
 
 _EXPORTS = {
+    **dict.fromkeys(["A2POModule", "a2po_loss"], "lightalign.modules.a2po"),
     "DistillModule": "lightalign.modules.distill",
     **dict.fromkeys(["LOSS_TYPES", "DPOModule", "dpo_loss"], "lightalign.modules.dpo"),
     **dict.fromkeys(["generalized_jsd_loss", "on_policy_distillation_advantages", "on_policy_distillation_loss"],
@@ -27,6 +28,7 @@ _EXPORTS = {
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
+    "A2POModule", "a2po_loss",
     "LOSS_TYPES", "CriticFreeModule", "DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
     "ONLINE_DPO_LOSS_TYPES", "OnlineDPOModule", "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SFTModule", "create_reference_model",
     "dpo_loss", "generalized_jsd_loss", "grpo_loss", "kto_loss", "on_policy_distillation_advantages",

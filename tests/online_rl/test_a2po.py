@@ -1,0 +1,205 @@
+"""A2POModule: TRL 1.16's value estimate and loss on identical inputs (tests/fixtures/trl_a2po_parity.pt, written by
+bench/trl_parity/a2po.py in the bench venv), the value stage's cache (reused, resumed after an interruption, the
+training stream untouched), the V* each rollout row regresses onto, ``filter_all_incorrect``, its knob checks and
+the shipped quickstart through the console script."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import console_script
+from helpers.rollout_callbacks import KeepBuffer
+
+from lightalign.modules.losses.a2po import A2POLossConfig, a2po_loss
+from lightalign.modules.rollout.value_estimate import all_incorrect, optimal_values
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "trl_a2po_parity.pt"
+
+
+@functools.cache
+def parity() -> dict:
+    return torch.load(FIXTURE, weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------------- parity with TRL
+@pytest.mark.parametrize("index", range(6), ids=lambda i: f"value{i}")
+def test_value_estimate_equals_trl(index):
+    """``optimal_values`` and ``all_incorrect`` on TRL's seeded rewards give TRL's ``V*`` per prompt (relative 1e-6:
+    a logsumexp of 4 terms in float32) and keep the prompts its ``filter_all_incorrect`` keeps. Fails when
+    ``beta1`` is not the temperature (e.g. ``V* = logsumexp(r * beta1) / beta1``: every case), when the mean is a sum
+    (no ``- log N``), or when the filter tests ``max == 0`` on the continuous rewards."""
+    data = parity()
+    assert data["trl_version"] == "1.16.0"
+    case = data["value_cases"][index]
+    ours = optimal_values(case["rewards"], case["beta1"])
+    assert (ours - case["values"]).abs().max().item() <= 1e-6 * max(1.0, case["values"].abs().max().item())
+    kept = (~all_incorrect(case["rewards"])).nonzero().flatten()
+    assert torch.equal(kept, case["kept"])
+    if case["kind"] == "binary":
+        assert len(case["kept"]) < case["rewards"].shape[0]  # the filter acts in the binary cases
+
+
+def _ours_loss(x: dict, beta2: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    logits = x["logits"].clone().requires_grad_(True)
+    prompt, t = x["prompt_ids"].shape[1], x["completion_ids"].shape[1]
+    logps = torch.log_softmax(logits[:, prompt - 1:prompt - 1 + t], -1).gather(-1, x["completion_ids"][..., None])[..., 0]
+    ref = torch.zeros_like(logps)
+    ref[:, 0] = x["ref_logps"]  # TRL's input is the reference's sequence log-prob: every row has a first token
+    loss, stats = a2po_loss(logps, ref, x["completion_mask"], x["rewards"], x["v_star"], A2POLossConfig(beta2=beta2))
+    loss.backward()
+    return loss.detach(), logits.grad, stats
+
+
+@pytest.mark.parametrize("index", range(3), ids=lambda i: f"loss{i}")
+def test_loss_equals_trl(index):
+    """Loss, gradient (with respect to the logits) and TRL's ``implicit_reward``/``advantage`` metrics within float32
+    rounding (relative 1e-5: log-softmax over 11 logits, sums of 6 tokens, squares). Fails with the target's sign
+    flipped (``V* - r``), the reference's log-ratio dropped (``beta2 * log pi``), ``beta2`` applied to the target
+    instead, or a mean over tokens instead of sequences."""
+    data = parity()
+    case, x = data["loss_cases"][index], data["loss_inputs"]
+    loss, grad, stats = _ours_loss(x, case["beta2"])
+    assert (loss - case["loss"]).abs().item() <= 1e-5 * max(1.0, case["loss"].abs().item())
+    assert (grad - case["grad"]).abs().max().item() <= 1e-5 * case["grad"].abs().max().item()
+    assert case["grad"].abs().max() > 0
+    for name in ("implicit_reward", "advantage"):
+        assert (stats[name] - case[name]).abs().item() <= 1e-5 * max(1.0, case[name].abs().item()), name
+
+
+# ------------------------------------------------------------------------------------------------- the module
+def test_bad_knobs_refused(tiny_dir):
+    from lightalign import A2POModule
+
+    def make(**kw):
+        return A2POModule(str(tiny_dir), from_config=True, reward_funcs=[lambda prompts, completions, **k: [0.0]], **kw)
+
+    for kw, message in (({"num_generations": 2}, "one completion per prompt"), ({"beta1": 0.0}, "beta1 must be > 0"),
+                        ({"beta2": -1.0}, "beta2 must be > 0"), ({"num_value_samples": 0}, "num_value_samples"),
+                        ({"max_staleness": 2}, "max_staleness and use_vllm")):
+        with pytest.raises(ValueError, match=message):
+            make(**kw)
+    with pytest.raises(TypeError, match="beta"):  # GRPO's KL coefficient is not an A2PO knob
+        make(beta=0.1)
+
+
+ZERO = ("38-9=",)  # a prompt every reference sample of which scores 0: filtered out
+
+
+class Rewards:
+    """Rewards that vary with the completion (its token ids), 0 for the prompts of ``ZERO``; remembers the value
+    stage's calls (``num_value_samples`` completions per prompt) apart from the rollouts' and raises on value-stage
+    call ``fail_at`` (a run stopped during the estimate)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.value_calls, self.rollouts, self.fail_at = [], [], fail_at
+        self.__name__ = "graded"
+
+    def __call__(self, prompts, completions, completion_ids, **kwargs):
+        out = [0.0 if p in ZERO else float(sum(ids) % 5) / 4 for p, ids in zip(prompts, completion_ids)]
+        if len(prompts) == 2 * 2:  # the value stage: 2 prompts x 2 samples (a rollout has 2 prompts x 1)
+            if self.fail_at is not None and len(self.value_calls) == self.fail_at:
+                raise RuntimeError("stopped during the estimate")
+            self.value_calls.append((list(prompts), out))
+        else:
+            self.rollouts.append((list(prompts), out, [list(c) for c in completion_ids]))
+        return out
+
+
+def _prompts(data_dir) -> list[dict]:
+    rows = [json.loads(line) for line in (data_dir / "arithmetic_prompts.jsonl").read_text().splitlines()[:8]]
+    assert ZERO[0] in [r["prompt"] for r in rows]
+    return rows
+
+
+def _fit(tiny_dir, data_dir, quiet_trainer, cache: Path, rewards: Rewards, callbacks=()):
+    import lightning as L
+    from datasets import Dataset
+
+    from lightalign import A2POModule, PromptDataModule
+
+    L.seed_everything(0)
+    module = A2POModule(str(tiny_dir), from_config=True, reward_funcs=[rewards], generation_batch_size=2,
+                        num_value_samples=2, beta1=0.3, max_completion_length=4, value_cache_dir=str(cache),
+                        learning_rate=1e-3)
+    data = PromptDataModule(Dataset.from_list(_prompts(data_dir)), tokenizer=str(tiny_dir), max_prompt_length=16)
+    quiet_trainer(max_steps=2, callbacks=list(callbacks)).fit(module, data)
+    return module, data
+
+
+def test_value_stage_cached_resumed_and_regressed_onto(tiny_dir, data_dir, quiet_trainer, tmp_path, caplog):
+    """8 prompts in chunks of 2 (one rollout's prompts), 2 reference samples each.
+
+    * A run stopped during the estimate (its third chunk's rewards raise) leaves its first two chunks in the cache;
+      the next run samples only the other two and ends with the V* of a run that was never stopped (each chunk is
+      sampled in its own seeded stream). Fails if finished chunks are not reused (4 calls), if a chunk's stream
+      depends on what ran before it (the values differ), or if a chunk is written before it is complete.
+    * A second run on the same cache samples nothing, and trains on the completions the sampling run trained on:
+      the value stage leaves the training stream untouched (fails without the forked stream).
+    * V* is ``optimal_values`` of the prompt's reference rewards, and each rollout row carries its own prompt's
+      (fails with a lookup by the wrong row, or a wrong ``beta1``); the advantage is ``r - V*``.
+    * ``filter_all_incorrect``: the prompt whose samples all scored 0 is never trained on."""
+    caplog.set_level(logging.INFO)
+    stopped = Rewards(fail_at=2)
+    with pytest.raises(RuntimeError, match="stopped during the estimate"):
+        _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "x", stopped)
+    assert len(list((tmp_path / "x").rglob("chunk_*.pt"))) == 2
+    resumed = Rewards()
+    module_b, _ = _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "x", resumed)
+    assert len(resumed.value_calls) == 2 and "4 estimated now, 4 loaded from the cache" in caplog.text
+
+    fresh, keep = Rewards(), KeepBuffer()
+    module_c, data = _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "y", fresh, [keep])
+    assert len(fresh.value_calls) == 4 and "8 estimated now, 0 loaded from the cache" in caplog.text
+    assert torch.equal(module_b.optimal.values, module_c.optimal.values)
+
+    cached = Rewards()
+    module_d, _ = _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "y", cached)
+    assert cached.value_calls == [] and "0 estimated now, 8 loaded from the cache" in caplog.text
+    assert torch.equal(module_d.optimal.values, module_c.optimal.values)
+    assert cached.rollouts == fresh.rollouts  # the same training completions, with or without sampling
+
+    # V* per prompt from the value stage's rewards (calls in row order: chunk c holds prompts 2c, 2c+1)
+    expected = {}
+    for prompts, out in fresh.value_calls:
+        rewards = torch.tensor(out).view(2, 2)
+        for j, value in enumerate(optimal_values(rewards, 0.3).tolist()):
+            expected[prompts[2 * j]] = value
+    assert len(expected) == 8 and expected[ZERO[0]] == 0.0
+    assert len({round(v, 6) for v in expected.values()}) > 3  # V* differs between prompts, or a mixed-up lookup passes
+    for buffer, (prompts, out, _) in zip(keep.buffers, fresh.rollouts):
+        order = torch.argsort(torch.cat([mb["row"] for mb in buffer]))
+        v_star = torch.cat([mb["v_star"] for mb in buffer])[order]
+        advantages = torch.cat([mb["advantages"] for mb in buffer])[order]
+        torch.testing.assert_close(v_star, torch.tensor([expected[p] for p in prompts]), atol=1e-6, rtol=0)
+        torch.testing.assert_close(advantages, torch.tensor(out) - v_star, atol=1e-6, rtol=0)
+    assert len(keep.buffers) == 2 and all(p not in ZERO for prompts, _, _ in fresh.rollouts for p in prompts)
+    assert len(data.train_dataset) == 7 and "filter_all_incorrect dropped 1 of 8 training prompts" in caplog.text
+
+
+def test_console_quickstart_runs_and_logs(repo, data_dir, tmp_path):
+    """The shipped config through the console script, shortened (2 steps; the first 48 of its prompts, 2 reference
+    samples each, cached in the test's folder): the fit-start line of the value stage, TRL's metric names, the
+    export."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join((data_dir / "arithmetic_prompts.jsonl").read_text().splitlines()[:48]) + "\n")
+    out = console_script.run(
+        repo, "fit", "--config", str(repo / "configs" / "a2po_quickstart.yaml"), "--trainer.max_steps", "2",
+        "--data.path", str(prompts),
+        "--trainer.val_check_interval", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
+        "--model.value_cache_dir", str(tmp_path / "values"), "--model.num_value_samples", "2",
+        "--plot.enabled", "false", env=console_script.standard_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "A2PO: V* of 32 training prompts (2 reference samples each): 32 estimated now, 0 loaded" in (
+        out.stdout + out.stderr)
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    logged = {k for row in rows for k, v in row.items() if v}
+    assert {"train/loss", "train/v_star", "train/implicit_reward", "train/advantage", "train/reward/mean",
+            "val/reward/mean"} <= logged
+    assert next(tmp_path.rglob("hf_model/config.json"))
