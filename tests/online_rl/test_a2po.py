@@ -11,6 +11,7 @@ import json
 import logging
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -112,6 +113,13 @@ class Rewards:
         return out
 
 
+class DrawAtFitStart(L.Callback):
+    """Draws from the torch stream before the module's fit start (a callback's hook runs first)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        torch.rand(3)
+
+
 def _prompts(data_dir) -> list[dict]:
     rows = [json.loads(line) for line in (data_dir / "arithmetic_prompts.jsonl").read_text().splitlines()[:8]]
     assert ZERO[0] in [r["prompt"] for r in rows]
@@ -119,7 +127,6 @@ def _prompts(data_dir) -> list[dict]:
 
 
 def _fit(tiny_dir, data_dir, quiet_trainer, cache: Path, rewards: Rewards, callbacks=()):
-    import lightning as L
     from datasets import Dataset
 
     from lightalign import A2POModule, PromptDataModule
@@ -137,9 +144,10 @@ def test_value_stage_cached_resumed_and_regressed_onto(tiny_dir, data_dir, quiet
     """8 prompts in chunks of 2 (one rollout's prompts), 2 reference samples each.
 
     * A run stopped during the estimate (its third chunk's rewards raise) leaves its first two chunks in the cache;
-      the next run samples only the other two and ends with the V* of a run that was never stopped (each chunk is
-      sampled in its own seeded stream). Fails if finished chunks are not reused (4 calls), if a chunk's stream
-      depends on what ran before it (the values differ), or if a chunk is written before it is complete.
+      the next run (which draws from torch's stream before the estimate) samples only the other two and ends with the
+      V* of a run that was never stopped (each chunk is sampled in its own seeded stream). Fails if finished chunks
+      are not reused (4 calls), or if a chunk's stream depends on what ran before it (no per-chunk seed: the values
+      differ).
     * A second run on the same cache samples nothing, and trains on the completions the sampling run trained on:
       the value stage leaves the training stream untouched (fails without the forked stream).
     * V* is ``optimal_values`` of the prompt's reference rewards, and each rollout row carries its own prompt's
@@ -150,8 +158,8 @@ def test_value_stage_cached_resumed_and_regressed_onto(tiny_dir, data_dir, quiet
     with pytest.raises(RuntimeError, match="stopped during the estimate"):
         _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "x", stopped)
     assert len(list((tmp_path / "x").rglob("chunk_*.pt"))) == 2
-    resumed = Rewards()
-    module_b, _ = _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "x", resumed)
+    resumed = Rewards()  # a process of its own draws from torch's stream before the estimate as it likes
+    module_b, _ = _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "x", resumed, [DrawAtFitStart()])
     assert len(resumed.value_calls) == 2 and "4 estimated now, 4 loaded from the cache" in caplog.text
 
     fresh, keep = Rewards(), KeepBuffer()
