@@ -191,6 +191,35 @@ def test_value_stage_cached_resumed_and_regressed_onto(tiny_dir, data_dir, quiet
     assert len(data.train_dataset) == 7 and "filter_all_incorrect dropped 1 of 8 training prompts" in caplog.text
 
 
+def test_log_probs_are_the_models_own_at_any_sampling_temperature(tiny_dir, data_dir, quiet_trainer, tmp_path):
+    """TRL's A2POTrainer samples at ``temperature`` and takes the log-probs of the model's own distribution (no
+    division of the logits): the reference log-probs of a rollout sampled at temperature 0.5 are the log-softmax of
+    the reference's plain logits at the sampled tokens, recomputed here from the padded ids. Fails without
+    ``logprob_temperature`` returning 1 (the logits divided by 0.5: every log-prob changes by far more than 1e-4)."""
+    import lightning as L
+    from datasets import Dataset
+
+    from lightalign import A2POModule, PromptDataModule
+
+    L.seed_everything(0)
+    keep = KeepBuffer()
+    module = A2POModule(str(tiny_dir), from_config=True, reward_funcs=[Rewards()], generation_batch_size=2,
+                        num_value_samples=1, temperature=0.5, max_completion_length=4, filter_all_incorrect=False,
+                        value_cache_dir=str(tmp_path))
+    data = PromptDataModule(Dataset.from_list(_prompts(data_dir)[:2]), tokenizer=str(tiny_dir), max_prompt_length=16)
+    quiet_trainer(max_steps=1, callbacks=[keep]).fit(module, data)
+    mb = keep.buffers[0][0]
+    ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
+    mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = module.ref_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    t, p = mb["completion_ids"].shape[1], mb["prompt_ids"].shape[1]
+    own = torch.log_softmax(logits[:, p - 1:p - 1 + t], -1).gather(-1, mb["completion_ids"][..., None])[..., 0]
+    real = mb["completion_mask"].bool()
+    torch.testing.assert_close(mb["ref_logps"][real], own[real], atol=1e-4, rtol=0)
+
+
 def test_console_quickstart_runs_and_logs(repo, data_dir, tmp_path):
     """The shipped config through the console script, shortened (2 steps; the first 48 of its prompts, 2 reference
     samples each, cached in the test's folder): the fit-start line of the value stage, TRL's metric names, the
