@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import json
 import logging
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from helpers import console_script
+from helpers.a2po_runs import ZERO, Rewards, fit_a2po, prompts as a2po_prompts
 from helpers.rollout_callbacks import KeepBuffer
 
 from lightalign.modules.losses.a2po import A2POLossConfig, a2po_loss
@@ -90,27 +90,7 @@ def test_bad_knobs_refused(tiny_dir):
         make(beta=0.1)
 
 
-ZERO = ("38-9=",)  # a prompt every reference sample of which scores 0: filtered out
-
-
-class Rewards:
-    """Rewards that vary with the completion (its token ids), 0 for the prompts of ``ZERO``; remembers the value
-    stage's calls (``num_value_samples`` completions per prompt) apart from the rollouts' and raises on value-stage
-    call ``fail_at`` (a run stopped during the estimate)."""
-
-    def __init__(self, fail_at: int | None = None):
-        self.value_calls, self.rollouts, self.fail_at = [], [], fail_at
-        self.__name__ = "graded"
-
-    def __call__(self, prompts, completions, completion_ids, **kwargs):
-        out = [0.0 if p in ZERO else float(sum(ids) % 5) / 4 for p, ids in zip(prompts, completion_ids)]
-        if len(prompts) == 2 * 2:  # the value stage: 2 prompts x 2 samples (a rollout has 2 prompts x 1)
-            if self.fail_at is not None and len(self.value_calls) == self.fail_at:
-                raise RuntimeError("stopped during the estimate")
-            self.value_calls.append((list(prompts), out))
-        else:
-            self.rollouts.append((list(prompts), out, [list(c) for c in completion_ids]))
-        return out
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "a2po_estimate_worker.py"
 
 
 class DrawAtFitStart(L.Callback):
@@ -120,55 +100,35 @@ class DrawAtFitStart(L.Callback):
         torch.rand(3)
 
 
-def _prompts(data_dir) -> list[dict]:
-    rows = [json.loads(line) for line in (data_dir / "arithmetic_prompts.jsonl").read_text().splitlines()[:8]]
-    assert ZERO[0] in [r["prompt"] for r in rows]
-    return rows
-
-
-def _fit(tiny_dir, data_dir, quiet_trainer, cache: Path, rewards: Rewards, callbacks=()):
-    from datasets import Dataset
-
-    from lightalign import A2POModule, PromptDataModule
-
-    L.seed_everything(0)
-    module = A2POModule(str(tiny_dir), from_config=True, reward_funcs=[rewards], generation_batch_size=2,
-                        num_value_samples=2, beta1=0.3, max_completion_length=4, value_cache_dir=str(cache),
-                        learning_rate=1e-3)
-    data = PromptDataModule(Dataset.from_list(_prompts(data_dir)), tokenizer=str(tiny_dir), max_prompt_length=16)
-    quiet_trainer(max_steps=2, callbacks=list(callbacks)).fit(module, data)
-    return module, data
-
-
-def test_value_stage_cached_resumed_and_regressed_onto(tiny_dir, data_dir, quiet_trainer, tmp_path, caplog):
+def test_value_stage_cached_resumed_and_regressed_onto(tmp_path, caplog):
     """8 prompts in chunks of 2 (one rollout's prompts), 2 reference samples each.
 
-    * A run stopped during the estimate (its third chunk's rewards raise) leaves its first two chunks in the cache;
-      the next run (which draws from torch's stream before the estimate) samples only the other two and ends with the
-      V* of a run that was never stopped (each chunk is sampled in its own seeded stream). Fails if finished chunks
-      are not reused (4 calls), or if a chunk's stream depends on what ran before it (no per-chunk seed: the values
-      differ).
+    * A run SIGKILLed during the estimate (a worker; its third chunk's rewards kill it) leaves its first two chunks
+      in the cache; the next run (which draws from torch's stream before the estimate) samples only the other two and
+      ends with the V* of a run never killed (each chunk is sampled in its own seeded stream). Fails if finished
+      chunks are not reused (4 calls), or if a chunk's stream depends on what ran before it (no per-chunk seed: the
+      values differ).
     * A second run on the same cache samples nothing, and trains on the completions the sampling run trained on:
       the value stage leaves the training stream untouched (fails without the forked stream).
     * V* is ``optimal_values`` of the prompt's reference rewards, and each rollout row carries its own prompt's
       (fails with a lookup by the wrong row, or a wrong ``beta1``); the advantage is ``r - V*``.
     * ``filter_all_incorrect``: the prompt whose samples all scored 0 is never trained on."""
     caplog.set_level(logging.INFO)
-    stopped = Rewards(fail_at=2)
-    with pytest.raises(RuntimeError, match="stopped during the estimate"):
-        _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "x", stopped)
+    killed = console_script.run_python(WORKER, str(tmp_path / "x"), timeout=600,
+                                       env=console_script.standard_env(OMP_NUM_THREADS="1"))
+    assert killed.returncode == -9, killed.stderr[-3000:]
     assert len(list((tmp_path / "x").rglob("chunk_*.pt"))) == 2
     resumed = Rewards()  # a process of its own draws from torch's stream before the estimate as it likes
-    module_b, _ = _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "x", resumed, [DrawAtFitStart()])
+    module_b, _ = fit_a2po(tmp_path / "x", resumed, [DrawAtFitStart()])
     assert len(resumed.value_calls) == 2 and "4 estimated now, 4 loaded from the cache" in caplog.text
 
     fresh, keep = Rewards(), KeepBuffer()
-    module_c, data = _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "y", fresh, [keep])
+    module_c, data = fit_a2po(tmp_path / "y", fresh, [keep])
     assert len(fresh.value_calls) == 4 and "8 estimated now, 0 loaded from the cache" in caplog.text
     assert torch.equal(module_b.optimal.values, module_c.optimal.values)
 
     cached = Rewards()
-    module_d, _ = _fit(tiny_dir, data_dir, quiet_trainer, tmp_path / "y", cached)
+    module_d, _ = fit_a2po(tmp_path / "y", cached)
     assert cached.value_calls == [] and "0 estimated now, 8 loaded from the cache" in caplog.text
     assert torch.equal(module_d.optimal.values, module_c.optimal.values)
     assert cached.rollouts == fresh.rollouts  # the same training completions, with or without sampling
@@ -196,7 +156,6 @@ def test_log_probs_are_the_models_own_at_any_sampling_temperature(tiny_dir, data
     division of the logits): the reference log-probs of a rollout sampled at temperature 0.5 are the log-softmax of
     the reference's plain logits at the sampled tokens, recomputed here from the padded ids. Fails without
     ``logprob_temperature`` returning 1 (the logits divided by 0.5: every log-prob changes by far more than 1e-4)."""
-    import lightning as L
     from datasets import Dataset
 
     from lightalign import A2POModule, PromptDataModule
@@ -206,7 +165,7 @@ def test_log_probs_are_the_models_own_at_any_sampling_temperature(tiny_dir, data
     module = A2POModule(str(tiny_dir), from_config=True, reward_funcs=[Rewards()], generation_batch_size=2,
                         num_value_samples=1, temperature=0.5, max_completion_length=4, filter_all_incorrect=False,
                         value_cache_dir=str(tmp_path))
-    data = PromptDataModule(Dataset.from_list(_prompts(data_dir)[:2]), tokenizer=str(tiny_dir), max_prompt_length=16)
+    data = PromptDataModule(Dataset.from_list(a2po_prompts()[:2]), tokenizer=str(tiny_dir), max_prompt_length=16)
     quiet_trainer(max_steps=1, callbacks=[keep]).fit(module, data)
     mb = keep.buffers[0][0]
     ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
