@@ -124,7 +124,8 @@ def loss_inputs() -> dict[str, torch.Tensor]:
 def loss_case(x: dict[str, torch.Tensor], beta2: float) -> dict:
     logits = x["logits"].clone().requires_grad_(True)
     model = lambda **inputs: types.SimpleNamespace(logits=logits)  # noqa: E731
-    stand_in = types.SimpleNamespace(args=types.SimpleNamespace(beta2=beta2), model=types.SimpleNamespace(training=True),
+    stand_in = types.SimpleNamespace(args=types.SimpleNamespace(beta2=beta2),
+                                     model=types.SimpleNamespace(training=True),
                                      _metrics={"train": defaultdict(list)}, model_kwarg_keys={"input_ids"})
     stand_in._get_sequence_logps = types.MethodType(A2POTrainer._get_sequence_logps, stand_in)
     t = x["completion_ids"].shape[1]

@@ -50,7 +50,8 @@ def test_value_estimate_equals_trl(index):
 def _ours_loss(x: dict, beta2: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
     logits = x["logits"].clone().requires_grad_(True)
     prompt, t = x["prompt_ids"].shape[1], x["completion_ids"].shape[1]
-    logps = torch.log_softmax(logits[:, prompt - 1:prompt - 1 + t], -1).gather(-1, x["completion_ids"][..., None])[..., 0]
+    logps = torch.log_softmax(logits[:, prompt - 1:prompt - 1 + t], -1)
+    logps = logps.gather(-1, x["completion_ids"][..., None])[..., 0]
     ref = torch.zeros_like(logps)
     ref[:, 0] = x["ref_logps"]  # TRL's input is the reference's sequence log-prob: every row has a first token
     loss, stats = a2po_loss(logps, ref, x["completion_mask"], x["rewards"], x["v_star"], A2POLossConfig(beta2=beta2))

@@ -1,4 +1,4 @@
-"""Run a small SFT/DPO/GRPO training as a separate process, optionally SIGKILLed at a step, optionally resumed.
+"""Run a small SFT/DPO/GRPO/A2PO training as a separate process, optionally SIGKILLed at a step, optionally resumed.
 
 Used by tests/training/test_resume.py:  python tests/workers/resume_worker.py --method sft --out DIR --max-steps 14 --every 4
                                  [--kill-at 10 | --kill-at-validation 8] [--resume] [--devices 2]
