@@ -80,11 +80,12 @@ class A2POModule(CriticFreeModule):
             rank_zero_info(f"A2PO: V* of {len(dataset)} training prompts restored from the checkpoint.")
         if self.hparams.filter_all_incorrect and self.optimal.all_incorrect.any():
             kept = (~self.optimal.all_incorrect).nonzero().flatten().tolist()
-            prompts = self.rollout_shape[0] // self.hparams.num_generations
-            if len(kept) < prompts:
+            needed = self.rollout_shape[0] // self.hparams.num_generations * self.trainer.world_size
+            if len(kept) < needed:
                 raise ValueError(f"filter_all_incorrect dropped {len(dataset) - len(kept)} of {len(dataset)} training "
-                                 f"prompts (every reference sample scored 0), leaving fewer than one rollout needs "
-                                 f"({prompts}); set filter_all_incorrect: false, or check the reward functions.")
+                                 f"prompts (every reference sample scored 0), leaving fewer than one rollout of every "
+                                 f"rank needs ({needed}); set filter_all_incorrect: false, or check the reward "
+                                 "functions.")
             datamodule.train_dataset = dataset.select(kept)
             rank_zero_info(f"A2PO: filter_all_incorrect dropped {len(dataset) - len(kept)} of {len(dataset)} "
                            "training prompts (every reference sample scored 0).")

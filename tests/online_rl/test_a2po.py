@@ -152,6 +152,22 @@ def test_value_stage_cached_resumed_and_regressed_onto(tmp_path, caplog):
     assert len(data.train_dataset) == 7 and "filter_all_incorrect dropped 1 of 8 training prompts" in caplog.text
 
 
+def test_a_filter_that_leaves_too_few_prompts_is_refused_at_fit_start(tiny_dir, quiet_trainer, tmp_path):
+    """Every reference sample scores 0: the filter would leave no prompt; the fit stops before any training step
+    with a message naming the knob."""
+    from datasets import Dataset
+
+    from lightalign import A2POModule, PromptDataModule
+
+    module = A2POModule(str(tiny_dir), from_config=True, reward_funcs=[lambda prompts, completions, **k: [0.0] * len(
+        prompts)], generation_batch_size=2, num_value_samples=2, max_completion_length=2, value_cache_dir=str(tmp_path))
+    data = PromptDataModule(Dataset.from_list(a2po_prompts()[:2]), tokenizer=str(tiny_dir), max_prompt_length=16)
+    with pytest.raises(ValueError, match=r"filter_all_incorrect dropped 2 of 2 training prompts .* needs \(2\); set "
+                                         "filter_all_incorrect: false"):
+        quiet_trainer(max_steps=1).fit(module, data)
+    assert module.global_step == 0
+
+
 def test_log_probs_are_the_models_own_at_any_sampling_temperature(tiny_dir, data_dir, quiet_trainer, tmp_path):
     """TRL's A2POTrainer samples at ``temperature`` and takes the log-probs of the model's own distribution (no
     division of the logits): the reference log-probs of a rollout sampled at temperature 0.5 are the log-softmax of
