@@ -30,6 +30,7 @@ _EXPORTS = {
     **dict.fromkeys(["AtomicCheckpointIO", "CheckpointError"], "lightalign.strategies"),
     "Trainer": "lightalign.trainer",
     "GOLDModule": "lightalign.modules",
+    **dict.fromkeys(["A2POModule"], "lightalign.modules"),
     **dict.fromkeys(["DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune", "OnlineDPOModule", "PolicyModule", "PPOModule",
                      "RewardModule", "RLOOModule", "SDFTModule", "SDPOModule", "SFTModule", "create_reference_model", "dpo_loss", "grpo_loss",
                      "kto_loss", "reward_loss", "sft_loss"], "lightalign.modules"),
@@ -40,6 +41,7 @@ _EXPORTS = {
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
+    "A2POModule",
     "ASSETS_DIR",
     "AtomicCheckpointIO",
     "CheckpointError",

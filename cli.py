@@ -48,7 +48,7 @@ The method and data knobs belong to the classes a config names; list them with
   lightalign fit --model.help lightalign.SFTModule     (also DPOModule, GRPOModule, RLOOModule, KTOModule,
                                                        RewardModule, PPOModule, DistillModule, OnlineDPOModule,
                                                        CPOModule, ORPOModule, TPOModule, GOLDModule,
-                                                       SDFTModule, SDPOModule)
+                                                       SDFTModule, SDPOModule, A2POModule)
   lightalign fit --data.help lightalign.SFTDataModule  (also PreferenceDataModule, PromptDataModule,
                                                        UnpairedPreferenceDataModule, TriplePreferenceDataModule)
 or, for the classes of a config: lightalign fit --config configs/sft.yaml --print_config

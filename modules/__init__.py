@@ -6,6 +6,7 @@ asynchronous rollouts), reference/ and adaptations/."""
 from lightalign._lazy import lazy_attributes
 
 _EXPORTS = {
+    **dict.fromkeys(["A2POModule", "a2po_loss"], "lightalign.modules.a2po"),
     "DistillModule": "lightalign.modules.distill",
     **dict.fromkeys(["CPOModule", "CPO_LOSS_TYPES", "cpo_loss"], "lightalign.modules.cpo"),
     **dict.fromkeys(["ORPOModule", "orpo_loss"], "lightalign.modules.orpo"),
@@ -36,6 +37,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 __all__ = [
     "GOLDModule", "uld_loss",
+    "A2POModule", "a2po_loss",
     "LOSS_TYPES", "CriticFreeModule", "DistillModule", "DPOModule", "GRPOModule", "IterativeSFT", "KTOModule", "NEFTune",
     "ONLINE_DPO_LOSS_TYPES", "OnlineDPOModule", "OnlineRLModule", "PolicyModule", "PPOModule", "RewardModule", "RLOOModule", "SDFTModule", "SDPOModule", "SFTModule", "create_reference_model",
     "CPOModule", "CPO_LOSS_TYPES", "ORPOModule", "cpo_loss", "orpo_loss",

@@ -27,7 +27,7 @@ COMMAND = "python docs/knobs/generate.py"
 # The method classes, in the order of the README. Each gets docs/knobs/<name without "Module", lower case>.md.
 CLASSES = ("SFTModule", "DPOModule", "KTOModule", "RewardModule", "GRPOModule", "RLOOModule", "PPOModule",
            "DistillModule", "OnlineDPOModule", "CPOModule", "ORPOModule", "TPOModule", "GOLDModule",
-           "SDFTModule", "SDPOModule")
+           "SDFTModule", "SDPOModule", "A2POModule")
 
 # As the CLI's parser (cli.py, LightalignCLI.add_core_arguments_to_parser): the modules' `model` argument, a built
 # torch.nn.Module for the Python API, is not offered on the command line, so `--model.help` does not list it.

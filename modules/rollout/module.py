@@ -255,7 +255,7 @@ class OnlineRLModule(SamplingModule):
         from lightalign.modules.losses.entropy import token_entropies
         from lightalign.modules.training.logprobs import scatter_to_sequences
 
-        logps, logits, _ = grpo_forward(model, mb, self.hparams.temperature)
+        logps, logits, _ = grpo_forward(model, mb, self.logprob_temperature())
         if not with_entropy:
             return logps, None
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -264,6 +264,11 @@ class OnlineRLModule(SamplingModule):
         if layout is not None:
             entropies = scatter_to_sequences(entropies, layout, *mb["completion_ids"].shape)[0]
         return logps, torch.where(mb["completion_mask"].bool(), entropies, torch.zeros_like(entropies))
+
+    def logprob_temperature(self) -> float:
+        """The temperature the policy's logits are divided by before the log-probs of its completions (default the
+        sampling ``temperature``, as TRL's GRPO, RLOO and PPO; A*-PO's are the model's own, at 1)."""
+        return self.hparams.temperature
 
     def reference_logps(self, mb: dict[str, Any]) -> torch.Tensor:
         with self.reference.model_for(self.ref_model, self.model) as ref:

@@ -6,6 +6,7 @@ optimizer state, and the logged losses of the steps they share. The workers trai
 from __future__ import annotations
 
 import csv
+import shutil
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,40 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
     if method == "grpo_tools":  # the rollouts were multi-turn: every trajectory's first turn is the scripted call
         calls = _losses(a, "train/tools/call_frequency")
         assert calls and all(v >= 1 for v in calls.values()), calls
+
+
+def test_a2po_resumed_after_the_estimate_equals_uninterrupted(tmp_path):
+    """A2PO over DDP on 2 ranks (8 prompts in 4 chunks of 2, rank r estimating chunks r and r + 2; 8 steps per
+    epoch). Run ``b`` starts with the cache a run killed during the estimate leaves (the uninterrupted run's first two
+    chunks, copied): it samples only the other two (the fit-start line says so), and is SIGKILLed at step 3; its cache
+    folder is then deleted, and the run resumed from the step-2 checkpoint does not estimate again (V* comes from the
+    checkpoint: the folder stays absent). It ends bit-for-bit where the uninterrupted run ``a`` ends (weights,
+    optimizer, logged losses). Fails when a partly cached estimate differs from a whole one (with no seeded stream
+    per chunk, chunk 2 follows chunk 0's draws in ``a`` and is the first draw in ``b``), when the checkpoint does not
+    keep V* (the deleted cache is rebuilt), or when any RNG stream of training is not restored."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--max-steps", "6", "--every", "2", "--devices", "2", "--prompts-per-rank", "4"]
+    _run(a, "a2po", *common)
+    chunks = sorted((a / "values").rglob("chunk_*.pt"))
+    assert [p.name for p in chunks] == [f"chunk_00000{i}.pt" for i in range(4)]
+    folder = b / "values" / chunks[0].parent.name  # the same key: the same reference, data, knobs and seed
+    folder.mkdir(parents=True)
+    for chunk in chunks[:2]:
+        shutil.copy(chunk, folder / chunk.name)
+    proc = console_script.run_python(WORKER, "--method", "a2po", "--out", str(b), *common, "--kill-at", "3",
+                                     env=console_script.standard_env(OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert "A2PO: V* of 8 training prompts (2 reference samples each): 4 estimated now, 4 loaded from the cache" in (
+        proc.stdout + proc.stderr)
+    assert len(list(folder.glob("chunk_*.pt"))) == 4
+    shutil.rmtree(b / "values")
+    _run(b, "a2po", *common, "--resume", "--log-version", "1")
+    assert not (b / "values").exists()
+    final_a, final_b = torch.load(a / "final.pt", weights_only=True), torch.load(b / "final.pt", weights_only=True)
+    _assert_equal_tree(final_a["model"], final_b["model"], "a2po: weights after resume")
+    _assert_equal_tree(final_a["optimizer"], final_b["optimizer"], "a2po: optimizer state after resume")
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == list(range(6)) and all(la[s] == lb[s] for s in range(2, 6)), (la, lb)
+    init = torch.load(a / "init.pt", weights_only=True)
+    assert not all(torch.equal(init[k], final_a["model"][k]) for k in init)
+    assert any(abs(v) > 1e-6 for v in la.values()), la

@@ -9,7 +9,7 @@ its wheel (no editable install), in a working directory outside the repository: 
 2. Every public class of ``lightalign``'s ``__all__`` resolves, and each method trains two optimizer steps through the
    Python API on a tiny Qwen2 model this script builds (2 layers, hidden 32) from the shipped tokenizer, on the
    shipped example data read from the installed package: SFT, DPO, CPO, ORPO, TPO, KTO, reward, GRPO, RLOO, PPO,
-   online DPO, distillation, iterative SFT; ``lightalign.Trainer`` writes its run folder; an untrained module exports.
+   A2PO, SDFT, SDPO, online DPO, distillation, GOLD, iterative SFT; ``lightalign.Trainer`` writes its run folder; an untrained module exports.
 3. The console script: ``lightalign fit --help``; ``lightalign examples DIR``, then from DIR every shipped offline
    config (the quickstart, the ``*_tiny`` and ``*_quickstart`` ones, the tool configs) for two steps, each exiting 0.
 
@@ -104,6 +104,12 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
     fit_two_steps(la.GRPOModule(m, num_generations=4, **online), la.PromptDataModule(**prompts))
     fit_two_steps(la.RLOOModule(m, num_generations=4, **online), la.PromptDataModule(**prompts))
     fit_two_steps(la.PPOModule(m, num_generations=1, **online), la.PromptDataModule(**prompts))
+    # A2PO estimates V* of every training prompt before training: 16 prompts (whose reference samples, on this
+    # random model, almost all score 0: kept)
+    first16 = __import__("datasets").load_dataset("json", data_files=prompts["path"], split="train[:16]")
+    fit_two_steps(la.A2POModule(m, num_value_samples=2, filter_all_incorrect=False,
+                                value_cache_dir=str(work / "a2po_values"), **online),
+                  la.PromptDataModule(first16, tokenizer=m, max_prompt_length=16))
     fit_two_steps(la.OnlineDPOModule(m, reward_funcs=[digit_fraction_reward], **short),
                   la.PromptDataModule(**prompts, batch_size=4))
     fit_two_steps(la.DistillModule(m, teacher_model_name_or_path=m, lmbda=0.5, **short),

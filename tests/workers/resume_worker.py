@@ -1,4 +1,5 @@
-"""Run a small SFT/DPO/CPO/ORPO/GRPO training as a separate process, optionally SIGKILLed at a step, optionally resumed.
+"""Run a small SFT/DPO/CPO/ORPO/TPO/GRPO/SDFT/SDPO/A2PO training as a separate process, optionally SIGKILLed at a
+step, optionally resumed.
 
 Used by tests/training/test_resume.py:  python tests/workers/resume_worker.py --method sft --out DIR --max-steps 14 --every 4
                                  [--kill-at 10 | --kill-at-validation 8] [--resume] [--devices 2]
@@ -113,7 +114,8 @@ def rows(name: str, n: int) -> Dataset:
     return Dataset.from_list([json.loads(line) for line in lines])
 
 
-def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, validate: bool = False):
+def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, validate: bool = False,
+          out: Path | None = None):
     from lightalign import DPOModule, GRPOModule, PreferenceDataModule, PromptDataModule, SFTDataModule, SFTModule
     from lightalign import TPOModule, TriplePreferenceDataModule
 
@@ -210,6 +212,16 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
                             success_reward_threshold=3.0, distillation_weight=0.5, distillation_mode="topk_logits",
                             distillation_topk=8, distillation_alpha=0.5, teacher_update_rate=0.5, **common)
         return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY), 1
+    if method == "a2po":
+        # A*-PO: V* of every prompt from 2 reference samples each (chunks of 2 prompts, sharded over the ranks, cached
+        # in DIR/values), then a rollout (2 prompts x 1 completion) serves 4 steps (2 micro-batches x 2 iterations);
+        # 4 prompts per rank: 2 rollouts, 8 steps per epoch
+        from lightalign import A2POModule
+
+        module = A2POModule(model, reward_funcs=[varied_reward], generation_batch_size=2,
+                            steps_per_generation=2, num_iterations=2, num_value_samples=2, max_completion_length=6,
+                            beta2=0.1, filter_all_incorrect=False, value_cache_dir=str(out / "values"), **common)
+        return module, PromptDataModule(rows("arithmetic_prompts.jsonl", prompts_per_rank * devices), tokenizer=TINY), 1
     raise SystemExit(f"unknown method {method}")
 
 
@@ -244,7 +256,8 @@ def main() -> None:
     fork_ranks(args.devices)  # the other ranks forked from this process (tests/helpers/fork_ranks.py)
     torch.set_num_threads(1)
     L.seed_everything(1234)
-    module, data, accumulate = build(args.method, model, args.devices, args.prompts_per_rank, bool(args.val_every))
+    module, data, accumulate = build(args.method, model, args.devices, args.prompts_per_rank, bool(args.val_every),
+                                     out)
     callbacks = [SaveInit(out / "init.pt"),
                  RunCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1)]
     if args.kill_at:
