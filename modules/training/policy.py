@@ -50,13 +50,18 @@ def subclass_init_args(module: Any, frame: Any) -> dict[str, Any]:
     return found
 
 
+# The public classes a method is built on, not methods a user trains with.
+METHOD_BASES = frozenset({"PolicyModule", "OnlineRLModule", "CriticFreeModule"})
+
+
 def methods_with_knob(knob: str) -> list[str]:
-    """The public methods (``lightalign.modules.__all__``, not the bases they extend) that take ``knob``, by name."""
+    """The public methods (``lightalign.modules.__all__``, not the bases a method is built on: ``PolicyModule``,
+    ``OnlineRLModule``, ``CriticFreeModule``) that take ``knob``, by name. A method another method extends (GRPO,
+    which SDPO extends) is a method still."""
     import lightalign.modules as methods
 
     public = [c for c in (getattr(methods, name) for name in methods.__all__) if isinstance(c, type)]
-    leaves = [c for c in public if not any(o is not c and issubclass(o, c) for o in public)]
-    return sorted(c.__name__ for c in leaves if knob in method_knobs(c))
+    return sorted(c.__name__ for c in public if c.__name__ not in METHOD_BASES and knob in method_knobs(c))
 
 
 def taken_by(names: list[str]) -> str:

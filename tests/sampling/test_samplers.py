@@ -111,6 +111,6 @@ def test_neftune_is_not_a_knob_of_the_sampling_methods(tiny_dir, method):
     assert "neftune_noise_alpha" not in inspect.signature(cls).parameters  # nor in --model.help
     knobs = dict(reward_funcs=[digit_fraction_reward]) if method != "DistillModule" else dict(
         teacher_model_name_or_path=str(tiny_dir))
-    with pytest.raises(TypeError, match=f"{method} has no knob 'neftune_noise_alpha'; DPOModule, KTOModule, "
+    with pytest.raises(TypeError, match=f"{method} has no knob 'neftune_noise_alpha'; CPOModule, DPOModule, KTOModule, ORPOModule, "
                                         "RewardModule and SFTModule take it"):
         cls(str(tiny_dir), from_config=True, neftune_noise_alpha=5.0, **knobs)
