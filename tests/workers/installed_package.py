@@ -10,8 +10,11 @@ its wheel (no editable install), in a working directory outside the repository: 
    Python API on a tiny Qwen2 model this script builds (2 layers, hidden 32) from the shipped tokenizer, on the
    shipped example data read from the installed package: SFT, DPO, CPO, ORPO, TPO, KTO, reward, GRPO, RLOO, PPO,
    A2PO, SDFT, SDPO, online DPO, distillation, GOLD, iterative SFT; ``lightalign.Trainer`` writes its run folder; an untrained module exports.
-3. The console script: ``lightalign fit --help``; ``lightalign examples DIR``, then from DIR every shipped offline
-   config (the quickstart, the ``*_tiny`` and ``*_quickstart`` ones, the tool configs) for two steps, each exiting 0.
+3. The console script: ``lightalign fit --help``; ``lightalign examples DIR``, then from DIR the shipped offline
+   configs: one per data module and every config that reads another's export (``TRAINED``) two steps each, exiting 0;
+   every other ``*_tiny``/``*_quickstart`` config parsed by the installed CLI (``--print_config``: its classes and
+   knobs resolve in the installed package) with every file it names present in DIR. Each of those trains through
+   the console script in the repository's own tests; here what can go wrong is only what the wheel ships.
 
 Prints one ``ok: ...`` line per check; any failure raises (exit status 1 with the traceback).
 """
@@ -138,6 +141,55 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
     print("ok: export_hf wrote a Hugging Face folder")
 
 
+# The configs trained two steps from the installed package: the teachers, then one per data module (SFT: the
+# quickstart; pairs, triples, unpaired rows, prompts) and every config that reads a teacher's export (distillation,
+# GOLD's other tokenizer, the tool policy).
+TRAINED = (("quickstart.yaml", "tools_sft.yaml"),
+           ("dpo_tiny.yaml", "tpo_tiny.yaml", "kto_tiny.yaml", "grpo_quickstart.yaml", "distill_quickstart.yaml",
+            "gold_quickstart.yaml", "tools_grpo.yaml"))
+# What a config's value names when it is a shipped file or folder (relative to the folder `lightalign examples` fills)
+SHIPPED_PREFIXES = ("assets/", "examples/", "configs/", "runs/")
+
+
+def check_configs_parse(examples: Path, configs: list[str]) -> None:
+    """Each config through the installed CLI's ``--print_config`` in one process (the classes and knob names it gives
+    resolve in the installed package), and every shipped path among its values (``assets/...``, ``examples/...``, a
+    teacher's ``runs/...`` export) present under ``examples``."""
+    import contextlib
+    import io
+
+    import yaml
+
+    from lightalign.cli import main as cli_main
+
+    def strings(node):
+        if isinstance(node, dict):
+            for value in node.values():
+                yield from strings(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from strings(value)
+        elif isinstance(node, str):
+            yield node
+
+    here = os.getcwd()
+    os.chdir(examples)
+    try:
+        for config in configs:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                try:
+                    status = cli_main(["fit", "--config", f"configs/{config}", "--print_config"])
+                except SystemExit as stop:
+                    status = stop.code
+            assert status in (0, None), f"lightalign fit --config configs/{config} --print_config exited {status}"
+            parsed = yaml.safe_load(out.getvalue())
+            missing = [s for s in strings(parsed) if s.startswith(SHIPPED_PREFIXES) and not Path(s).exists()]
+            assert not missing, f"configs/{config} names files `lightalign examples` did not copy: {missing}"
+    finally:
+        os.chdir(here)
+
+
 def check_console(work: Path) -> None:
     script = Path(sys.executable).with_name("lightalign")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -153,10 +205,9 @@ def check_console(work: Path) -> None:
     examples = work / "lightalign-examples"
     assert "configs/quickstart.yaml" in run("examples", str(examples), cwd=work)
     two = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--plot.enabled", "false"]
-    # the teachers first: distill_quickstart.yaml's is the quickstart's export, tools_grpo.yaml's tools_sft.yaml's
-    first = ["quickstart.yaml", "tools_sft.yaml"]
-    rest = sorted(p.name for p in (examples / "configs").glob("*.yaml") if p.name not in first
-                  and (p.stem.endswith(("_tiny", "_quickstart")) or p.stem.startswith("tools_")))
+    shipped = sorted(p.name for p in (examples / "configs").glob("*.yaml")
+                     if p.stem.endswith(("_tiny", "_quickstart")) or p.stem.startswith("tools_"))
+    assert set(TRAINED[0] + TRAINED[1]) <= {*shipped, "quickstart.yaml"}, "a config of TRAINED is not shipped"
 
     def fit(config: str) -> str:
         run("fit", "--config", f"configs/{config}", *two, cwd=examples)
@@ -164,9 +215,13 @@ def check_console(work: Path) -> None:
 
     # two processes at a time (one torch thread each): the teachers, then the configs that read their exports
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        for configs in (first, rest):
+        for configs in TRAINED:
             for line in pool.map(fit, configs):
                 print(line)
+    parsed = [c for c in shipped if c not in TRAINED[0] + TRAINED[1]]
+    check_configs_parse(examples, parsed)
+    print(f"ok: {len(parsed)} more shipped configs parse in the installed CLI and name only shipped files: "
+          + ", ".join(parsed))
     assert (examples / "runs" / "quickstart" / "version_0" / "hf_model" / "config.json").is_file()
 
 
