@@ -70,9 +70,19 @@ class BEMAKnobs(KnobGroup):
             raise ValueError(f"min_ema_multiplier must lie in [0, 1] (a floor on the EMA's weight), got "
                              f"{self.min_ema_multiplier}.")
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device must name a torch device ('cpu' or e.g. 'cuda'), got {self.device!r}: {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this machine has no CUDA device; keep BEMA's weights on "
+                             "'cpu' (the default).")
+        if not self.update_ref_model:  # the schedule's knobs act only on a BEMA reference: set alone, a no-op
+            changed = [f.name for f in self.knob_fields()
+                       if f.name != "update_ref_model" and getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set{'s' if len(changed) == 1 else ''} BEMA's schedule, "
+                                 "which acts only on a BEMA reference: add update_ref_model: true, or leave "
+                                 f"{'it' if len(changed) == 1 else 'them'} out.")
 
 
 def ema_beta(knobs: BEMAKnobs, step: int) -> float:

@@ -188,3 +188,17 @@ def test_methods_beside_dpo_rewrite_their_reference(method, tiny_dir, data_dir):
     for name, average in callback.weights.average.items():
         assert torch.equal(reference[name], average), name
     assert not all(torch.equal(reference[n], callback.weights.theta0[n]) for n in callback.weights.names)
+
+
+def test_schedule_knobs_without_the_switch_and_an_absent_device_are_refused(tiny_model):
+    """BEMA's schedule knobs set without ``update_ref_model`` would train a plain reference without a word: refused,
+    naming them (mutation: drop the ``changed`` check in ``BEMAKnobs.check`` -> DPOModule constructs). A ``device``
+    this machine does not have is refused at construction, not by an assertion at fit start."""
+    with pytest.raises(ValueError, match=r"^update_freq, lag set BEMA's schedule, .* add update_ref_model: true"):
+        DPOModule(model=tiny_model, update_freq=2, lag=5)
+    with pytest.raises(ValueError, match=r"^ema_power sets BEMA's schedule"):
+        KTOModule(model=tiny_model, ema_power=0.8)
+    BEMAKnobs(update_ref_model=True, lag=3)  # with the switch: taken
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda': this machine has no CUDA device"):
+            BEMAKnobs(update_ref_model=True, device="cuda")
