@@ -71,7 +71,7 @@ class OnlineRLModule(SamplingModule):
         rewards = self.knobs.rewards
         self.tool_rollouts = self.build_tool_rollouts()
         sources = self.tool_rollouts.reward_sources(rewards.reward_timeout) if self.tool_rollouts is not None else []
-        if rewards.reward_funcs is None and not sources:
+        if rewards.reward_funcs in (None, [], ()) and not sources:  # an empty list scores nothing either
             raise ValueError(f"{type(self).__name__} needs reward_funcs: callables or import paths of fn(prompts, "
                              "completions, **columns) (or an environment_factory whose environments define "
                              "get_reward).")

@@ -77,3 +77,13 @@ def test_the_importance_sampling_knobs_have_one_definition_and_ppo_does_not_samp
         assert not correction & own_knobs(cls), cls.__name__
     assert ahead <= own_knobs(CriticFreeModule)
     assert not ahead & (own_knobs(OnlineRLModule) | own_knobs(PPOModule))
+
+
+@pytest.mark.parametrize("cls", [GRPOModule, RLOOModule, PPOModule])
+@pytest.mark.parametrize("funcs", [None, []])
+def test_no_reward_function_is_refused_at_construction(tiny_dir, cls, funcs):
+    """``reward_funcs: []`` scores nothing, as ``null``: refused when the module is built, naming the knob, not by
+    the reward runner at the first rollout (mutation: accept ``[]`` in ``OnlineRLModule.compose`` -> the ``[]``
+    cases construct)."""
+    with pytest.raises(ValueError, match=f"^{cls.__name__} needs reward_funcs"):
+        cls(str(tiny_dir), from_config=True, reward_funcs=funcs)
