@@ -271,12 +271,17 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
                               f"checkpoint. {where}") from err
 
 
+# Knobs that make the reference a model the run rewrites (BEMA, TR-DPO's sync), its state in the checkpoint
+REFERENCE_SWITCHES = ("update_ref_model", "sync_ref_model")
+
+
 def check_resume(checkpoint: dict[str, Any], path: Path, trainer: L.Trainer, module: L.LightningModule,
                  datamodule: Any) -> list[str]:
     """Refuse a checkpoint that belongs to another run than the config describes; return warnings to print.
 
     Compared: the method, the model and tokenizer, the batch layout (batch size, accumulation, world size: the
-    position in the epoch is counted in batches), ``max_steps`` against the checkpoint's step; the data file only
+    position in the epoch is counted in batches), whether the reference is rewritten (``REFERENCE_SWITCHES``),
+    ``max_steps`` against the checkpoint's step; the data file only
     warns (a changed file is sometimes intended).
     """
     now = checkpoint_facts(trainer, module, datamodule, None)
@@ -296,6 +301,13 @@ def check_resume(checkpoint: dict[str, Any], path: Path, trainer: L.Trainer, mod
             raise ResumeError(f"Checkpoint '{path}' was written with {label} = {then[key]}, the config has {now[key]}: "
                               "the position inside the epoch is counted in batches of the old layout, so rows would be "
                               f"skipped or repeated. Resume with {then[key]}. {fresh}")
+    saved, given = checkpoint.get("hyper_parameters") or {}, getattr(module, "hparams", {})
+    for key in REFERENCE_SWITCHES:  # a reference the checkpoint rewrote, resumed as a fixed one (or the reverse)
+        if key in saved and key in given and bool(saved[key]) != bool(given[key]):
+            raise ResumeError(f"Checkpoint '{path}' was written with {key}: {str(bool(saved[key])).lower()}, the "
+                              f"config has {str(bool(given[key])).lower()}: the reference the run trains against "
+                              f"(and its state kept in the checkpoint) would change. Resume with --model.{key} "
+                              f"{str(bool(saved[key])).lower()}. {fresh}")
     step, max_steps = int(checkpoint.get("global_step", 0)), trainer.max_steps
     if max_steps is not None and 0 <= max_steps < step:
         raise ResumeError(f"Checkpoint '{path}' is at step {step}, past --trainer.max_steps {max_steps}: nothing to "

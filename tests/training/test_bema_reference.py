@@ -202,3 +202,25 @@ def test_schedule_knobs_without_the_switch_and_an_absent_device_are_refused(tiny
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device 'cuda': this machine has no CUDA device"):
             BEMAKnobs(update_ref_model=True, device="cuda")
+
+
+@pytest.mark.parametrize("key", ["update_ref_model", "sync_ref_model"])
+def test_a_resume_that_switches_the_rewritten_reference_is_refused(tiny_model, key):
+    """A checkpoint of a run whose reference was rewritten (BEMA, TR-DPO's sync: its state in the checkpoint) resumed
+    without the switch would train on against a fixed reference, silently (Lightning only warns that a callback's
+    state is unused); the reverse starts a rewritten reference mid-run. ``runs.check_resume`` refuses both, naming
+    the knob (mutation: an empty ``REFERENCE_SWITCHES`` -> no error)."""
+    import lightning as L
+
+    from lightalign.runs import ResumeError, check_resume
+
+    module = DPOModule(model=tiny_model)
+    trainer = L.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False)
+    for saved in (True, False):
+        given = DPOModule(model=tiny_model, **{key: True}) if not saved else module
+        checkpoint = {"global_step": 2, "hyper_parameters": {key: saved}}
+        with pytest.raises(ResumeError, match=f"written with {key}: {str(saved).lower()}, the config has "
+                                              f"{str(not saved).lower()}.*--model.{key} {str(saved).lower()}"):
+            check_resume(checkpoint, Path("last.ckpt"), trainer, given, None)
+    assert check_resume({"global_step": 2, "hyper_parameters": {key: False}}, Path("last.ckpt"), trainer, module,
+                        None) == []
