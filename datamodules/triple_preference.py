@@ -133,14 +133,15 @@ class TriplePreferenceDataModule(PreferenceDataModule):
     training; a missing, null or empty ``reference`` is an error naming its row and column.
 
     Args:
-        include_reference: put the ``reference`` completions in the batches; ``TPOModule`` sets it from its
-            ``tpo_alpha`` at setup (0: chosen and rejected only, no forward spent on the gold response).
+        include_reference: put the ``reference`` completions in the batches. Unset (None, the default):
+            ``TPOModule`` decides at setup from its ``tpo_alpha`` (0: chosen and rejected only, no forward spent on
+            the gold response); set, it must agree with ``tpo_alpha`` (refused otherwise).
         **kwargs: ``PreferenceDataModule``'s (``max_length``, ``max_prompt_length``, ``max_completion_length``,
             ``truncation_mode`` apply to each of the three sequences; ``prompt_sharing``, ``pack_length``;
             ``batch_size`` = triples per micro-batch). ``padding_free`` is not offered for triples.
     """
 
-    def __init__(self, path: Any = None, tokenizer: Any = None, *, include_reference: bool = True,
+    def __init__(self, path: Any = None, tokenizer: Any = None, *, include_reference: bool | None = None,
                  **kwargs: Any) -> None:
         if kwargs.get("padding_free"):
             raise ValueError("padding_free is not offered for triples; use prompt_sharing: true (the default: no "
@@ -149,9 +150,10 @@ class TriplePreferenceDataModule(PreferenceDataModule):
         self.include_reference = include_reference
 
     def default_collator(self) -> Callable:
+        include = self.include_reference is not False  # unset and no method to decide: every column
         if self.prompt_sharing:
-            return SharedPromptTripleCollator(self.tokenizer.pad_token_id, self.pack_length, self.include_reference)
-        return TriplePreferenceCollator(self.tokenizer.pad_token_id, self.include_reference)
+            return SharedPromptTripleCollator(self.tokenizer.pad_token_id, self.pack_length, include)
+        return TriplePreferenceCollator(self.tokenizer.pad_token_id, include)
 
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
         cols = raw.column_names

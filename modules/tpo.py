@@ -77,7 +77,13 @@ class TPOModule(StatHooks, PolicyModule):
         if not hasattr(datamodule, "include_reference"):
             raise ValueError(f"TPOModule trains on triples (prompt, chosen, rejected, reference): use "
                              f"TriplePreferenceDataModule, not {type(datamodule).__name__}.")
-        datamodule.include_reference = self.knobs.loss.tpo_alpha != 0.0
+        wanted = self.knobs.loss.tpo_alpha != 0.0
+        if datamodule.include_reference is not None and datamodule.include_reference != wanted:
+            raise ValueError(f"TriplePreferenceDataModule's include_reference is {datamodule.include_reference}, but "
+                             f"TPOModule's tpo_alpha {self.knobs.loss.tpo_alpha} "
+                             f"{'needs' if wanted else 'reads no'} reference rows: leave include_reference unset "
+                             "(TPOModule decides from tpo_alpha).")
+        datamodule.include_reference = wanted
 
     def batch_layout(self) -> tuple[str, int | None]:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None

@@ -92,7 +92,8 @@ class ULDKnobs(KnobGroup):
         if not self.use_uld_loss:
             unused = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
             if unused:
-                raise ValueError(f"{', '.join(unused)} configure the ULD loss, which is off: set use_uld_loss: true "
+                verb = "configures" if len(unused) == 1 else "configure"
+                raise ValueError(f"{', '.join(unused)} {verb} the ULD loss, which is off: set use_uld_loss: true "
                                  "(distillation across tokenizers), or leave them out.")
         if self.uld_token_merge_strategy not in ULD_MERGE_STRATEGIES:
             raise ValueError(f"uld_token_merge_strategy={self.uld_token_merge_strategy!r} is unknown; use one of "

@@ -131,6 +131,13 @@ def test_setup_sets_the_reference_rows_from_tpo_alpha_and_refuses_pair_data(tiny
     pairs = PreferenceDataModule(str(data_dir / "arithmetic_preference.jsonl"), tokenizer=str(tiny_dir))
     with pytest.raises(ValueError, match="use TriplePreferenceDataModule, not PreferenceDataModule"):
         module.use_datamodule(pairs)
+    # an include_reference the user set that disagrees with tpo_alpha is refused, not overridden (mutation: assign
+    # without the check -> no error)
+    for alpha, given in ((1.0, False), (0.0, True)):
+        dm = TriplePreferenceDataModule(str(data_dir / "arithmetic_tpo.jsonl"), tokenizer=str(tiny_dir),
+                                        include_reference=given)
+        with pytest.raises(ValueError, match=f"include_reference is {given}, but TPOModule's tpo_alpha {alpha}"):
+            TPOModule(str(tiny_dir), from_config=True, tpo_alpha=alpha).use_datamodule(dm)
 
 
 # ------------------------------------------------------------------------------------------------ knobs
