@@ -1,6 +1,7 @@
 """A method's knobs: the union of the groups it takes, each knob name once, surfaced as one flat keyword signature.
 
-``takes_knobs(*groups)`` on a class adds the groups to its parent's and gives the class a constructor whose
+``takes_knobs(*groups)`` on a class adds the groups to its parent's (less the parent's groups named in ``without``:
+a method lists only the knobs it takes) and gives the class a constructor whose
 signature lists every knob by its own name (TRL's names: ``num_generations``, ``beta``), typed and defaulted by its
 group, with the groups' descriptions as the ``Args:`` of its docstring. LightningCLI (``--model.help``,
 ``model.init_args.<knob>``), the knob tables in docs and the Python API all read that one signature. The
@@ -81,14 +82,28 @@ def _docstring(cls: type) -> str:
     return "\n".join(lines)
 
 
-def takes_knobs(*groups: type[KnobGroup], defaults: dict[str, Any] | None = None) -> Callable[[type], type]:
+def takes_knobs(*groups: type[KnobGroup], without: tuple[type[KnobGroup], ...] = (),
+                defaults: dict[str, Any] | None = None) -> Callable[[type], type]:
     """Class decorator: the class takes its parent's knob groups and ``groups`` (see the module docstring).
+    ``without``: parent groups the method does not take (their knobs leave its signature, ``--model.help`` and the
+    methods a refusal names as taking them; the shared code reading them checks ``"<group>" in self.knobs``); a group
+    the parent does not have is refused, as is one both added and dropped.
     ``defaults``: the method's own defaults of knobs its groups define (TRL's per-method defaults, e.g. DPO's
     ``disable_dropout: True``), shown in its signature and ``--model.help``."""
 
     def decorate(cls: type) -> type:
         inherited = tuple(getattr(cls, "knob_groups", ()))
-        all_groups = tuple(dict.fromkeys((*inherited, *groups)))
+        absent = [g.__name__ for g in without if g not in inherited]
+        if absent:
+            raise TypeError(f"{cls.__name__}: without={absent}, which its parent's knob groups do not include")
+        both = [g.__name__ for g in without if g in groups]
+        if both:
+            raise TypeError(f"{cls.__name__}: {both} both taken and dropped (without=)")
+        dropped = {name for group in without for name in group.knob_names()}
+        dropped_defaults = sorted(set(defaults or {}) & dropped)
+        if dropped_defaults:
+            raise TypeError(f"{cls.__name__}: defaults for {dropped_defaults}, knobs of groups it drops (without=)")
+        all_groups = tuple(dict.fromkeys(g for g in (*inherited, *groups) if g not in without))
         _check_unique(cls, all_groups)
         cls.knob_groups = all_groups
         cls.own_knob_groups = tuple(groups)
@@ -96,7 +111,8 @@ def takes_knobs(*groups: type[KnobGroup], defaults: dict[str, Any] | None = None
         unknown = sorted(set(defaults or {}) - known)
         if unknown:
             raise TypeError(f"{cls.__name__}: defaults for {unknown}, which none of its knob groups defines")
-        cls.knob_defaults = {**getattr(cls, "knob_defaults", {}), **(defaults or {})}
+        inherited_defaults = {k: v for k, v in getattr(cls, "knob_defaults", {}).items() if k in known}
+        cls.knob_defaults = {**inherited_defaults, **(defaults or {})}
         signature = _signature(cls)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:

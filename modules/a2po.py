@@ -17,8 +17,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightalign.knobs import takes_knobs
+from lightalign.modules.agent.episodes import ToolKnobs
 from lightalign.modules.losses.a2po import A2POLossConfig, a2po_loss
+from lightalign.modules.reference.bema import BEMAKnobs
+from lightalign.modules.reference.sync import ReferenceSyncKnobs
 from lightalign.modules.rollout.critic_free import CriticFreeModule
+from lightalign.modules.rollout.offpolicy.component import AsyncRolloutKnobs
 from lightalign.modules.rollout.scoring import metric_key
 from lightalign.modules.rollout.value_estimate import (OptimalValues, ValueEstimateKnobs, all_incorrect,
                                                        estimate_rewards, optimal_values)
@@ -26,12 +30,19 @@ from lightalign.modules.rollout.value_estimate import (OptimalValues, ValueEstim
 __all__ = ["A2POModule", "a2po_loss"]
 
 
-@takes_knobs(ValueEstimateKnobs, A2POLossConfig, defaults={"num_generations": 1})
+@takes_knobs(ValueEstimateKnobs, A2POLossConfig, without=(ToolKnobs, AsyncRolloutKnobs, ReferenceSyncKnobs, BEMAKnobs),
+             defaults={"num_generations": 1})
 class A2POModule(CriticFreeModule):
     """A*-PO on the prompt batches of ``PromptDataModule`` (TRL 1.16's knob names and defaults): ``V*`` per prompt
     from reference samples before training (``ValueEstimateKnobs``), then one policy completion per prompt regressed
     onto its optimal advantage (``A2POLossConfig``). The reward is taken as it is (TRL assumes it binary, 0 or 1);
-    ``filter_all_incorrect`` drops the prompts whose reference samples all got exactly 0."""
+    ``filter_all_incorrect`` drops the prompts whose reference samples all got exactly 0.
+
+    Not taken (``without=``): ``ToolKnobs`` (the value estimate samples single-turn reference completions),
+    ``AsyncRolloutKnobs`` (the regression is on the policy's own completions, with no importance-sampling correction),
+    ``ReferenceSyncKnobs`` and ``BEMAKnobs`` (``V*`` is estimated once from the reference before training, as TRL's
+    frozen reference; a reference that moves would leave the regression target ``r - V*`` stale). ``use_vllm`` is
+    refused at construction (``VLLMKnobs`` stays: the shared sampling code reads it)."""
 
     method_name = "A2PO"
     uses_reference_model = True
@@ -49,13 +60,9 @@ class A2POModule(CriticFreeModule):
             raise ValueError(f"A2POModule samples one completion per prompt (its baseline is the prompt's V*, "
                              f"estimated before training), got num_generations={knobs.rollout.num_generations}; "
                              "set num_generations: 1 (the default).")
-        if knobs.tools.tools or knobs.tools.environment_factory is not None:
-            raise ValueError("A2POModule's value estimate samples single-turn reference completions; tools and "
-                             "environment_factory (multi-turn rollouts) are not available for A2PO.")
-        if knobs.async_rollouts.max_staleness or knobs.vllm.use_vllm:
+        if knobs.vllm.use_vllm:
             raise ValueError("A2PO regresses the policy's own completions (TRL's A2POTrainer samples with the policy "
-                             "itself, with no importance-sampling correction); max_staleness and use_vllm are not "
-                             "available for A2PO.")
+                             "itself, with no importance-sampling correction); use_vllm is not available for A2PO.")
 
     @property
     def uses_reference(self) -> bool:

@@ -19,16 +19,20 @@ import torch
 
 from lightalign.datamodules.prompt import _tokenize_prompts, left_pad
 from lightalign.knobs import takes_knobs
+from lightalign.modules.agent.episodes import ToolKnobs
 from lightalign.modules.grpo import GRPOModule
 from lightalign.modules.losses.entropy import token_entropies
 from lightalign.modules.losses.grpo import normalises_by_step_tokens
 from lightalign.modules.losses.sdpo import SDPOKnobs, sdpo_loss
 from lightalign.modules.losses.self_distill import SelfDistillLossKnobs
+from lightalign.modules.reference.bema import BEMAKnobs
 from lightalign.modules.reference.self_teacher import (SelfTeacherKnobs, TeacherEMA, build_self_teacher,
                                                        check_self_teacher, self_teacher_model)
+from lightalign.modules.reference.sync import ReferenceSyncKnobs
 from lightalign.modules.reference.teacher_context import (CONTEXT_COLUMN, RepromptKnobs, Reprompts,
                                                           check_prompt_rows)
 from lightalign.modules.rollout.buffer import in_rollout_order, scatter_rows
+from lightalign.modules.rollout.offpolicy.component import AsyncRolloutKnobs
 from lightalign.modules.rollout.scoring import metric_key
 from lightalign.modules.training.logprobs import completion_logits
 
@@ -39,6 +43,7 @@ REPROMPT_STATS = ("reprompt_sample_fraction", "success_group_fraction", "success
 
 
 @takes_knobs(SelfDistillLossKnobs, SelfTeacherKnobs, RepromptKnobs, SDPOKnobs,
+             without=(ToolKnobs, AsyncRolloutKnobs, ReferenceSyncKnobs, BEMAKnobs),
              defaults={"distillation_alpha": 1.0, "distillation_mode": "sampled_token", "distillation_topk": None,
                        "teacher_model_kind": "ema", "disable_dropout": True})
 class SDPOModule(GRPOModule):
@@ -50,9 +55,12 @@ class SDPOModule(GRPOModule):
     (``SelfTeacherKnobs``, an EMA of the policy at rate 0.05 by default), the teacher's prompt (``RepromptKnobs``)
     and the mix (``SDPOKnobs.distillation_weight``, 1 by default: self-distillation only).
 
-    Not here (refused at construction): a KL term (``beta > 0``: TRL's SDPO stores it but applies none, and the
-    teacher holds the reference's place), ``sync_ref_model`` / a separately loaded reference (the teacher is the
-    policy), the shared-prefix and padding-free layouts, tools and environments, sampling ahead and vLLM. Logged
+    Not taken (``without=``): tools and environments (``ToolKnobs``: multi-turn rollouts are not distilled here),
+    sampling ahead (``AsyncRolloutKnobs``), ``sync_ref_model`` and ``update_ref_model`` (``ReferenceSyncKnobs``,
+    ``BEMAKnobs``: the teacher holds the reference's place and is the policy's own copy; ``teacher_model_kind`` 'ema'
+    makes it follow the policy). Refused at construction, their groups staying because GRPO's shared code reads
+    them: a KL term (``beta > 0``: TRL's SDPO stores it but applies none), a separately loaded reference (the
+    teacher is the policy), the shared-prefix and padding-free layouts, and vLLM. Logged
     beside GRPO's statistics: ``train/distillation_loss`` and, per rollout, ``train/reprompt_sample_fraction`` (the
     completions distilled), ``train/success_group_fraction``, ``train/success_sample_fraction``,
     ``train/feedback_used_fraction``.
@@ -74,18 +82,11 @@ class SDPOModule(GRPOModule):
             "prompt_sharing / padding_free": (knobs.layout.prompt_sharing or knobs.layout.padding_free,
                                               "the teacher reads padded [teacher prompt, completion] rows: use the "
                                               "padded layout"),
-            "tools / environment_factory": (bool(knobs.tools.tools or knobs.tools.environment_factory),
-                                            "multi-turn rollouts are not distilled here"),
-            "max_staleness": (knobs.async_rollouts.max_staleness > 0, "sample synchronously (max_staleness 0)"),
             "use_vllm": (knobs.vllm.use_vllm, "sample with the transformers samplers (use_vllm false)"),
         }
         for name, (on, why) in refused.items():
             if on:
                 raise ValueError(f"SDPOModule does not take {name} here: {why}.")
-
-    def reference_sync_blocker(self) -> str | None:
-        return ("SDPO's teacher holds the reference's place and is the policy's own copy; teacher_model_kind 'ema' "
-                "makes it follow the policy (teacher_update_rate, teacher_sync_steps)")
 
     def compose(self) -> None:
         super().compose()

@@ -76,11 +76,15 @@ class CriticFreeModule(OnlineRLModule):
                              f"micro-batches: {batch} / {steps} is not an integer.")
 
     def build_tool_rollouts(self) -> ToolRollouts | None:
+        if "tools" not in self.knobs:  # a method that drops ToolKnobs (``takes_knobs(without=...)``)
+            return None
         tools = self.knobs.tools
         return ToolRollouts.build(tools.tools, tools.environment_factory, tools.max_tool_calling_iterations,
                                   tools.tool_timeout, tools.response_template)
 
     def sampling_ahead(self) -> tuple[int, int | None]:
+        if "async_rollouts" not in self.knobs:  # a method that drops AsyncRolloutKnobs: synchronous
+            return super().sampling_ahead()
         ahead = self.knobs.async_rollouts
         return ahead.max_staleness, ahead.async_sampler_threads
 
@@ -89,7 +93,7 @@ class CriticFreeModule(OnlineRLModule):
 
     def configure_callbacks(self) -> list:
         callbacks = super().configure_callbacks()
-        if self.hparams.max_staleness:
+        if self.off_policy.max_staleness:
             callbacks.append(CloseSampler(self.off_policy))
         return callbacks
 

@@ -55,12 +55,21 @@ def alternating_reward(prompts, completions, completion_ids, **kwargs):
 
 @pytest.mark.parametrize("knobs, needle", [({"beta": 0.1}, "does not take beta"),
                                            ({"padding_free": True}, "does not take prompt_sharing / padding_free"),
-                                           ({"sync_ref_model": True}, "teacher_model_kind 'ema' makes it follow"),
                                            ({"distillation_weight": 1.5}, "distillation_weight must lie in [0, 1]")])
 def test_knobs_sdpo_cannot_honour_are_refused(tiny_dir, knobs, needle):
     with pytest.raises(ValueError) as err:
         SDPOModule(str(tiny_dir), from_config=True, reward_funcs=[alternating_reward], **knobs)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("knob, value", [("sync_ref_model", True), ("update_ref_model", True), ("max_staleness", 2),
+                                         ("tools", [len])])
+def test_knobs_of_groups_sdpo_drops_are_unknown(tiny_dir, knob, value):
+    """SDPO does not take the reference sync, BEMA, sampling-ahead and tool groups (``takes_knobs(without=...)``):
+    the generic unknown-knob refusal, naming the methods that take the knob (SDPO not among them)."""
+    with pytest.raises(TypeError, match=f"SDPOModule has no knob '{knob}'; .*GRPOModule.* take it") as err:
+        SDPOModule(str(tiny_dir), from_config=True, reward_funcs=[alternating_reward], **{knob: value})
+    assert "SDPOModule take" not in str(err.value) and "A2POModule" not in str(err.value)
 
 
 def test_teacher_reads_the_reprompt_and_the_loss_is_sdpo_loss_of_the_two_forwards(tiny_dir):

@@ -146,6 +146,63 @@ def test_the_signature_defaults_descriptions_and_checks_come_from_the_groups():
         takes_knobs(Loss, defaults={"gamma": 1})(type("Other", (Base,), {}))
 
 
+def test_without_drops_a_parent_group_and_refuses_one_the_parent_lacks():
+    """``takes_knobs(without=...)``: a method lists only the knobs it takes. Mutations that made this fail: dropping
+    nothing (``all_groups`` built from every inherited group); not checking that a ``without`` group is the
+    parent's; not refusing a ``defaults`` key of a dropped group; keeping the parent's default of a dropped knob."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Tools(KnobGroup):
+        group = "tools"
+        tools: list | None = knob(None, "the tools")
+
+    @dataclasses.dataclass(frozen=True)
+    class Loss(KnobGroup):
+        group = "loss"
+        beta: float = knob(0.1, "the strength")
+
+    @dataclasses.dataclass(frozen=True)
+    class Other(KnobGroup):
+        group = "other"
+        gamma: float = knob(1.0, "another")
+
+    class Base:
+        def construct_from_knobs(self, given):
+            self.knobs = {g.group: g.from_values(given) for g in type(self).knob_groups}
+
+    Parent = takes_knobs(Tools, Loss, defaults={"tools": ["t"]})(type("Parent", (Base,), {}))
+    Child = takes_knobs(Other, without=(Tools,))(type("Child", (Parent,), {}))
+    assert list(inspect.signature(Child).parameters) == ["beta", "gamma"]
+    assert Child.knob_groups == (Loss, Other) and "tools" not in Child.knob_defaults
+    assert "tools:" not in Child.__init__.__doc__
+    assert set(Child().knobs) == {"loss", "other"}
+    with pytest.raises(TypeError):
+        Child(tools=["t"])
+    assert "tools" in inspect.signature(Parent).parameters  # the parent keeps it
+    with pytest.raises(TypeError, match=r"without=\['Other'\], which its parent's knob groups do not include"):
+        takes_knobs(without=(Other,))(type("Bad", (Parent,), {}))
+    with pytest.raises(TypeError, match=r"defaults for \['tools'\], knobs of groups it drops"):
+        takes_knobs(without=(Tools,), defaults={"tools": []})(type("Bad", (Parent,), {}))
+    with pytest.raises(TypeError, match="both taken and dropped"):
+        takes_knobs(Tools, without=(Tools,))(type("Bad", (Parent,), {}))
+
+
+def test_a2po_and_sdpo_list_only_the_knobs_they_take():
+    """A2PO and SDPO drop the tool, sampling-ahead, reference-sync and BEMA groups: their knobs are absent from the
+    signature (``--model.help``) and the methods said to take them. Mutation: remove ``without=`` from either
+    method and this fails."""
+    from lightalign import A2POModule, GRPOModule, SDPOModule
+    from lightalign.modules.training.policy import methods_with_knob
+
+    dropped = {"tools", "environment_factory", "max_staleness", "async_sampler_threads", "sync_ref_model",
+               "ref_model_mixup_alpha", "update_ref_model", "ema_power"}
+    for cls in (A2POModule, SDPOModule):
+        assert not dropped & set(inspect.signature(cls).parameters), cls.__name__
+    assert dropped <= set(inspect.signature(GRPOModule).parameters)
+    for name in dropped:
+        assert not {"A2POModule", "SDPOModule"} & set(methods_with_knob(name)), name
+
+
 def test_a_group_is_checked_at_construction_before_any_model_loads(tiny_dir):
     from lightalign import SFTModule
 

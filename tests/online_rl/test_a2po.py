@@ -77,18 +77,30 @@ def test_loss_equals_trl(index):
 
 # ------------------------------------------------------------------------------------------------- the module
 def test_bad_knobs_refused(tiny_dir):
+    """Mutations that made this fail: A2PO without ``without=`` (its dropped knobs accepted); ``build_tool_rollouts``
+    or ``sampling_ahead`` reading their group without checking it is taken (AttributeError at construction)."""
     from lightalign import A2POModule
 
     def make(**kw):
         return A2POModule(str(tiny_dir), from_config=True, reward_funcs=[lambda prompts, completions, **k: [0.0]], **kw)
 
     for kw, message in (({"num_generations": 2}, "one completion per prompt"), ({"beta1": 0.0}, "beta1 must be > 0"),
-                        ({"beta2": -1.0}, "beta2 must be > 0"), ({"num_value_samples": 0}, "num_value_samples"),
-                        ({"max_staleness": 2}, "max_staleness and use_vllm")):
+                        ({"beta2": -1.0}, "beta2 must be > 0"), ({"num_value_samples": 0}, "num_value_samples")):
         with pytest.raises(ValueError, match=message):
             make(**kw)
     with pytest.raises(TypeError, match="beta"):  # GRPO's KL coefficient is not an A2PO knob
         make(beta=0.1)
+    # the groups A2PO drops (takes_knobs(without=...)): the generic refusal, naming the methods that take the knob
+    for kw, takers in (({"max_staleness": 2}, "GRPOModule and RLOOModule take it"),
+                       ({"tools": [len]}, "GRPOModule and RLOOModule take it"),
+                       ({"sync_ref_model": True}, "PPOModule and RLOOModule take it"),
+                       ({"update_ref_model": True}, "PPOModule and RLOOModule take it")):
+        with pytest.raises(TypeError, match=f"A2POModule has no knob '{next(iter(kw))}'; .*{takers}"):
+            make(**kw)
+    # the shared code reading those groups builds without them (single-turn, synchronous rollouts)
+    module = make()
+    assert module.tool_rollouts is None and module.sampling_ahead() == (0, None) == (module.off_policy.max_staleness,
+                                                                                     module.off_policy.sampler_threads)
 
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "a2po_estimate_worker.py"
