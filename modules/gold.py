@@ -44,7 +44,7 @@ def right_pad(rows: list[list[int]], pad_token_id: int, device: torch.device) ->
     return flipped.flip(1), mask.flip(1)
 
 
-@takes_knobs(ULDKnobs, defaults={"top_p": 0.95})
+@takes_knobs(ULDKnobs, defaults={"top_p": 0.95, "vllm_server_port": 8001})  # GOLDConfig's defaults
 class GOLDModule(DistillModule):
     """Distil a frozen teacher into the policy (the student) on the prompts of ``PromptDataModule``, across
     tokenizers with ``use_uld_loss``.
@@ -98,10 +98,15 @@ class GOLDModule(DistillModule):
         hp = self.hparams
         if not hp.use_uld_loss or self.teacher_tokenizer is not None:
             return
-        from lightalign.hub import load_tokenizer
+        from lightalign.hub import ModelNotFoundError, load_tokenizer
 
-        self.teacher_tokenizer = load_tokenizer(hp.teacher_tokenizer_name_or_path or hp.teacher_model_name_or_path,
-                                                trust_remote_code=hp.trust_remote_code)
+        knob = "teacher_tokenizer_name_or_path" if hp.teacher_tokenizer_name_or_path else "teacher_model_name_or_path"
+        try:
+            self.teacher_tokenizer = load_tokenizer(hp.get(knob), trust_remote_code=hp.trust_remote_code)
+        except (ModelNotFoundError, OSError, ValueError) as err:  # named by the knob that gave the path, then raised
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"GOLDModule re-tokenises with the teacher's tokenizer, from {knob} "
+                             f"{hp.get(knob)!r}, which cannot be loaded: {first}") from err
         if hp.use_extended_uld:
             for who, tokenizer in (("student", self.tokenizer), ("teacher", self.teacher_tokenizer)):
                 if not is_byte_level(tokenizer):

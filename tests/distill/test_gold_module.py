@@ -176,3 +176,23 @@ def test_with_use_vllm_the_students_engine_samples_and_the_mismatch_is_logged(tm
     assert len(student.completions) == 2  # one engine call per batch
     kl = trainer.callback_metrics["train/sampling/kl"]
     assert torch.isfinite(kl) and kl.item() > 0  # the stand-in engine's log-probs are shifted from the student's
+
+
+def test_a_teacher_tokenizer_that_cannot_be_loaded_is_named_by_its_knob(tmp_path):
+    """A missing folder, or one without a tokenizer, given as the teacher's tokenizer: one message naming the knob
+    and the path (mutation: drop the ``try`` in ``GOLDModule.setup`` -> the loader's own error, no knob)."""
+    import lightning as L
+
+    from lightalign import PromptDataModule
+
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    data = PromptDataModule(str(Path(TINY).parents[2] / "examples" / "data" / "arithmetic_sft.jsonl"), tokenizer=TINY,
+                            max_prompt_length=16, batch_size=4)
+    for path in (tmp_path / "missing", empty):
+        module = GOLDModule(TINY, from_config=True, teacher_model_name_or_path=TINY,
+                            teacher_tokenizer_name_or_path=str(path), use_uld_loss=True)
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, max_steps=1)
+        with pytest.raises(ValueError, match=f"from teacher_tokenizer_name_or_path '{path}', which cannot be loaded"):
+            trainer.fit(module, data)
