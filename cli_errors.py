@@ -55,8 +55,11 @@ class OptionError(Exception):
             from lightalign.modules.training.policy import RENAMED_KNOBS
 
             renamed = RENAMED_KNOBS.get(leaf) if section == "model" else None  # TRL's former name of a knob
+            on_data = section == "model" and not instead and leaf in data_options()  # TRL's config holds it
             if renamed:
                 line += f"; it is TRL's former name of {f'--{section}.{renamed}' if typed else repr(renamed)}: use that"
+            elif on_data:
+                line += f"; it is an option of the data here: {'--data.' + leaf if typed else repr('data.' + leaf)}"
             elif instead:
                 line += f"; its {f'--{section}.{instead}' if typed else repr(instead)} is the same idea"
             elif match:
@@ -121,6 +124,16 @@ def config_files(argv: list[str]) -> list[Path]:
         elif arg.startswith("--config="):
             files.append(Path(arg.split("=", 1)[1]))
     return [f for f in files if f.is_file()]
+
+
+def data_options() -> set[str]:
+    """The options of the shipped data modules (TRL's trainer configs hold them beside the method's knobs, so a TRL
+    recipe gives ``max_length`` or ``max_prompt_length`` to the model section)."""
+    import lightalign.datamodules as datamodules
+
+    classes = [getattr(datamodules, name) for name in datamodules.__all__ if name.endswith("DataModule")]
+    return {name for cls in classes if isinstance(cls, type) for name in init_parameters(cls)} - {
+        "path", "tokenizer", "name", "split", "seed"}  # the seed of the run is seed_everything, not the data's
 
 
 def init_parameters(cls: type) -> list[str]:

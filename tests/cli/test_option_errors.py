@@ -65,13 +65,18 @@ def test_a_wrong_type_for_an_online_rl_knob_names_it(repo, tmp_path):
 @pytest.mark.slow
 def test_a_trl_knob_name_points_to_the_methods_knob_and_choices_are_listed(repo, tmp_path):
     """TRL GKD's `max_new_tokens` names DistillModule's `max_completion_length` (its knob_equivalents; mutation: the
-    lookup dropped -> no pointer); a Literal knob's refusal lists its choices (mutation: the raw typing.Literal)."""
+    lookup dropped -> no pointer); a Literal knob's refusal lists its choices (mutation: the raw typing.Literal); a
+    data option given to the model is pointed to the data section."""
     distill = ["fit", "--config", "configs/distill_quickstart.yaml", "--model.teacher_model_name_or_path",
                "assets/models/tiny", "--trainer.logger.init_args.save_dir", str(tmp_path)]
     for extra, expected in [
             (("--model.max_new_tokens", "8"), "DistillModule has no option --model.max_new_tokens; its "
                                               "--model.max_completion_length is the same idea"),
-            (("--model.loss_type", "kl"), "--model.loss_type expects one of 'gkd', 'on_policy', got 'kl'.")]:
+            (("--model.loss_type", "kl"), "--model.loss_type expects one of 'gkd', 'on_policy', got 'kl'."),
+            # TRL's configs hold the data options beside the method's: pointed to the data section (mutation:
+            # data_options() empty -> "did you mean --model.max_completion_length?")
+            (("--model.max_prompt_length", "32"), "DistillModule has no option --model.max_prompt_length; it is an "
+                                                  "option of the data here: --data.max_prompt_length")]:
         proc = console_script.run(repo, *distill, *extra, timeout=600)
         assert proc.returncode == 2 and "usage:" not in proc.stderr, proc.stderr[-4000:]
         assert f"lightalign: error: {expected}" in proc.stderr.splitlines(), proc.stderr[-4000:]
