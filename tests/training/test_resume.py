@@ -64,9 +64,10 @@ CASES = [
     # DDP SDFT: 8 prompts per rank, 4 steps per epoch, an EMA teacher (kept in checkpoints); killed once, at 3 ->
     # resume 2 (mid-epoch)
     ("sdft", 2, 4, 2, 3, None, 4),
-    # SDPO: GRPO's schedule (a rollout serves 4 steps, 8 steps/epoch), an EMA teacher; killed once, at 3 -> resume 2
-    # (mid-rollout: the buffered rollout's teacher prompts come back with it)
-    ("sdpo", 1, 4, 2, 3, None, 8),
+    # DDP SDPO: GRPO's schedule on each rank (4 prompts per rank, a rollout of 2 serves 4 steps: 8 steps/epoch), an
+    # EMA teacher; killed once, at 3 -> resume 2 (mid-rollout: each rank's buffered rollout and teacher prompts come
+    # back with it)
+    ("sdpo", 2, 4, 2, 3, None, 8),
     # The DDP cases take 2 prompts per rank (one rollout, 4 steps per epoch) and are killed once, at 3 -> resume 2
     # (mid-rollout; the resumed run crosses the epoch end at 4): a resume from an epoch end is the cases' above.
     # DDP GRPO with tool calls (the single-process case's knobs): each rank its own prompts, multi-turn rollouts
