@@ -1,6 +1,6 @@
 """Scale, for real on CPU with 2 gloo processes: DDP, FSDP2, FSDP (v1) and DeepSpeed ZeRO-2 equal a single process
-with the same global batch (SFT, DPO, GRPO with seeded generation; under DDP also PPO, distillation and online DPO,
-under FSDP2 PPO and distillation), the frozen reference or teacher identical on every rank and unchanged; FSDP2, FSDP (v1, sharded and full state dict)
+with the same global batch (SFT, DPO, GRPO with seeded generation; under DDP also PPO, distillation, GOLD across
+tokenizers and online DPO, under FSDP2 PPO and distillation), the frozen reference or teacher identical on every rank and unchanged; FSDP2, FSDP (v1, sharded and full state dict)
 and ZeRO-2/3 checkpoints taken at step 1 resume to exactly the uninterrupted weights; ZeRO-3 trains with whole
 references; every export reloads; 2 simulated nodes end equal; a rank that exits or hangs makes the other fail
 within the preset's collective timeout; launch mistakes fail fast. FSDP (v1) and DeepSpeed run through CPU test
@@ -28,8 +28,10 @@ WORKER = TESTS / "workers" / "scale_worker.py"
 REPO = TESTS.parent
 METHODS = ("sft", "dpo", "grpo")
 SAMPLERS = ("distill", "online_dpo")  # a second, frozen model beside the policy: the teacher / the reference
+TEACHERS = {"distill": "teacher", "gold": "gold_teacher"}  # the worker's seeded teacher folders (GOLD's: another
+# tokenizer than its student's)
 # how far the few steps of each method move the weights at least (distillation's divergence gradients are small)
-MOVED = {"distill": 1e-3}
+MOVED = {"distill": 1e-3, "gold": 1e-3}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -85,7 +87,7 @@ def single(tmp_path_factory) -> Path:
     with FileLock(str(shared / "scale_single.lock")):
         if not (out / "DONE").is_file():
             _run(_worker(out, "single", "--batch-mult", "2", "--methods",
-                         ",".join(METHODS + ("ppo", "ppo_vm") + SAMPLERS)))
+                         ",".join(METHODS + ("ppo", "ppo_vm") + SAMPLERS + ("gold",))))
             (out / "DONE").touch()
     return out
 
@@ -118,12 +120,12 @@ def _check_reference(out: Path, method: str, policy: dict[str, torch.Tensor]) ->
 
 
 def _check_frozen(out: Path, method: str) -> None:
-    """The frozen teacher (distill: the worker's seeded folder) or reference (the policy's initial weights) is the
-    same on both ranks after training and equal to what it was loaded as: whole, not a shard, and never trained."""
-    if method == "distill":
+    """The frozen teacher (distill, gold: the worker's seeded folder) or reference (the policy's initial weights) is
+    the same on both ranks after training and equal to what it was loaded as: whole, not a shard, and never trained."""
+    if method in TEACHERS:
         from safetensors.torch import load_file
 
-        initial = load_file(out / "teacher" / "model.safetensors")
+        initial = load_file(out / TEACHERS[method] / "model.safetensors")
     else:
         initial = _load(out / f"{method}_init.pt")
     for rank in (0, 1):
@@ -137,11 +139,18 @@ def test_ddp_two_processes_equal_single_process(single, tmp_path):
     """... and PPO: its advantages are whitened over both ranks' tokens, its value head trained like the policy;
     ppo_vm: the head on a separate value model, trained (and all-reduced) with it. Distillation (the student samples
     every batch, the teacher loaded from a folder) and online DPO (pairs ranked by a reward): each rank samples its
-    own prompts, and the result equals one process with both ranks' prompts."""
-    _run(_worker(tmp_path, "ddp", "--devices", "2", "--methods", ",".join(METHODS + ("ppo", "ppo_vm") + SAMPLERS)))
+    own prompts, and the result equals one process with both ranks' prompts. GOLD (``use_uld_loss``): the student
+    (tiny-bpe320's tokenizer) samples, the teacher (the tiny tokenizer's) re-tokenises the text; its ULD loss is a
+    mean over sequences, so DDP's averaged gradient is one process's. Mutations that fail here: rank 1 loading a
+    differently seeded teacher (``ddp`` differs from ``one``, rank 1's teacher from its folder), the ULD loss summed
+    over a rank's sequences instead of averaged (DDP halves it), a parameter whose gradient is not all-reduced
+    (the ranks diverge). The teacher is peaked (the worker's ``gold_teacher``): against a near-uniform one the sorted
+    L1's gradient (its signs) ignores the teacher, and the first mutation passed."""
+    ddp_methods = METHODS + ("ppo", "ppo_vm") + SAMPLERS + ("gold",)
+    _run(_worker(tmp_path, "ddp", "--devices", "2", "--methods", ",".join(ddp_methods)))
     vm = {k: v for k, v in _load(single / "ppo_vm.pt").items() if k.startswith("value_model.")}
     assert _max_diff(vm, {k: _load(single / "ppo_vm_init.pt")[k] for k in vm}) > 1e-3  # the value model trained
-    for method in METHODS + ("ppo", "ppo_vm") + SAMPLERS:
+    for method in ddp_methods:
         ddp, one, init = _load(tmp_path / f"{method}.pt"), _load(single / f"{method}.pt"), _load(single / f"{method}_init.pt")
         assert _max_diff(init, _load(tmp_path / f"{method}_init.pt")) == 0.0
         assert _max_diff(one, init) > MOVED.get(method, 1e-2), f"{method} did not train"
@@ -150,7 +159,10 @@ def test_ddp_two_processes_equal_single_process(single, tmp_path):
         assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), f"{method}: ranks diverged"
     for method in ("dpo", "grpo") + SAMPLERS:
         _check_reference(tmp_path, method, _load(tmp_path / f"{method}.pt"))
-    for method in SAMPLERS:
+    from safetensors.torch import load_file
+
+    _check_reference(tmp_path, "gold", load_file(tmp_path / "gold_teacher" / "model.safetensors"))  # the teacher's size
+    for method in SAMPLERS + ("gold",):
         _check_frozen(tmp_path, method)
     _check_export(tmp_path, "sft")
 

@@ -64,9 +64,10 @@ CASES = [
     # DDP SDFT: 8 prompts per rank, 4 steps per epoch, an EMA teacher (kept in checkpoints); killed once, at 3 ->
     # resume 2 (mid-epoch)
     ("sdft", 2, 4, 2, 3, None, 4),
-    # SDPO: GRPO's schedule (a rollout serves 4 steps, 8 steps/epoch), an EMA teacher; killed once, at 3 -> resume 2
-    # (mid-rollout: the buffered rollout's teacher prompts come back with it)
-    ("sdpo", 1, 4, 2, 3, None, 8),
+    # DDP SDPO: GRPO's schedule over 2 ranks (a rollout of 2 prompts, 1 per rank, serves 4 steps; 2 prompts per
+    # rank: 8 steps/epoch), an EMA teacher; killed once, at 3 -> resume 2 (mid-rollout: each rank's buffered rollout
+    # and teacher prompts come back with it; a resume that skips the teacher's restore ends on other weights)
+    ("sdpo", 2, 4, 2, 3, None, 8),
     # The DDP cases take 2 prompts per rank (one rollout, 4 steps per epoch) and are killed once, at 3 -> resume 2
     # (mid-rollout; the resumed run crosses the epoch end at 4): a resume from an epoch end is the cases' above.
     # DDP GRPO with tool calls (the single-process case's knobs): each rank its own prompts, multi-turn rollouts
@@ -103,8 +104,10 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, method, devices, max_
         assert kill2 % every and resume2 % epoch_steps == 0 and resume2 < max_steps  # then from an epoch end
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--max-steps", str(max_steps), "--every", str(every), "--devices", str(devices)]
-    if method.startswith(("grpo", "sdpo")):  # a rollout of 2 prompts serves 4 steps
+    if method.startswith("grpo"):  # a rollout of 2 prompts serves 4 steps
         common += ["--prompts-per-rank", str(epoch_steps // 2)]
+    if method == "sdpo":  # a rollout of 2 prompts in all (2 / devices per rank) serves 4 steps
+        common += ["--prompts-per-rank", str(epoch_steps // 2 // devices)]
     # the uninterrupted run, then the run that gets killed (one after the other: each launch is forked from the one
     # console server, which serves one call at a time; side by side they would only share the same cores)
     _run(a, method, *common)

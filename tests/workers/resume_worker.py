@@ -202,12 +202,13 @@ def build(method: str, model: str, devices: int, prompts_per_rank: int = 4, vali
                             disable_dropout=False, teacher_model_kind="ema", teacher_update_rate=0.5, **common)
         return module, PromptDataModule(rows("arithmetic_privileged.jsonl", 8 * devices), tokenizer=TINY), 1
     if method == "sdpo":
-        # the GRPO case's rollout schedule (a rollout of 2 prompts x 4 serves 4 steps: sampling log-probs, so the
-        # clipped importance weight acts), a reward with successes in most groups (>= 3 of 0..6), half policy
+        # the GRPO case's rollout schedule, its prompts shared by the ranks: a rollout of 2 prompts x 4 in all (each
+        # of D ranks 2/D of them, --prompts-per-rank prompts per epoch) serves 4 steps (sampling log-probs, so the
+        # clipped importance weight acts); a reward with successes in most groups (>= 3 of 0..6), half policy
         # gradient, half top-k self-distillation towards an EMA teacher (rate 0.5) that a resume must restore
         from lightalign import SDPOModule
 
-        module = SDPOModule(model, reward_funcs=[varied_reward], num_generations=4, generation_batch_size=8,
+        module = SDPOModule(model, reward_funcs=[varied_reward], num_generations=4, generation_batch_size=8 // devices,
                             steps_per_generation=2, num_iterations=2, max_completion_length=6, disable_dropout=False,
                             success_reward_threshold=3.0, distillation_weight=0.5, distillation_mode="topk_logits",
                             distillation_topk=8, distillation_alpha=0.5, teacher_update_rate=0.5, **common)

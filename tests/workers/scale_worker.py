@@ -1,4 +1,4 @@
-"""Train SFT, DPO, GRPO, PPO, distillation or online DPO for a few steps under one strategy and dump the weights (used
+"""Train SFT, DPO, GRPO, PPO, distillation (GKD, or GOLD across tokenizers) or online DPO for a few steps under one strategy and dump the weights (used
 by tests/strategies/test_scale.py).
 
 python tests/workers/scale_worker.py --strategy ddp --devices 2 --out DIR [--methods sft,dpo,grpo] [--batch-mult 2]
@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # helpers
 TINY = str(REPO / "assets" / "models" / "tiny")
+BPE320 = str(REPO / "assets" / "models" / "tiny-bpe320")  # another tokenizer (GOLD's student)
 DATA = REPO / "examples" / "data"
 
 
@@ -67,13 +68,14 @@ def trained_weights(module, full: dict | None) -> dict:
 MAX_NEW = 6
 
 
-def equal_length_prompts(n: int) -> Dataset:
-    """Prompts of one token length: no padding, so a prompt's log-probs do not depend on its batch-mates."""
+def equal_length_prompts(n: int, tokenizers: tuple[str, ...] = (TINY,)) -> Dataset:
+    """Prompts of one token length under each of ``tokenizers``: no padding, so a prompt's log-probs do not depend
+    on its batch-mates (GOLD: the student's, and the teacher's re-tokenisation)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(TINY)
+    toks = [AutoTokenizer.from_pretrained(t) for t in tokenizers]
     data = rows("arithmetic_prompts.jsonl", 200)
-    return data.filter(lambda r: len(tok(r["prompt"])["input_ids"]) == 6).select(range(n))
+    return data.filter(lambda r: all(len(tok(r["prompt"])["input_ids"]) == 6 for tok in toks)).select(range(n))
 
 
 def seeded_grpo_class(base=None):
@@ -133,11 +135,12 @@ def seeded_per_prompt(sample, batch: dict, step: int, pad_token_id: int) -> dict
     return merged
 
 
-def seeded_distill_class():
-    """DistillModule whose student samples one seeded ``generate`` per prompt (``seeded_per_prompt``)."""
+def seeded_distill_class(base=None):
+    """DistillModule (or ``base``, a subclass) whose student samples one seeded ``generate`` per prompt
+    (``seeded_per_prompt``)."""
     from lightalign import DistillModule
 
-    class SeededDistill(DistillModule):
+    class SeededDistill(base or DistillModule):
         def sample(self, who, batch):
             return seeded_per_prompt(lambda one: super(SeededDistill, self).sample(who, one), batch, self.global_step,
                                      self.tokenizer.pad_token_id)
@@ -156,16 +159,19 @@ def seeded_online_dpo_class():
     return SeededOnlineDPO
 
 
-def write_teacher(out: Path) -> None:
-    """The distillation teacher, ``DIR/teacher``: the tiny model with seeded random weights. Written by the launching
-    process before it forks the other ranks (``fork_ranks``)."""
+def write_teacher(out: Path, name: str = "teacher", initializer_range: float | None = None) -> None:
+    """The distillation teacher, ``DIR/<name>``: the tiny model with seeded random weights (``initializer_range``:
+    the config's, or this). Written by the launching process before it forks the other ranks (``fork_ranks``)."""
     import shutil
 
     from lightalign.hub import load_causal_lm
 
-    shutil.copytree(TINY, out / "teacher", dirs_exist_ok=True)
+    shutil.copytree(TINY, out / name, dirs_exist_ok=True)
+    if initializer_range is not None:
+        config = json.loads((out / name / "config.json").read_text())
+        (out / name / "config.json").write_text(json.dumps(dict(config, initializer_range=initializer_range)))
     torch.manual_seed(7)
-    load_causal_lm(TINY, from_config=True).save_pretrained(out / "teacher")
+    load_causal_lm(str(out / name), from_config=True).save_pretrained(out / name)
 
 
 def build(method: str, mult: int, seeded: bool = True, out: Path | None = None):
@@ -204,6 +210,16 @@ def build(method: str, mult: int, seeded: bool = True, out: Path | None = None):
             TINY, teacher_model_name_or_path=str(out / "teacher"), lmbda=1.0, max_completion_length=MAX_NEW,
             generation_kwargs={"min_new_tokens": MAX_NEW}, **sampled, **common)
         return module, PromptDataModule(equal_length_prompts(16), tokenizer=TINY, batch_size=2 * mult)
+    if method == "gold":  # distill's case across tokenizers: the student is tiny-bpe320 (320 tokens), the teacher
+        from lightalign import GOLDModule  # the seeded tiny model (1024 tokens; peaked: gold_teacher); the ULD loss
+
+        # with its hybrid part (the tokens both vocabularies have) on the teacher's re-tokenisation of the text
+        module = (seeded_distill_class(GOLDModule) if seeded else GOLDModule)(
+            BPE320, teacher_model_name_or_path=str(out / "gold_teacher"), use_uld_loss=True, uld_use_hybrid_loss=True,
+            lmbda=1.0, max_completion_length=MAX_NEW, generation_kwargs={"min_new_tokens": MAX_NEW}, **sampled,
+            **common)
+        return module, PromptDataModule(equal_length_prompts(16, (BPE320, TINY)), tokenizer=BPE320,
+                                        batch_size=2 * mult)
     if method == "online_dpo":  # two samples per prompt ranked by a reward, the policy's frozen copy as reference
         from lightalign import OnlineDPOModule
 
@@ -306,8 +322,13 @@ def main() -> None:
 
     check_multinode_env(args.num_nodes)  # as the CLI does
 
-    if "distill" in args.methods.split(",") and "LOCAL_RANK" not in os.environ:  # not a rank started by others
-        write_teacher(out)
+    if "LOCAL_RANK" not in os.environ:  # not a rank started by others
+        if "distill" in args.methods.split(","):
+            write_teacher(out)
+        if "gold" in args.methods.split(","):
+            # logits of a spread that makes its distributions peaked and input-dependent: the ULD loss's sorted L1
+            # against a near-uniform teacher has a gradient (its signs) that does not depend on the teacher at all
+            write_teacher(out, "gold_teacher", initializer_range=0.2)
     from helpers.fork_ranks import fork_ranks
 
     fork_ranks(args.devices, args.num_nodes)  # the other ranks forked from this process (tests/helpers/fork_ranks.py)
