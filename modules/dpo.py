@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.training.lora import is_peft_model
 from lightalign.modules.training.policy import PolicyModule
@@ -73,6 +72,7 @@ class DPOModule(StatHooks, PolicyModule):
     """
 
     method_name = "DPO"
+    logged_stats = PAIR_STATS
     uses_reference_model = True
 
     def check_knob_combinations(self) -> None:
@@ -100,8 +100,7 @@ class DPOModule(StatHooks, PolicyModule):
         self.reference_forward_calls = 0
         self.register_buffer("bco_reward_mean", torch.zeros(()), persistent=True)
         self.register_buffer("bco_batches", torch.zeros((), dtype=torch.long), persistent=True)
-        self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
-        self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
+        self.build_stat_metrics()
 
     # ------------------------------------------------------------------------------------- reference
     def configure_model(self) -> None:
@@ -212,12 +211,6 @@ class DPOModule(StatHooks, PolicyModule):
                 self.bco_reward_mean += (rewards.mean() - self.bco_reward_mean) / count
                 self.bco_batches += 1
             return self.bco_reward_mean.clone()
-
-    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
-        for key in PAIR_STATS:
-            metric = stats[key.replace("/", "_")]
-            self.log(f"{stage}/{key}", metric.compute(), prog_bar=key in ("loss", "rewards/accuracies"))
-            metric.reset()
 
     # ------------------------------------------------------------------------------------- hooks
     def batch_layout(self) -> tuple[str, int | None]:

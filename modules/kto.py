@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torchmetrics.aggregation import MeanMetric
 
 from lightalign.knobs import takes_knobs
 from lightalign.modules.training.lora import is_peft_model
@@ -82,6 +81,7 @@ class KTOModule(StatHooks, PolicyModule):
     """
 
     method_name = "KTO"
+    logged_stats = STATS
     uses_reference_model = True
 
     def check_knob_combinations(self) -> None:
@@ -98,8 +98,7 @@ class KTOModule(StatHooks, PolicyModule):
         super().compose()
         self.reference = Reference.from_knobs(self.knobs.reference, self.knobs.shared_layers)
         self.reference_forward_calls = 0
-        self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})
-        self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in STATS})
+        self.build_stat_metrics()
 
     @property
     def uses_kl(self) -> bool:

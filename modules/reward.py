@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
-from torchmetrics.aggregation import MeanMetric
 
 from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.training.lora import is_peft_model
@@ -149,6 +148,8 @@ class RewardModule(StatHooks, PolicyModule):
     """
 
     method_name = "Reward modelling"
+    logged_stats = PAIR_STATS
+    progress_stats = ("loss", "accuracy")
 
     def construct_from_knobs(self, given: dict[str, Any]) -> None:
         """A reward model's LoRA settings train the score head (``sequence_classification_peft_config``): the
@@ -169,8 +170,7 @@ class RewardModule(StatHooks, PolicyModule):
 
     def compose(self) -> None:
         super().compose()
-        self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
-        self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in PAIR_STATS})
+        self.build_stat_metrics()
 
     # ------------------------------------------------------------------------------------- model
     def configure_model(self) -> None:
@@ -255,12 +255,6 @@ class RewardModule(StatHooks, PolicyModule):
                 preference = torch.sigmoid(chosen - rejected)  # Bradley-Terry P(chosen preferred)
                 self.update_eval_metrics(preference, torch.ones_like(preference, dtype=torch.long))
         return loss
-
-    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
-        for key in PAIR_STATS:
-            metric = stats[key.replace("/", "_")]
-            self.log(f"{stage}/{key}", metric.compute(), prog_bar=key in ("loss", "accuracy"))
-            metric.reset()
 
     # ------------------------------------------------------------------------------------- hooks
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

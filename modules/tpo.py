@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchmetrics.aggregation import MeanMetric, SumMetric
+from torchmetrics.aggregation import SumMetric
 
 from lightalign.knobs import takes_knobs
 from lightalign.modules.losses.tpo import TPO_LOSS_TYPES, TPOLossConfig, tpo_loss  # noqa: F401  (public names)
@@ -56,11 +56,11 @@ class TPOModule(StatHooks, PolicyModule):
     """
 
     method_name = "TPO"
+    logged_stats = TRIPLE_STATS
 
     def compose(self) -> None:
         super().compose()
-        self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in TRIPLE_STATS})
-        self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in TRIPLE_STATS})
+        self.build_stat_metrics()
         self.step_tokens = SumMetric()  # this optimizer step's tokens, summed over micro-batches and ranks
         self.register_buffer("total_train_tokens", torch.zeros((), dtype=torch.long), persistent=True)
 
@@ -139,10 +139,7 @@ class TPOModule(StatHooks, PolicyModule):
         return float(batch["attention_mask"].sum())
 
     def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
-        for key in TRIPLE_STATS:
-            metric = stats[key.replace("/", "_")]
-            self.log(f"{stage}/{key}", metric.compute(), prog_bar=key in ("loss", "rewards/accuracies"))
-            metric.reset()
+        super()._log_stats(stats, stage)
         if stage == "train":
             self.total_train_tokens += int(self.step_tokens.compute())
             self.step_tokens.reset()

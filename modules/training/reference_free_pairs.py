@@ -12,7 +12,6 @@ summed log-probs and counts (``completion_and_prompt_logps``); the others comput
 from __future__ import annotations
 
 import torch
-from torchmetrics.aggregation import MeanMetric
 
 from lightalign.modules.losses.implicit_reward import REWARD_STATS, reward_stats
 from lightalign.modules.training.policy import PolicyModule
@@ -50,8 +49,7 @@ class ReferenceFreePairModule(StatHooks, PolicyModule):
 
     def compose(self) -> None:
         super().compose()
-        self.train_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in self.logged_stats})
-        self.eval_stats = torch.nn.ModuleDict({k.replace("/", "_"): MeanMetric() for k in self.logged_stats})
+        self.build_stat_metrics()
 
     def _step(self, batch: dict[str, torch.Tensor], stats: torch.nn.ModuleDict) -> torch.Tensor:
         if self.scores_chosen_prompt:  # the batch's one forward
@@ -71,12 +69,6 @@ class ReferenceFreePairModule(StatHooks, PolicyModule):
             preference = torch.sigmoid(chosen_rewards - rejected_rewards)  # Bradley-Terry P(chosen > rejected)
             self.update_eval_metrics(preference, torch.ones_like(preference, dtype=torch.long))
         return loss
-
-    def _log_stats(self, stats: torch.nn.ModuleDict, stage: str) -> None:
-        for key in self.logged_stats:
-            metric = stats[key.replace("/", "_")]
-            self.log(f"{stage}/{key}", metric.compute(), prog_bar=key in ("loss", "rewards/accuracies"))
-            metric.reset()
 
     def batch_layout(self) -> tuple[str, int | None]:
         return pair_batch_layout(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
