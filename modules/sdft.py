@@ -23,8 +23,8 @@ from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.losses.entropy import token_entropies
 from lightalign.modules.losses.self_distill import SelfDistillLossKnobs, self_distillation_loss
 from lightalign.modules.reference.component import Reference
-from lightalign.modules.reference.self_teacher import (SelfTeacherKnobs, TeacherEMA, build_self_teacher,
-                                                       check_self_teacher, self_teacher_model)
+from lightalign.modules.reference.self_teacher import (SelfTeacherKnobs, build_self_teacher, check_self_teacher,
+                                                       self_teacher_callbacks, self_teacher_model)
 from lightalign.modules.reference.teacher_context import (CONTEXT_COLUMN, DemonstrationPrompts, TeacherPromptKnobs,
                                                           check_prompt_rows)
 from lightalign.modules.rollout.buffer import RolloutKnobs
@@ -120,11 +120,7 @@ class SDFTModule(SamplingModule):
         Reference().move(self.ref_model, self.device, self.model)
 
     def configure_callbacks(self) -> list:
-        callbacks = super().configure_callbacks()
-        teacher = self.knobs.self_teacher
-        if teacher.teacher_model_kind == "ema":
-            callbacks.append(TeacherEMA(teacher.teacher_update_rate, teacher.teacher_sync_steps))
-        return callbacks
+        return [*super().configure_callbacks(), *self_teacher_callbacks(self.knobs.self_teacher)]
 
     def largest_group(self) -> int:
         hp = self.hparams

@@ -26,8 +26,8 @@ from lightalign.modules.losses.grpo import normalises_by_step_tokens
 from lightalign.modules.losses.sdpo import SDPOKnobs, sdpo_loss
 from lightalign.modules.losses.self_distill import SelfDistillLossKnobs
 from lightalign.modules.reference.bema import BEMAKnobs
-from lightalign.modules.reference.self_teacher import (SelfTeacherKnobs, TeacherEMA, build_self_teacher,
-                                                       check_self_teacher, self_teacher_model)
+from lightalign.modules.reference.self_teacher import (SelfTeacherKnobs, build_self_teacher, check_self_teacher,
+                                                       self_teacher_callbacks, self_teacher_model)
 from lightalign.modules.reference.sync import ReferenceSyncKnobs
 from lightalign.modules.reference.teacher_context import (CONTEXT_COLUMN, RepromptKnobs, Reprompts,
                                                           check_prompt_rows)
@@ -112,11 +112,7 @@ class SDPOModule(GRPOModule):
                                                     self.hparams.trust_remote_code)
 
     def configure_callbacks(self) -> list:
-        callbacks = super().configure_callbacks()
-        teacher = self.knobs.self_teacher
-        if teacher.teacher_model_kind == "ema":
-            callbacks.append(TeacherEMA(teacher.teacher_update_rate, teacher.teacher_sync_steps))
-        return callbacks
+        return [*super().configure_callbacks(), *self_teacher_callbacks(self.knobs.self_teacher)]
 
     def fit_start_notes(self) -> list[str]:
         return [*super().fit_start_notes(), f"teacher: the {self.teacher_kind} policy shown a successful completion"]

@@ -81,6 +81,13 @@ def self_teacher_model(kind: str, teacher: torch.nn.Module | None, policy: torch
         yield model
 
 
+def self_teacher_callbacks(knobs: SelfTeacherKnobs) -> list[L.Callback]:
+    """The callbacks the teacher kind needs: ``TeacherEMA`` for ``ema``, none for ``base`` and ``live``."""
+    if knobs.teacher_model_kind == "ema":
+        return [TeacherEMA(knobs.teacher_update_rate, knobs.teacher_sync_steps)]
+    return []
+
+
 class TeacherEMA(ReferenceSync):
     """``teacher_model_kind: ema``: the teacher copy (in the reference slot) takes ``teacher_update_rate`` of the
     policy after every ``teacher_sync_steps``-th optimizer step; checkpoints carry it (``ReferenceSync``'s state)."""
