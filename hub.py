@@ -149,16 +149,42 @@ def normalize_init_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
+def is_vision_language_config(config: Any) -> bool:
+    """Whether a transformers config is one ``AutoModelForImageTextToText`` builds (a model that reads images)."""
+    from transformers import AutoModelForImageTextToText
+
+    return type(config) in AutoModelForImageTextToText._model_mapping and hasattr(config, "vision_config")
+
+
+def is_vision_language_model(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None) -> bool:
+    """Whether the model named by a folder or hub name is a vision-language model (reads its config only)."""
+    from transformers import AutoConfig
+
+    kwargs = {"revision": revision} if revision else {}
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                        **_hub_kwargs(name_or_path), **kwargs)
+    return is_vision_language_config(config)
+
+
 def load_causal_lm(
     name_or_path: str,
     from_config: bool = False,
     init_kwargs: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
 ):
-    """Build an ``AutoModelForCausalLM``: pretrained weights, or random weights from the config (``from_config``)."""
-    from transformers import AutoModelForCausalLM
+    """Build an ``AutoModelForCausalLM`` — or, for a vision-language model's config, an
+    ``AutoModelForImageTextToText`` (the class that reads images; ``AutoModelForCausalLM`` has no class for most of
+    them) — with pretrained weights, or random weights from the config (``from_config``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return load_model(AutoModelForCausalLM, name_or_path, from_config, init_kwargs, trust_remote_code)
+    revision = normalize_init_kwargs(init_kwargs).get("revision")
+    _check_local_folder(name_or_path, "Model")
+    try:
+        vision = is_vision_language_model(name_or_path, trust_remote_code, revision)
+    except (OSError, ValueError):  # no readable config: load_model raises the error that names the folder or hub
+        vision = False
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return load_model(auto_class, name_or_path, from_config, init_kwargs, trust_remote_code)
 
 
 def meta_causal_lm(name_or_path: str, init_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False):

@@ -1,0 +1,155 @@
+"""The vision core: a row's images and placeholders checked with errors naming the row, the processor loaded
+image-only without torchvision, the batch layout of its outputs measured, and ``ImageInputs`` rebuilding exactly the
+processor's batch from rows processed alone, whatever the row order."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+from lightalign.vision import (ImageInputs, encode_row, is_vision_language_model, load_image, load_processor,  # noqa: E402
+                               measure_key_layout, model_inputs, row_images, with_image_parts)
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
+            "<|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory, repo):
+    """A tiny Qwen2-VL folder: the shipped tiny tokenizer with Qwen's vision tokens, a PIL image processor with a
+    small pixel budget, and a random config."""
+    from transformers import AutoTokenizer, Qwen2VLConfig
+
+    folder = tmp_path_factory.mktemp("qwen2_vl")
+    tok = AutoTokenizer.from_pretrained(repo / "assets/models/tiny")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                                                          "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    tok.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Qwen2VLImageProcessorPil", "min_pixels": 3136, "max_pixels": 12544,
+         "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}))
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    ids = tok.convert_tokens_to_ids
+    Qwen2VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok),
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, in_chans=3),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    ).save_pretrained(folder)
+    return folder
+
+
+def _images():
+    return [Image.new("RGB", (56, 56), (250, 10, 10)), Image.new("RGB", (84, 56), (10, 250, 10)),
+            Image.new("RGB", (56, 84), (10, 10, 250))]
+
+
+def _text(processor, count, question="how many?"):
+    messages = [{"role": "user", "content": [*({"type": "image"} for _ in range(count)),
+                                              {"type": "text", "text": question}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_images_open_from_each_format_and_bad_ones_name_the_row(tmp_path):
+    img = Image.new("RGBA", (8, 8), (1, 2, 3, 4))
+    img.save(tmp_path / "a.png")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    for value in ("a.png", str(tmp_path / "a.png"), {"bytes": buf.getvalue(), "path": None}, img):
+        out = load_image(value, where="train row 3", base_dir=tmp_path)
+        assert out.mode == "RGB" and out.size == (8, 8)
+    assert len(row_images({"image": "a.png"}, where="r", base_dir=tmp_path)) == 1
+    assert len(row_images({"images": ["a.png", "a.png"]}, where="r", base_dir=tmp_path)) == 2
+    with pytest.raises(ValueError, match=r"train row 3, column 'images'\[1\]: the image 'missing.png' does not exist"):
+        row_images({"images": ["a.png", "missing.png"]}, where="train row 3", base_dir=tmp_path)
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    with pytest.raises(ValueError, match="row 5.*'bad.png' cannot be opened"):
+        load_image("bad.png", where="row 5", base_dir=tmp_path)
+    with pytest.raises(ValueError, match="row 6: an image must be"):
+        load_image(3, where="row 6")
+
+
+def test_placeholders_inserted_for_string_turns_and_counted_for_parts():
+    plain = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    out = with_image_parts(plain, 2, where="row 1")
+    assert out[1]["content"][:2] == [{"type": "image"}, {"type": "image"}] and out[0] == plain[0]
+    assert with_image_parts(plain, 0, where="row 1") is plain
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]}]
+    assert with_image_parts(parts, 1, where="row 1") is parts
+    with pytest.raises(ValueError, match=r"row 7: the conversation has 1 image placeholder.*row has 2 image"):
+        with_image_parts(parts, 2, where="row 7")
+    with pytest.raises(ValueError, match=r"row 8: the conversation has 1 .* has 0"):
+        with_image_parts(parts, 0, where="row 8")
+
+
+def test_processor_loads_image_only_and_its_layout_is_measured(qwen2_vl):
+    assert is_vision_language_model(str(qwen2_vl))
+    assert not is_vision_language_model("assets/models/tiny")
+    processor = load_processor(str(qwen2_vl))
+    assert type(processor).__name__ == "Qwen2VLProcessor"
+    layout = measure_key_layout(processor)
+    assert set(layout.image_keys) == {"pixel_values", "image_grid_thw"} and layout.row_keys == ()
+    assert "mm_token_type_ids" in layout.token_keys
+
+
+def test_image_inputs_rebuild_the_processors_batch_in_any_row_order(qwen2_vl):
+    """Rows processed alone, then selected (reordered, repeated) and batched, equal the processor's own batch of
+    those rows. Mutation: ``tensors`` concatenating rows in reverse order -> the pixel values differ."""
+    processor = load_processor(str(qwen2_vl))
+    layout = measure_key_layout(processor)
+    imgs = _images()
+    rows = [(_text(processor, 2), imgs[:2]), (_text(processor, 1, "colour?"), imgs[2:])]
+    encoded = [encode_row(processor, text, images, layout) for text, images in rows]
+    inputs = ImageInputs(tuple(e[2] for e in encoded), layout)
+    assert inputs.images_per_row == [2, 1]
+    for order in ([0, 1], [1, 0, 1]):
+        batch = processor(text=[rows[i][0] for i in order], images=[rows[i][1] for i in order], return_tensors="pt",
+                          padding=True, padding_side="right", add_special_tokens=False)
+        got = inputs.select(order).tensors()
+        assert set(got) == {"pixel_values", "image_grid_thw"}
+        torch.testing.assert_close(got["pixel_values"], batch["pixel_values"], rtol=0, atol=0)
+        torch.testing.assert_close(got["image_grid_thw"], batch["image_grid_thw"], rtol=0, atol=0)
+        for i, j in enumerate(order):
+            n = len(encoded[j][0])
+            assert batch["input_ids"][i, :n].tolist() == encoded[j][0]
+            assert batch["mm_token_type_ids"][i, :n].tolist() == encoded[j][1]["mm_token_type_ids"]
+
+
+def test_model_inputs_reach_the_vlm_forward(qwen2_vl):
+    """The logits of a batch built from per-row ``ImageInputs`` equal the processor batch's, and depend on the
+    pixels. Mutation: ``model_inputs`` returning no image tensors -> the forward refuses image tokens without
+    images (and the pixel check fails)."""
+    from lightalign.hub import load_causal_lm
+
+    torch.manual_seed(0)
+    model = load_causal_lm(str(qwen2_vl), from_config=True).eval()
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    processor = load_processor(str(qwen2_vl))
+    layout = measure_key_layout(processor)
+    imgs = _images()
+    text = _text(processor, 2)
+    ids, extras, tensors = encode_row(processor, text, imgs[:2], layout)
+    batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+             "image_inputs": ImageInputs((tensors,), layout),
+             **{k: torch.tensor([v]) for k, v in extras.items()}}
+    with torch.no_grad():
+        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     **model_inputs(batch)).logits
+        ref = model(**processor(text=[text], images=[imgs[:2]], return_tensors="pt", add_special_tokens=False)).logits
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+        other = ImageInputs(({**tensors, "pixel_values": tensors["pixel_values"].flip(0)},), layout)
+        changed = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        **model_inputs({**batch, "image_inputs": other})).logits
+    assert (changed[0, -1] - ours[0, -1]).abs().max() > 1e-4

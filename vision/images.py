@@ -1,0 +1,64 @@
+"""A row's images, in TRL's formats: an ``images`` column (a list per row) or ``image`` (one), each a file path, a
+PIL image, or the ``datasets`` image feature's ``{"bytes": ..., "path": ...}`` dict (parquet, ``Dataset.cast_column``).
+
+A relative path is read from the folder of the data file that names it (``base_dir``), so a dataset folder can be
+moved as a whole; an image that cannot be opened is refused naming the row, the column and the path."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+IMAGE_COLUMNS = ("images", "image")
+
+
+def row_image_values(row: dict[str, Any]) -> list[Any]:
+    """The raw image values of a row (``images`` list or ``image`` single; ``[]`` when it has neither or None)."""
+    if row.get("images") is not None:
+        values = row["images"]
+        return list(values) if isinstance(values, (list, tuple)) else [values]
+    if row.get("image") is not None:
+        return [row["image"]]
+    return []
+
+
+def row_images(row: dict[str, Any], *, where: str, base_dir: str | Path | None = None) -> list[Any]:
+    """The row's images opened as RGB PIL images (``where`` names the row in errors, e.g. ``train row 12``)."""
+    column = "images" if row.get("images") is not None else "image"
+    return [load_image(value, where=f"{where}, column '{column}'" + (f"[{i}]" if column == "images" else ""),
+                       base_dir=base_dir) for i, value in enumerate(row_image_values(row))]
+
+
+def load_image(value: Any, *, where: str, base_dir: str | Path | None = None):
+    """One image value -> an RGB ``PIL.Image.Image`` (decoded now, so a broken file fails here, not in a forward)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        image = value
+    else:
+        source: Any
+        if isinstance(value, dict) and (value.get("bytes") is not None or value.get("path") is not None):
+            source = io.BytesIO(value["bytes"]) if value.get("bytes") is not None else _resolve(value["path"], base_dir)
+            label = value.get("path") or "<bytes>"
+        elif isinstance(value, (str, Path)):
+            source, label = _resolve(value, base_dir), str(value)
+        else:
+            raise ValueError(f"{where}: an image must be a file path, a PIL image or a {{'bytes', 'path'}} dict "
+                             f"(the datasets image feature), not {type(value).__name__}.")
+        if isinstance(source, Path) and not source.is_file():
+            hint = f" (relative paths are read from the data file's folder {base_dir})" if base_dir else ""
+            raise ValueError(f"{where}: the image '{label}' does not exist: looked for {source}{hint}.")
+        try:
+            image = Image.open(source)
+            image.load()
+        except (UnidentifiedImageError, OSError, SyntaxError) as err:
+            raise ValueError(f"{where}: the image '{label}' cannot be opened as an image: {err}") from err
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _resolve(path: str | Path, base_dir: str | Path | None) -> Path:
+    path = Path(path).expanduser()
+    if path.is_absolute() or base_dir is None:
+        return path
+    return Path(base_dir) / path
