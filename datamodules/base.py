@@ -46,6 +46,8 @@ class TokenizedDataModule(L.LightningDataModule):
         dataset_num_proc: processes for tokenization.
         shuffle: shuffle the training rows every epoch.
         seed: seed of the validation carve-out and of the shuffle order.
+        processor_kwargs: for a vision-language model, passed to its processor's ``from_pretrained`` (the image
+            budget: ``min_pixels``/``max_pixels`` for Qwen-VL, ``size`` ...).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class TokenizedDataModule(L.LightningDataModule):
         dataset_num_proc: int | None = None,
         shuffle: bool = True,
         seed: int = 42,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if path is None:
@@ -88,6 +91,14 @@ class TokenizedDataModule(L.LightningDataModule):
         self.shuffle, self.seed = shuffle, seed
         self._tokenizer_arg = tokenizer
         self.tokenizer = tokenizer if not isinstance(tokenizer, str) else None
+        self.processor_kwargs = processor_kwargs
+        # a vision-language model's processor (None for a text model) and how its outputs batch (ImageKeyLayout)
+        self.processor: Any = None
+        self.image_layout: Any = None
+        if self.tokenizer is not None and hasattr(self.tokenizer, "image_processor"):  # a processor passed as is
+            self.processor, self.tokenizer = self.tokenizer, self.tokenizer.tokenizer
+        # While a split is prepared: the folder its relative image paths are read from (image_base_dir).
+        self.image_base_dir: Any = None
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
@@ -107,11 +118,28 @@ class TokenizedDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------------------------- setup
     def load_tokenizer(self) -> Any:
+        """The tokenizer; for a vision-language model also its processor (``self.processor``, whose tokenizer this
+        is) and the batch layout of the processor's outputs (``self.image_layout``)."""
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self._tokenizer_arg)
+            if _names_vision_language_model(self._tokenizer_arg):
+                from lightalign.vision import load_processor
+
+                self.processor = load_processor(self._tokenizer_arg, self.processor_kwargs)
+                self.tokenizer = self.processor.tokenizer
+            else:
+                self.tokenizer = load_tokenizer(self._tokenizer_arg)
+        if self.processor is None and self.processor_kwargs:
+            raise ValueError(f"processor_kwargs {sorted(self.processor_kwargs)} apply to a vision-language model's "
+                             f"processor, and '{self._tokenizer_arg}' is a text model; remove processor_kwargs.")
         template = resolve_chat_template(self.chat_template)
         if template is not None:
             self.tokenizer.chat_template = template
+            if self.processor is not None:
+                self.processor.chat_template = template
+        if self.processor is not None and self.image_layout is None:
+            from lightalign.vision import measure_key_layout
+
+            self.image_layout = measure_key_layout(self.processor)
         return self.tokenizer
 
     def setup(self, stage: str | None = None) -> None:
@@ -154,7 +182,9 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def _prepare(self, raw: Dataset, tokenizer: Any, label: str, source: Any, numbers: list[int] | None) -> Dataset:
         """``prepare_rows`` with ``self.row_numbers`` set for the split; its errors name the data they are about."""
-        self.row_numbers = numbers
+        from lightalign.vision.images import image_base_dir
+
+        self.row_numbers, self.image_base_dir = numbers, image_base_dir(source)
         try:
             return self.prepare_rows(raw, tokenizer, label)
         except DataFormatError as err:
@@ -163,7 +193,7 @@ class TokenizedDataModule(L.LightningDataModule):
             at = f", line {line}" if line is not None else ""
             raise DataFormatError(f"{label} data '{describe(source)}'{at}: {err}") from err
         finally:
-            self.row_numbers = None
+            self.row_numbers = self.image_base_dir = None
 
     # ------------------------------------------------------------------------------------- loaders
     def collate_fn(self) -> Callable:
@@ -245,3 +275,21 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.eval_dataloader(self.test_dataset, "test")
+
+
+def _names_vision_language_model(name: Any) -> bool:
+    """Whether a tokenizer argument names a vision-language model's folder or hub repository (its config says so);
+    a tokenizer-only folder (no ``config.json``) is a text tokenizer."""
+    from pathlib import Path
+
+    from lightalign.hub import is_vision_language_model
+
+    if not isinstance(name, (str, Path)):
+        return False
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        return False
+    try:
+        return is_vision_language_model(str(name))
+    except OSError:  # no config reachable for a hub name: load_tokenizer then says what is missing
+        return False

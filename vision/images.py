@@ -62,3 +62,41 @@ def _resolve(path: str | Path, base_dir: str | Path | None) -> Path:
     if path.is_absolute() or base_dir is None:
         return path
     return Path(base_dir) / path
+
+
+def stored_images(row: dict[str, Any], *, where: str, base_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """The row's images checked (each opened once) and made storable in a prepared dataset: ``{"bytes", "path"}``
+    dicts (the datasets image feature's form) with relative paths made absolute, so a collator reopens them from
+    anywhere (``load_image``) without the data file's folder."""
+    import io as _io
+
+    from PIL import Image
+
+    column = "images" if row.get("images") is not None else "image"
+    out = []
+    for i, value in enumerate(row_image_values(row)):
+        label = f"{where}, column '{column}'" + (f"[{i}]" if column == "images" else "")
+        image = load_image(value, where=label, base_dir=base_dir)
+        if isinstance(value, Image.Image):
+            buf = _io.BytesIO()
+            image.save(buf, format="PNG")
+            out.append({"bytes": buf.getvalue(), "path": None})
+        elif isinstance(value, dict) and value.get("bytes") is not None:
+            out.append({"bytes": value["bytes"], "path": None})
+        else:
+            path = value["path"] if isinstance(value, dict) else value
+            out.append({"bytes": None, "path": str(_resolve(path, base_dir).resolve())})
+    return out
+
+
+def image_base_dir(source: Any) -> Path | None:
+    """The folder relative image paths of a data source are read from: a local file's folder, a local folder
+    itself; None for a hub dataset or a ``Dataset`` object (paths then relative to the working directory)."""
+    if not isinstance(source, (str, Path)):
+        return None
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path.resolve().parent
+    if path.is_dir():
+        return path.resolve()
+    return None

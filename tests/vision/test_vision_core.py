@@ -5,7 +5,6 @@ processor's batch from rows processed alone, whatever the row order."""
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 import torch
@@ -13,42 +12,13 @@ import torch
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
+from helpers.vlm_folders import build_tiny_qwen2_vl  # noqa: E402
 from lightalign.vision import (ImageInputs, encode_row, is_vision_language_model, load_image, load_processor,  # noqa: E402
                                measure_key_layout, model_inputs, row_images, with_image_parts)
 
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-            "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
-            "<|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def qwen2_vl(tmp_path_factory, repo):
-    """A tiny Qwen2-VL folder: the shipped tiny tokenizer with Qwen's vision tokens, a PIL image processor with a
-    small pixel budget, and a random config."""
-    from transformers import AutoTokenizer, Qwen2VLConfig
-
-    folder = tmp_path_factory.mktemp("qwen2_vl")
-    tok = AutoTokenizer.from_pretrained(repo / "assets/models/tiny")
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|vision_start|>",
-                                                          "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
-    tok.save_pretrained(folder)
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
-    (folder / "preprocessor_config.json").write_text(json.dumps(
-        {"image_processor_type": "Qwen2VLImageProcessorPil", "min_pixels": 3136, "max_pixels": 12544,
-         "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}))
-    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
-    ids = tok.convert_tokens_to_ids
-    Qwen2VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tok),
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, in_chans=3),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-    ).save_pretrained(folder)
-    return folder
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"), repo)
 
 
 def _images():
