@@ -63,18 +63,96 @@ QWEN2_VL_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}{%- set video
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
 
+# Qwen3-VL: the same parts, no default system turn.
+QWEN3_VL_TEMPLATE = QWEN2_VL_TEMPLATE.replace(
+    "{%- if loop.first and message['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant."
+    "<|im_end|>\\n' }}{%- endif %}\n", "")
+
+# Gemma 3: <start_of_turn>user / model, a system turn folded into the first user turn, text trimmed, each image
+# part <start_of_image> (the processor widens it to \n\n<start_of_image><image_soft_token>*N<end_of_image>\n\n).
+GEMMA3_TEMPLATE = r"""{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+{%- if messages[0]['content'] is string %}{%- set first_user_prefix = messages[0]['content'] + '\n\n' %}
+{%- else %}{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' %}{%- endif %}
+{%- set loop_messages = messages[1:] %}
+{%- else %}{%- set first_user_prefix = '' %}{%- set loop_messages = messages %}{%- endif %}
+{%- for message in loop_messages %}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{%- endif %}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}
+{{- '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+{%- if message['role'] == 'assistant' %}{%- generation %}
+{%- if message['content'] is string %}{{- message['content'] | trim }}
+{%- else %}{%- for item in message['content'] %}{%- if item['type'] == 'text' %}{{- item['text'] | trim }}{%- endif %}{%- endfor %}
+{%- endif %}{{- '<end_of_turn>' }}{%- endgeneration %}{{- '\n' }}
+{%- else %}
+{%- if message['content'] is string %}{{- message['content'] | trim }}
+{%- else %}{%- for item in message['content'] %}
+{%- if item['type'] == 'image' %}{{- '<start_of_image>' }}
+{%- elif item['type'] == 'text' %}{{- item['text'] | trim }}
+{%- endif %}{%- endfor %}{%- endif %}
+{{- '<end_of_turn>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"""
+
+# SmolVLM (Idefics3): <|im_start|>User: ...<end_of_utterance>, a turn opening with an image has no space after
+# the colon; each image part <image> (the processor widens it to <fake_token_around_image><global-img><image>*N
+# <fake_token_around_image>).
+SMOLVLM_TEMPLATE = r"""{{- '<|im_start|>' }}
+{%- for message in messages %}
+{{- message['role'] | capitalize }}
+{%- if message['content'] is string %}{{- ': ' }}
+{%- elif message['content'][0]['type'] == 'image' %}{{- ':' }}{%- else %}{{- ': ' }}{%- endif %}
+{%- if message['role'] == 'assistant' %}{%- generation %}
+{%- if message['content'] is string %}{{- message['content'] }}
+{%- else %}{%- for line in message['content'] %}{%- if line['type'] == 'text' %}{{- line['text'] }}{%- endif %}{%- endfor %}
+{%- endif %}{{- '<end_of_utterance>' }}{%- endgeneration %}{{- '\n' }}
+{%- else %}
+{%- if message['content'] is string %}{{- message['content'] }}
+{%- else %}{%- for line in message['content'] %}
+{%- if line['type'] == 'text' %}{{- line['text'] }}{%- elif line['type'] == 'image' %}{{- '<image>' }}{%- endif %}
+{%- endfor %}{%- endif %}
+{{- '<end_of_utterance>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}"""
+
+# LLaVA 1.5: ROLE: , the turn's images first (<image>\n each; the processor repeats <image> once per patch), then
+# its text parts each followed by a space; the assistant's answer ends with </s>.
+LLAVA_TEMPLATE = r"""{%- for message in messages %}
+{%- if message['role'] != 'system' %}{{- message['role'] | upper + ': ' }}{%- endif %}
+{%- if message['content'] is string %}
+{%- if message['role'] == 'assistant' %}{%- generation %}{{- message['content'] + '</s>' }}{%- endgeneration %}
+{%- else %}{{- message['content'] + ' ' }}{%- endif %}
+{%- else %}
+{%- for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{- '<image>\n' }}{%- endfor %}
+{%- if message['role'] == 'assistant' %}{%- generation %}
+{%- for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{- content['text'] }}{%- endfor %}
+{{- '</s>' }}{%- endgeneration %}
+{%- else %}
+{%- for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{- content['text'] + ' ' }}{%- endfor %}
+{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}"""
+
 QWEN_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def base_tokenizer(specials: list[str], chat_template: str):
-    """The shipped byte-level tokenizer plus ``specials`` (appended in order: ids from 1024 up)."""
+def base_tokenizer(specials: list[str], chat_template: str, named: dict[str, str] | None = None,
+                   **token_kwargs):
+    """The shipped byte-level tokenizer plus the family's special tokens (ids from 1024 up): ``named`` ones become
+    tokenizer attributes (``tokenizer.image_token``, ...: some processors read them), then ``specials``;
+    ``token_kwargs`` set bos/eos/pad."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(BASE)
-    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok = AutoTokenizer.from_pretrained(BASE, extra_special_tokens=named or {}, **token_kwargs)
+    tok.add_special_tokens({"additional_special_tokens": [t for t in specials if t not in (named or {}).values()]})
     tok.chat_template = chat_template
     tok.response_template = None
     return tok
@@ -164,13 +242,127 @@ def load_processor(path: Path):
         return AutoProcessor.from_pretrained(path)
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        cls.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+        cls.__init__(self, image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
     return type(cls.__name__, (cls,), {"__init__": __init__}).from_pretrained(path)
 
 
+def build_qwen3_vl(out: Path) -> None:
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = base_tokenizer(QWEN_VL_SPECIALS, QWEN3_VL_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
+    pad = tok.pad_token_id
+    eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
+    # Qwen3-VL interleaves the (time, height, width) frequencies; the real split is 24/20/20 of 64.
+    text = dict(vocab_size=len(tok), head_dim=16, rope_parameters={**ROPE, "mrope_section": [4, 2, 2],
+                                                                    "mrope_interleaved": True},
+                bos_token_id=None, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=True, use_cache=True,
+                **TEXT_SIZE)
+    # 16 px patches, 2x2 merged: 32 px per image token; a 4x4 learned position grid (interpolated to each image).
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=TEXT_SIZE["hidden_size"],
+                  num_heads=2, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, dtype="float32",
+                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    cfg.architectures = ["Qwen3VLForConditionalGeneration"]
+    save_tokenizer(tok, out)
+    save_config(cfg, out, eos, pad)
+    # 56x56 -> 64x64 -> 2x2 = 4 image tokens, at most 128x128 -> 16 tokens.
+    save_image_processor(Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16,
+                                                  merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                                                  image_std=[0.5] * 3), out)
+    finish_folder(out, tok, "Qwen3VLProcessor")
+
+
+def build_gemma3(out: Path) -> None:
+    from transformers import Gemma3Config
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok = base_tokenizer(["<bos>", "<start_of_turn>", "<end_of_turn>"], GEMMA3_TEMPLATE, named, bos_token="<bos>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in named.values()}
+    pad, bos = tok.pad_token_id, tok.bos_token_id
+    eos = [tok.convert_tokens_to_ids("<end_of_turn>"), tok.eos_token_id]
+    # Sliding window then global attention, as Gemma 3's 5:1 pattern ends; the window is wider than the test rows.
+    text = dict(vocab_size=len(tok), head_dim=16, query_pre_attn_scalar=16, sliding_window=512,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={"sliding_attention": dict(ROPE), "full_attention": dict(ROPE)},
+                bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=True, use_cache=True,
+                **TEXT_SIZE)
+    # SigLIP 56 px, 7 px patches: 8x8 patches average-pooled to 4x4 = 16 image tokens per image.
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=56, patch_size=7, vision_use_head=False)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                       boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                       image_token_index=ids["<image_soft_token>"], tie_word_embeddings=True, dtype="float32",
+                       bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    save_tokenizer(tok, out)
+    save_config(cfg, out, eos, pad)
+    save_image_processor(Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, image_mean=[0.5] * 3,
+                                                 image_std=[0.5] * 3, do_pan_and_scan=False), out)
+    finish_folder(out, tok, "Gemma3Processor", {"image_seq_length": 16})
+
+
+def build_smolvlm(out: Path) -> None:
+    from transformers import Idefics3Config
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    specials = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+    tok = base_tokenizer(specials, SMOLVLM_TEMPLATE)
+    pad = tok.pad_token_id
+    eos = [tok.convert_tokens_to_ids("<end_of_utterance>"), tok.eos_token_id]
+    text = dict(model_type="llama", vocab_size=len(tok), rope_parameters=dict(ROPE), bos_token_id=None,
+                eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=True, use_cache=True, **TEXT_SIZE)
+    # 64 px, 8 px patches: 8x8 patches, pixel-shuffled by 2 -> 4x4 = 16 image tokens per image; no splitting.
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                  patch_size=8)
+    cfg = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                         image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=True,
+                         dtype="float32", eos_token_id=eos, pad_token_id=pad)
+    cfg.architectures = ["Idefics3ForConditionalGeneration"]
+    save_tokenizer(tok, out)
+    save_config(cfg, out, eos, pad)
+    save_image_processor(Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 64},
+                                                   max_image_size={"longest_edge": 64}, image_mean=[0.5] * 3,
+                                                   image_std=[0.5] * 3), out)
+    finish_folder(out, tok, "Idefics3Processor", {"image_seq_len": 16})
+
+
+def build_llava(out: Path) -> None:
+    from transformers import LlavaConfig
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tok = base_tokenizer(["<image>", "</s>"], LLAVA_TEMPLATE)
+    pad = tok.pad_token_id
+    eos = [tok.convert_tokens_to_ids("</s>"), tok.eos_token_id]
+    text = dict(model_type="llama", vocab_size=len(tok), rope_parameters=dict(ROPE), bos_token_id=None,
+                eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=True, use_cache=True, **TEXT_SIZE)
+    # CLIP 56 px, 14 px patches: 4x4 = 16 patch features (the CLS one dropped) from the next-to-last layer.
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32)
+    cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                      image_seq_length=16, vision_feature_select_strategy="default", vision_feature_layer=-2,
+                      tie_word_embeddings=True, dtype="float32")
+    cfg.architectures = ["LlavaForConditionalGeneration"]
+    save_tokenizer(tok, out)
+    save_config(cfg, out, eos, pad)
+    save_image_processor(CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+                         out)
+    finish_folder(out, tok, "LlavaProcessor", {"patch_size": 14, "vision_feature_select_strategy": "default",
+                                               "num_additional_image_tokens": 1, "image_token": "<image>"})
+
+
 FAMILIES = {
     "tiny-qwen2-vl": build_qwen2_vl,
+    "tiny-qwen2.5-vl": lambda out: build_qwen2_vl(out, "qwen2_5_vl"),
+    "tiny-qwen3-vl": build_qwen3_vl,
+    "tiny-gemma3": build_gemma3,
+    "tiny-smolvlm": build_smolvlm,
+    "tiny-llava": build_llava,
 }
 
 

@@ -21,6 +21,11 @@ _spec.loader.exec_module(build_vlm_assets)
 # folder -> (model class, model_type, image placeholder token, image tokens per 56x56 image)
 FAMILIES = {
     "tiny-qwen2-vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl", "<|image_pad|>", 4),
+    "tiny-qwen2.5-vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "<|image_pad|>", 4),
+    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", "qwen3_vl", "<|image_pad|>", 4),
+    "tiny-gemma3": ("Gemma3ForConditionalGeneration", "gemma3", "<image_soft_token>", 16),
+    "tiny-smolvlm": ("Idefics3ForConditionalGeneration", "idefics3", "<image>", 16),
+    "tiny-llava": ("LlavaForConditionalGeneration", "llava", "<image>", 16),
 }
 
 
@@ -47,6 +52,12 @@ def load(folder: str):
         processor = build_vlm_assets.load_processor(path)
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path)).eval()
+        if folder == "tiny-gemma3":
+            # transformers initialises Gemma 3's image projection to zeros (checkpoints overwrite it): a random model
+            # would ignore its images.
+            projection = model.model.multi_modal_projector.mm_input_projection_weight
+            assert not projection.any()
+            torch.nn.init.normal_(projection, std=model.config.initializer_range)
         _loaded[folder] = (processor, model)
     return _loaded[folder]
 
