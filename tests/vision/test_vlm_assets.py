@@ -191,6 +191,26 @@ def test_forward_needs_the_family_image_inputs(folder):
             assert (dropped[real] - logits[real]).abs().max() > 1e-4, key
 
 
+@pytest.mark.parametrize("folder", [f for f in FAMILIES if "qwen" in f])
+def test_qwen_multimodal_positions_from_get_rope_index(folder):
+    """Qwen's forward computes its (time, height, width) positions itself; the same ones passed as ``position_ids``
+    give the same logits, and they are not 1-D positions: an image of 2x2 tokens advances the text position by 2."""
+    processor, model = load(folder)
+    batch = process(processor, [(1, "Describe it."), (2, "Which of the two is brighter?")], "left")
+    real = batch["attention_mask"].bool()
+    positions, rope_deltas = model.model.get_rope_index(
+        batch["input_ids"], batch["mm_token_type_ids"], image_grid_thw=batch["image_grid_thw"],
+        attention_mask=batch["attention_mask"])
+    assert positions.shape == (3, *batch["input_ids"].shape)
+    assert rope_deltas.view(-1).tolist() == [-2, -4]  # each 4-token image takes 2 positions
+    with torch.no_grad():
+        logits = model(**batch).logits
+        given = model(**batch, position_ids=positions).logits
+        flat = model(**batch, position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits
+    assert (given[real] - logits[real]).abs().max() < 1e-5
+    assert (flat[real] - logits[real]).abs().max() > 1e-4
+
+
 def test_rebuild_is_byte_identical(tmp_path):
     build_vlm_assets.build(tmp_path, list(FAMILIES))
     for folder in FAMILIES:
