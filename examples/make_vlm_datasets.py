@@ -231,7 +231,8 @@ def build(out: Path, seed: int = SEED) -> None:
                      "rejected": [assistant_turn(rng.choice(wrong))], "images": images(scene)})
     write_jsonl(out / "vlm_preference.jsonl", rows)
 
-    # Unpaired preference (KTO): one completion per prompt, desirable when it is the right answer (about 60%).
+    # Unpaired preference (KTO): one completion per prompt, the right answer (desirable) with probability 0.6, else a
+    # wrong one.
     rng, images, rows = random.Random(seed + 4), ImageWriter(out, "kto"), []
     for _ in range(N_KTO):
         scene, text, answer, wrong = question(rng, draw_kind(rng))

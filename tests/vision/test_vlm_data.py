@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -66,6 +67,18 @@ def test_rows_name_existing_images_one_per_placeholder():
     on_disk = {f"vlm_images/{p.name}" for p in (DATA / "vlm_images").iterdir()}
     assert named == on_disk  # no image missing, none unused
     assert sum((DATA / p).stat().st_size for p in on_disk) < 300_000
+
+
+def test_the_images_ship_with_the_package():
+    """``lightalign examples`` copies the data files and their images, and the wheel's package data names them."""
+    from lightalign.shipped import shipped_files
+
+    wanted = {f"examples/data/{name}.jsonl" for name in FILES}
+    wanted |= {f"examples/data/vlm_images/{p.name}" for p in (DATA / "vlm_images").iterdir()}
+    assert wanted <= {f.as_posix() for f in shipped_files(REPO)}
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["lightalign"]
+    in_wheel = {p.relative_to(REPO).as_posix() for pattern in patterns for p in REPO.glob(pattern) if p.is_file()}
+    assert wanted <= in_wheel
 
 
 # Reading a scene back from the pixels -------------------------------------------------------------------------
