@@ -109,7 +109,8 @@ def question(rng: random.Random, kind: str) -> tuple[Scene, str, str, list[str]]
         color = rng.choice(colors)
         k = rng.randint(2, 4)
         while True:
-            scene = random_scene(rng, rng.randint(0, 3), lambda _k, c: c != color, fixed=[(rng.choice(KINDS), color) for _ in range(k)])
+            n_others, fixed = rng.randint(0, 3), [(rng.choice(KINDS), color) for _ in range(k)]
+            scene = random_scene(rng, n_others, lambda _k, c: c != color, fixed=fixed)
             if all(sum(s.color == c for s in scene) < k for c in colors if c != color):
                 break
         return scene, "What color are most of the shapes?", color, [c for c in colors if c != color]
@@ -237,8 +238,9 @@ def build(out: Path, seed: int = SEED) -> None:
     for _ in range(N_KTO):
         scene, text, answer, wrong = question(rng, draw_kind(rng))
         good = rng.random() < 0.6
-        rows.append({"prompt": [user_turn(text, 1)], "completion": [assistant_turn(answer if good else rng.choice(wrong))],
-                     "label": good, "images": images(scene)})
+        completion = answer if good else rng.choice(wrong)
+        rows.append({"prompt": [user_turn(text, 1)], "completion": [assistant_turn(completion)], "label": good,
+                     "images": images(scene)})
     write_jsonl(out / "vlm_kto.jsonl", rows)
 
 

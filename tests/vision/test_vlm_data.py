@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -76,7 +75,9 @@ def test_the_images_ship_with_the_package():
     wanted = {f"examples/data/{name}.jsonl" for name in FILES}
     wanted |= {f"examples/data/vlm_images/{p.name}" for p in (DATA / "vlm_images").iterdir()}
     assert wanted <= {f.as_posix() for f in shipped_files(REPO)}
-    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["lightalign"]
+    package_data = re.search(r"\[tool\.setuptools\.package-data\]\s*lightalign = \[(.*?)\]",
+                             (REPO / "pyproject.toml").read_text(), re.DOTALL)[1]  # no tomllib before Python 3.11
+    patterns = re.findall(r'"([^"]+)"', package_data)
     in_wheel = {p.relative_to(REPO).as_posix() for pattern in patterns for p in REPO.glob(pattern) if p.is_file()}
     assert wanted <= in_wheel
 
@@ -177,6 +178,6 @@ def test_accuracy_reward_scores_the_demo_answers():
     for completions in (as_string, as_parts, answers):
         assert accuracy_reward([r["prompt"] for r in prompts], completions, answer=answers) == [1.0] * len(prompts)
     pairs = rows("vlm_preference")
-    gold = [row["chosen"][0]["content"] for row in pairs]
-    assert accuracy_reward([r["prompt"] for r in pairs], [r["rejected"] for r in pairs], answer=gold) == [0.0] * len(pairs)
-    assert accuracy_reward([r["prompt"] for r in pairs], [r["chosen"] for r in pairs], answer=gold) == [1.0] * len(pairs)
+    pair_prompts, gold = [r["prompt"] for r in pairs], [r["chosen"][0]["content"] for r in pairs]
+    assert accuracy_reward(pair_prompts, [r["rejected"] for r in pairs], answer=gold) == [0.0] * len(pairs)
+    assert accuracy_reward(pair_prompts, [r["chosen"] for r in pairs], answer=gold) == [1.0] * len(pairs)
