@@ -68,6 +68,12 @@ def _inside(kind: str, x: int, y: int) -> bool:
 
 
 MASKS = {kind: [[_inside(kind, x, y) for x in range(BOX)] for y in range(BOX)] for kind in KINDS}
+AREAS = {kind: sum(map(sum, mask)) for kind, mask in MASKS.items()}  # pixels: square 100, circle 80, triangle 50
+
+
+def area(scene: Scene, color: str) -> int:
+    """How many pixels the scene's shapes of ``color`` cover."""
+    return sum(AREAS[s.kind] for s in scene if s.color == color)
 
 
 def render(scene: Scene) -> Image.Image:
@@ -111,7 +117,9 @@ def question(rng: random.Random, kind: str) -> tuple[Scene, str, str, list[str]]
         while True:
             n_others, fixed = rng.randint(0, 3), [(rng.choice(KINDS), color) for _ in range(k)]
             scene = random_scene(rng, n_others, lambda _k, c: c != color, fixed=fixed)
-            if all(sum(s.color == c for s in scene) < k for c in colors if c != color):
+            # The answer is both the colour of most shapes and the colour covering the most pixels (easy to learn).
+            if all(sum(s.color == c for s in scene) < k and area(scene, c) < area(scene, color)
+                   for c in colors if c != color):
                 break
         return scene, "What color are most of the shapes?", color, [c for c in colors if c != color]
     if kind == "count_color":

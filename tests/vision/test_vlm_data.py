@@ -121,7 +121,13 @@ def read_scene(path: Path) -> list[tuple[str, str, int]]:
         return shapes
 
 
-def right_answer(question: str, scenes: list[list[tuple[str, str, int]]]) -> str:
+def colour_area(path: Path) -> Counter:
+    """How many pixels each shape colour covers."""
+    with Image.open(path) as image:
+        return Counter({color_name(rgb): n for n, rgb in image.convert("RGB").getcolors() if rgb != BACKGROUND})
+
+
+def right_answer(question: str, scenes: list[list[tuple[str, str, int]]], colour_areas: list[Counter]) -> str:
     """The answer to a shipped question, worked out from the scenes read from the pixels."""
     if len(scenes) == 2:
         assert question == "Which image has more circles, the first or the second?"
@@ -132,6 +138,8 @@ def right_answer(question: str, scenes: list[list[tuple[str, str, int]]]) -> str
     if question == "What color are most of the shapes?":
         (top, n), *rest = Counter(color for _k, color, _x in scene).most_common()
         assert not rest or rest[0][1] < n, "no single most frequent colour"
+        (most_pixels, pixels_n), *others = colour_areas[0].most_common()
+        assert most_pixels == top and (not others or others[0][1] < pixels_n), "most shapes, not most pixels"
         return top
     if question == "How many shapes are there?":
         return str(len(scene))
@@ -151,7 +159,8 @@ def question_and_answer(row: dict) -> tuple[str, str]:
     """The question text and the right answer for the row's images."""
     user = (row.get("messages") or row["prompt"])[0]
     (text,) = [part["text"] for part in user["content"] if part["type"] == "text"]
-    return text, right_answer(text, [read_scene(DATA / path) for path in row["images"]])
+    paths = [DATA / path for path in row["images"]]
+    return text, right_answer(text, [read_scene(p) for p in paths], [colour_area(p) for p in paths])
 
 
 @pytest.mark.parametrize("name", FILES)
