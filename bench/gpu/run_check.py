@@ -69,9 +69,10 @@ import trl_sections  # noqa: E402
 import workload  # noqa: E402
 
 ALL = {**sections.SECTIONS, **trl_sections.SECTIONS, **sections.LATE}
-#: Run order: the machine and the model first, lightalign's workloads, TRL's, then the slow optional samplers.
-ORDER = ("environment", "matmul_peak", "model", "padding_free_exactness", "sft", "dpo", "grpo", "sampler_generate",
-         "sampler_compact", "sampler_continuous", "fsdp2", "trl_sft", "trl_dpo", "trl_grpo", "sampler_static",
+#: Run order: the machine and the model first, then each workload with TRL's run of it right after (the ratios come
+#: first if the budget runs out), FSDP2, the samplers, the slow optional ones last.
+ORDER = ("environment", "matmul_peak", "model", "padding_free_exactness", "sft", "trl_sft", "dpo", "trl_dpo", "grpo",
+         "trl_grpo", "fsdp2", "sampler_generate", "sampler_compact", "sampler_continuous", "sampler_static",
          "sampler_vllm")
 ALWAYS = ("environment", "matmul_peak", "model")
 PRELOAD = ("torch", "lightning.pytorch", "transformers", "transformers.models.qwen2.modeling_qwen2",

@@ -64,7 +64,7 @@ FULL = Sizes(
     boxes={"environment": 60, "matmul_peak": 60, "model": 150, "padding_free_exactness": 90, "grpo": 180,
            "trl_grpo": 180, "sampler_generate": 90, "sampler_compact": 90, "sampler_continuous": 90,
            "sampler_static": 180, "sampler_vllm": 180},
-    default_box=150, budget=500,
+    default_box=150, budget=480,
 )
 
 DRY = Sizes(

@@ -18,8 +18,8 @@ from helpers import console_script
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "run_check.py"
 # Every section, in the order the check runs them (written out here: a section dropped from the script fails this).
-SECTIONS = ["environment", "matmul_peak", "model", "padding_free_exactness", "sft", "dpo", "grpo", "sampler_generate",
-            "sampler_compact", "sampler_continuous", "fsdp2", "trl_sft", "trl_dpo", "trl_grpo", "sampler_static",
+SECTIONS = ["environment", "matmul_peak", "model", "padding_free_exactness", "sft", "trl_sft", "dpo", "trl_dpo", "grpo",
+            "trl_grpo", "fsdp2", "sampler_generate", "sampler_compact", "sampler_continuous", "sampler_static",
             "sampler_vllm"]
 OPTIONAL = {"trl_sft": "trl", "trl_dpo": "trl", "trl_grpo": "trl", "sampler_vllm": "vllm"}
 
