@@ -161,6 +161,7 @@ def padding_free_exactness(ctx: Context) -> dict[str, Any]:
 
     from lightalign.modules.adaptations import adapt_model
     from lightalign.modules.adaptations.attention import use_varlen_sdpa
+    from lightalign.modules.adaptations.layouts import split_packed_attention
     from lightalign.modules.adaptations.support import packed_gpu_attention
     from lightalign.modules.training.sft_forward import sft_logits
 
@@ -205,7 +206,9 @@ def padding_free_exactness(ctx: Context) -> dict[str, Any]:
         choice = packed_gpu_attention(fitted, torch.device(ctx.device))
         if choice is not None:
             fitted.set_attn_implementation(choice)
-        library_path = f"sft_logits as a padding-free fit runs it ({fitted.config._attn_implementation})"
+        split = split_packed_attention(fitted, torch.device(ctx.device))  # one SDPA call per sequence, or one masked
+        library_path = (f"sft_logits as a padding-free fit runs it ({fitted.config._attn_implementation}"
+                        f"{', one call per sequence' if split else ''})")
         paths[library_path] = packed_diff(sft_logits(fitted, {"input_ids": row, "position_ids": positions,
                                                               "sequence_sizes": lengths}))
         control = packed_diff(bf16(input_ids=row, use_cache=False).logits)  # one causal sequence: attention leaks
@@ -216,6 +219,7 @@ def padding_free_exactness(ctx: Context) -> dict[str, Any]:
                       "check cannot tell a leak from rounding on this model")
     return {"dtype": "bfloat16", "lengths": lengths, "tokens": sum(lengths), "bf16_vs_fp32_floor": floor,
             "tolerance": tolerance, "max_abs_diff": paths, "leaking_control_diff": control,
+            "fit_attention": fitted.config._attn_implementation, "fit_splits_per_sequence": split,
             "exact": not failed, "failed_checks": failed}
 
 
