@@ -63,12 +63,14 @@ def put_lightalign_on_path() -> None:
 
 
 put_lightalign_on_path()
+import exactness  # noqa: E402
 import report  # noqa: E402
+import sampler_sections  # noqa: E402
 import sections  # noqa: E402
 import trl_sections  # noqa: E402
 import workload  # noqa: E402
 
-ALL = {**sections.SECTIONS, **trl_sections.SECTIONS, **sections.LATE}
+ALL = {**sections.SECTIONS, **exactness.SECTIONS, **sampler_sections.SECTIONS, **trl_sections.SECTIONS}
 #: Run order: the machine and the model first, then each workload with TRL's run of it right after (the ratios come
 #: first if the budget runs out), FSDP2, the samplers, the slow optional ones last.
 ORDER = ("environment", "matmul_peak", "model", "padding_free_exactness", "sft", "trl_sft", "dpo", "trl_dpo", "grpo",
@@ -193,8 +195,8 @@ def ok(path: Path) -> bool:
 def skip_reason(name: str, remaining: float) -> str | None:
     if name.startswith("trl_") and importlib.util.find_spec("trl") is None:
         return "TRL is not importable"
-    if name in sections.NEEDS and importlib.util.find_spec(sections.NEEDS[name]) is None:
-        return f"{sections.NEEDS[name]} is not importable"
+    if name in sampler_sections.NEEDS and importlib.util.find_spec(sampler_sections.NEEDS[name]) is None:
+        return f"{sampler_sections.NEEDS[name]} is not importable"
     if remaining < 5:
         return "out of the run's time budget"
     return None

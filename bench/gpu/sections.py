@@ -1,6 +1,7 @@
-"""The lightalign sections of the GPU check: the machine (environment, bf16 matmul peak), the model, padding-free
-exactness, SFT / DPO / GRPO through the Python API users call (``SFTModule`` + ``SFTDataModule`` and a Lightning
-``Trainer``; likewise DPO and GRPO), every sampler backend, and FSDP2 on one device.
+"""The GPU check's sections on the machine (environment, bf16 matmul peak), the model, and lightalign's training
+workloads: SFT / DPO / GRPO through the Python API users call (``SFTModule`` + ``SFTDataModule`` and a Lightning
+``Trainer``; likewise DPO and GRPO) and FSDP2 on one device. exactness.py, sampler_sections.py and trl_sections.py
+hold the others.
 
 Each section is a function ``(ctx) -> dict`` run in a process of its own by run_check.py; what it returns is its
 result (``failed_checks``, a list of sentences, marks it failed while keeping its figures); an exception is its
@@ -14,7 +15,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,85 +142,6 @@ def model(ctx: Context) -> dict[str, Any]:
     """The random model (saved once; every later section loads this folder) and the workloads' data files."""
     out = workload.build_model(ctx.sizes, ctx.workdir / "model", ctx.seed, ctx.device)
     return {**out, "data": workload.write_data(ctx.sizes, ctx.workdir, ctx.seed)}
-
-
-# --------------------------------------------------------------------------- padding-free exactness
-
-
-def padding_free_exactness(ctx: Context) -> dict[str, Any]:
-    """The logits of sequences packed into one padding-free row (positions restarting at each) against each
-    sequence's own forward, in bf16 on the device, for every attention path there (transformers' ``sdpa`` with the
-    mask it builds from ``position_ids``, lightalign's ``sdpa_varlen``, ``flash_attention_2`` where installed, and
-    ``sft_logits`` after the adaptations a padding-free fit makes). Tolerance from the arithmetic: 3x the largest
-    difference between the per-sequence forward in bf16 and in float32 (bf16's own error on this model, at this
-    depth). A control that lets attention cross the sequences must exceed it, or the tolerance could not tell."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lightalign.modules.adaptations import adapt_model
-    from lightalign.modules.adaptations.attention import use_varlen_sdpa
-    from lightalign.modules.adaptations.layouts import split_packed_attention
-    from lightalign.modules.adaptations.support import packed_gpu_attention
-    from lightalign.modules.training.sft_forward import sft_logits
-
-    info = ctx.model
-    lengths = list(ctx.sizes.exact_lengths)
-    gen = torch.Generator().manual_seed(ctx.seed)
-    seqs = [torch.randint(3, 1024, (n,), generator=gen).to(ctx.device) for n in lengths]
-    row = torch.cat(seqs)[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(ctx.device)
-    fp32 = AutoModelForCausalLM.from_pretrained(info["model_dir"], dtype=torch.float32,
-                                                attn_implementation="sdpa").to(ctx.device).eval()
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
-
-    def per_sequence(m):
-        return [m(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs]
-
-    def packed_diff(logits):
-        logits, out, start = logits[0].float(), 0.0, 0
-        for s, ref in zip(seqs, single16):
-            out = max(out, (logits[start:start + len(s)] - ref).abs().max().item())
-            start += len(s)
-        return out
-
-    paths: dict[str, Any] = {}
-    with torch.no_grad():
-        single32, single16 = per_sequence(fp32), per_sequence(bf16)
-        floor = max((a - b).abs().max().item() for a, b in zip(single16, single32))
-        tolerance = 3 * floor
-        paths["sdpa (mask from position_ids)"] = packed_diff(
-            bf16(input_ids=row, position_ids=positions, use_cache=False).logits)
-        varlen = copy.deepcopy(bf16)
-        use_varlen_sdpa(varlen)
-        paths["sdpa_varlen (one SDPA call per sequence)"] = packed_diff(
-            varlen(input_ids=row, position_ids=positions, sequence_sizes=lengths, use_cache=False).logits)
-        if ctx.device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-            flash = copy.deepcopy(bf16)
-            flash.set_attn_implementation("flash_attention_2")
-            paths["flash_attention_2 (varlen from position_ids)"] = packed_diff(
-                flash(input_ids=row, position_ids=positions, use_cache=False).logits)
-        fitted = copy.deepcopy(bf16)
-        adapt_model(fitted)
-        choice = packed_gpu_attention(fitted, torch.device(ctx.device))
-        if choice is not None:
-            fitted.set_attn_implementation(choice)
-        split = split_packed_attention(fitted, torch.device(ctx.device))  # one SDPA call per sequence, or one masked
-        library_path = (f"sft_logits as a padding-free fit runs it ({fitted.config._attn_implementation}"
-                        f"{', one call per sequence' if split else ''})")
-        paths[library_path] = packed_diff(sft_logits(fitted, {"input_ids": row, "position_ids": positions,
-                                                              "sequence_sizes": lengths}))
-        control = packed_diff(bf16(input_ids=row, use_cache=False).logits)  # one causal sequence: attention leaks
-    failed = [f"{name}: max |packed - per-sequence| {diff:.3g} > tolerance {tolerance:.3g}"
-              for name, diff in paths.items() if not diff <= tolerance]
-    if not control > tolerance:
-        failed.append(f"the leaking control differs by {control:.3g}, within the tolerance {tolerance:.3g}: the "
-                      "check cannot tell a leak from rounding on this model")
-    return {"dtype": "bfloat16", "lengths": lengths, "tokens": sum(lengths), "bf16_vs_fp32_floor": floor,
-            "tolerance": tolerance, "max_abs_diff": paths, "leaking_control_diff": control,
-            "fit_attention": fitted.config._attn_implementation, "fit_splits_per_sequence": split,
-            "exact": not failed, "failed_checks": failed}
 
 
 # --------------------------------------------------------------------------- training through the Python API
@@ -368,74 +289,5 @@ def fsdp2(ctx: Context) -> dict[str, Any]:
     return {**out, "strategy": "FSDP2Strategy(param_dtype=bfloat16, reduce_dtype=float32), 1 device"}
 
 
-# --------------------------------------------------------------------------- samplers
-
-
-def sampler(ctx: Context, backend: str) -> dict[str, Any]:
-    """``backend`` (lightalign's sampler interface, ``sample_groups``) on the bf16 model: a first call (which
-    compiles, for ``static``) and a timed second call of the same shapes. Completion tokens count up to each
-    completion's first EOS."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from lightalign.modules.sampling.samplers import sample_groups
-
-    if ctx.dry_run and backend == "static":  # inductor's CPU compile takes minutes: the same graph, run eagerly
-        import lightalign.modules.sampling.static as static
-
-        static.COMPILE_BACKEND = "eager"
-    info, size = ctx.model, ctx.sizes.sampler
-    tok = AutoTokenizer.from_pretrained(info["model_dir"], padding_side="left")
-    prompts = [json.loads(line)["prompt"] for line in open(info["data"]["prompts"]) if line.strip()][:size["prompts"]]
-    enc = tok(prompts, padding=True, return_tensors="pt")
-    ids, mask = enc["input_ids"].to(ctx.device), enc["attention_mask"].to(ctx.device)
-    model = AutoModelForCausalLM.from_pretrained(info["model_dir"], dtype=torch.bfloat16).to(ctx.device).eval()
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
-    torch.manual_seed(ctx.seed)
-
-    def call() -> tuple[float, Any]:
-        ctx.sync()
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = sample_groups(model, ids, mask, size["generations"], backend=backend, eos=eos,
-                                pad_token_id=tok.pad_token_id, max_new_tokens=size["new_tokens"], temperature=1.0,
-                                top_p=1.0, top_k=0)
-        ctx.sync()
-        return time.perf_counter() - start, out
-
-    first, _ = call()
-    seconds, out = call()
-    new = out.ids.cpu()
-    ended = torch.isin(new, torch.tensor(eos))
-    first_eos = torch.where(ended.any(1), ended.int().argmax(1) + 1, torch.full((new.shape[0],), new.shape[1]))
-    tokens = int(first_eos.sum())
-    return {"backend": backend, "completions": int(new.shape[0]), "max_new_tokens": size["new_tokens"],
-            "completion_tokens": tokens, "first_call_seconds": first, "seconds": seconds,
-            "completion_tokens_per_sec": tokens / seconds, "completions_per_sec": new.shape[0] / seconds,
-            **({"compile_backend": "eager (dry run)"} if ctx.dry_run and backend == "static" else {}), **ctx.memory()}
-
-
-def sampler_vllm(ctx: Context) -> dict[str, Any]:
-    """vLLM through GRPO's ``use_vllm`` (colocate), when vllm is importable."""
-    return {**grpo(ctx, extra={"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}),
-            "backend": "vllm (colocate)"}
-
-
-SECTIONS = {
-    "environment": environment,
-    "matmul_peak": matmul_peak,
-    "model": model,
-    "padding_free_exactness": padding_free_exactness,
-    "sft": sft,
-    "dpo": dpo,
-    "grpo": grpo,
-    "sampler_generate": lambda ctx: sampler(ctx, "generate"),
-    "sampler_compact": lambda ctx: sampler(ctx, "compact"),
-    "sampler_continuous": lambda ctx: sampler(ctx, "continuous"),
-    "fsdp2": fsdp2,
-}
-
-#: Sections that need an optional package, and the package.
-NEEDS = {"sampler_vllm": "vllm"}
-LATE = {"sampler_static": lambda ctx: sampler(ctx, "static"), "sampler_vllm": sampler_vllm}
+SECTIONS = {"environment": environment, "matmul_peak": matmul_peak, "model": model, "sft": sft, "dpo": dpo,
+            "grpo": grpo, "fsdp2": fsdp2}
