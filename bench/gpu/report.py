@@ -91,6 +91,8 @@ def markdown(payload: dict[str, Any]) -> str:
                   f"floor {fmt(exact['bf16_vs_fp32_floor'])}); leaking control {fmt(exact['leaking_control_diff'])}",
                   "", "| attention path | max abs diff |", "|---|---|"]
         lines += [f"| {path} | {fmt(diff)} |" for path, diff in exact["max_abs_diff"].items()]
+    for module, error in (payload.get("preload_errors") or {}).items():
+        lines += ["", f"Importing {module} before the sections failed:", "", "```", error.rstrip(), "```"]
     failures = [(n, r) for n, r in records.items() if r["status"] in ("failed", "timeout")]
     if failures:
         lines += ["", "## Failures", ""]

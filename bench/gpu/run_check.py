@@ -213,10 +213,14 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="lightalign-gpu-check-"))
     (workdir / "results").mkdir()
     ctx = context(args, workdir)
-    isolation = args.isolation
+    isolation, preload_errors = args.isolation, {}
     if isolation == "fork":
         for module in PRELOAD:
-            __import__(module)
+            try:
+                __import__(module)
+            except Exception:  # noqa: BLE001 - recorded; the sections that need it fail with their own traceback
+                preload_errors[module] = traceback.format_exc()
+                print(preload_errors[module], file=sys.stderr, flush=True)
         import torch
 
         if torch.cuda.is_initialized():  # a forked child could not use the GPU: fresh interpreters instead
@@ -255,7 +259,7 @@ def main() -> int:
                "started": started, "seconds": time.monotonic() - start, "budget": budget,
                "cpu_seconds": time.process_time() + sum(CPU_SECONDS.values()),  # this process and its sections
                "sizes": {k: v for k, v in vars(ctx.sizes).items()}, "versions": sections.versions(),
-               "sections": records, "ratios": report.ratios(records)}
+               "preload_errors": preload_errors, "sections": records, "ratios": report.ratios(records)}
     (out / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str))
     (out / "gpu_check.md").write_text(report.markdown(payload))
     print("\n" + report.markdown(payload), flush=True)
