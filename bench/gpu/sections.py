@@ -85,7 +85,7 @@ def versions() -> dict[str, Any]:
     try:
         out["lightalign_commit"] = subprocess.run(["git", "-C", str(workload.ROOT), "rev-parse", "HEAD"],
                                                   capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except OSError:
+    except (OSError, subprocess.SubprocessError):  # no git, or no repository: the copy on the device has no .git
         out["lightalign_commit"] = None
     return out
 
