@@ -5,6 +5,7 @@
 #                        then the same suite; `make lock` then writes those versions into constraints.txt
 #   make test-portable -> the same suite twice more: with AVX2 kernels (ATEN_CPU_CAPABILITY=avx2,
 #                        ONEDNN_MAX_CPU_ISA=AVX2) and with 2 threads per worker (the suite's workers use 1 otherwise)
+#   make gpu-wheels   -> the wheels bench/gpu/run.sh carries to a GPU machine without a package index (docs/gpu.md)
 #   make bench        -> a separate venv (.venv-bench: CPU torch, lightalign[bench] = TRL + matplotlib), then the
 #                        benchmark suite (bench/suite.py; BENCH_ARGS="--quick --models tiny" for a smoke run)
 PYTHON ?= python3
@@ -24,7 +25,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install quickstart test test-portable test-latest lock bench
+.PHONY: install quickstart test test-portable test-latest lock bench gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,3 +79,8 @@ $(BENCH_VENV)/.installed: pyproject.toml | $(BENCH_BIN)/python
 
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_BIN)/python bench/suite.py $(BENCH_ARGS)
+
+# The pure-Python wheels of bench/gpu/wheels.txt for the device machine's Python 3.12, into bench/gpu/wheels/ (ignored),
+# checked to fit the device tool's 64 MiB with the working tree (docs/gpu.md).
+gpu-wheels: | $(BIN)/python
+	PYTHON=$(BIN)/python bash bench/gpu/fetch_wheels.sh
