@@ -16,7 +16,8 @@ images are opened with PIL from the paths the rows give, relative to the data fi
 Each case records TRL's own batch (its collator, or its GRPO rollout code), the loss its trainer computes on it (a
 method called on a stand-in ``self`` carrying only what it reads; the models patched with TRL's
 ``add_fused_lm_head`` as its trainers patch them), the logged statistics, and the gradients of a few parameters
-(the vision block's qkv projection, the first decoder layer's query projection, the final norm) and the norm of all parameters' gradients together. Each batch names its images in order (``image_keys``;
+(the vision block's qkv projection, the first decoder layer's query projection, the final norm) and the norm of
+all parameters' gradients together. Each batch names its images in order (``image_keys``;
 ``images`` holds each image's ``image_grid_thw`` and its pixel rows processed alone, as three sums,
 ``pixel_summary``): the script checks TRL's batch ``pixel_values`` are those rows concatenated, and saves the
 batch's own summary instead of its pixel values.
@@ -218,7 +219,8 @@ def grpo_trainer(model, ref_model, processor, loss_type: str, completion_ids: li
         accelerator=accelerator(), environment_factories=None, environments=None, tools=[], rollout_func=None,
         chat_template=None, chat_template_kwargs={}, num_generations=NUM_GENERATIONS,
         num_generations_eval=NUM_GENERATIONS, num_iterations=1, use_vllm=False, pad_to_multiple_of=None,
-        mask_truncated_completions=False, eos_token_ids=list(GenerationConfig.from_pretrained(MODEL).eos_token_id), beta=0.04,
+        mask_truncated_completions=False, beta=0.04,
+        eos_token_ids=list(GenerationConfig.from_pretrained(MODEL).eos_token_id),
         multi_objective_aggregation="sum_then_normalize", reward_weights=torch.ones(1), scale_rewards="group",
         reward_func_names=["scripted"], log_multimodal=False, is_deepspeed_enabled=False,
         _logs={"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
@@ -264,7 +266,8 @@ def grpo_cases(model, ref_model, images: dict) -> list[dict]:
         loss.backward()
         stored = stored_batch(inputs, image_keys, images)
         out.append({"loss_type": loss_type, "beta": 0.04, "epsilon": 0.2, "rows": row_keys,
-                    "image_keys": image_keys, "completion_texts": list(COMPLETION_TEXTS), "rewards": torch.tensor(REWARDS),
+                    "image_keys": image_keys, "completion_texts": list(COMPLETION_TEXTS),
+                    "rewards": torch.tensor(REWARDS),
                     "num_generations": NUM_GENERATIONS, "batch": stored, "per_token_logps": own,
                     "loss": loss.detach(), "metrics": metrics_of(trainer), "grads": grads(model)})
     return out
