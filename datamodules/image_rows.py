@@ -33,12 +33,18 @@ def image_column(columns: Sequence[str]) -> str | None:
     return next((c for c in IMAGE_COLUMNS if c in columns), None)
 
 
+def image_columns(columns: Sequence[str]) -> list[str]:
+    """Every image column the data has (a JSONL file may give some rows ``images`` and others ``image``)."""
+    return [c for c in IMAGE_COLUMNS if c in columns]
+
+
 def check_text_model(raw: Any, processor: Any, label: str, tokenizer_name: Any) -> None:
     """Images given to a text model are refused naming the column (a text model would train on the text alone)."""
-    column = image_column(raw.column_names)
-    if processor is not None or column is None:
+    if processor is not None:
         return
-    if any(value for value in raw[column]):
+    for column in image_columns(raw.column_names):
+        if not any(value for value in raw[column]):
+            continue
         raise DataFormatError(
             f"The {label} data has an '{column}' column with images, and '{tokenizer_name}' is a text model (no "
             "image processor): its images would be ignored. Use a vision-language model, or drop the column.")

@@ -12,7 +12,7 @@ from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.shared_prefix import SharedPromptCollator, check_pack_length
 from lightalign.vision.inputs import ImageInputs
 from lightalign.datamodules.image_rows import (ImageRows, PromptImages, check_prompt_whole, check_text_model,
-                                               image_column, pad_token_extras)
+                                               image_column, image_columns, pad_token_extras)
 from lightalign.datamodules.formats import (
     DataFormatError,
     check_chat_template,
@@ -413,7 +413,7 @@ class PreferenceDataModule(TokenizedDataModule):
         margin = [MARGIN] if MARGIN in cols else []  # checked and made a float per row in _tokenize_batch
         image_rows = self.image_rows(raw, label)
         if image_rows is not None:
-            keep.append(image_column(cols))
+            keep += image_columns(cols)
         return raw.select_columns(keep + margin).map(
             _tokenize_batch,
             batched=True,

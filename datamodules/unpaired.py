@@ -26,7 +26,8 @@ from lightalign.datamodules.formats import (
 )
 from lightalign.datamodules.preference import TruncationMode, common_prefix_length, extract_prompt, truncate_pair
 from lightalign.datamodules.image_rows import (ImageRows, PromptImages, check_prompt_whole, check_text_model,
-                                               image_column, pad_token_extras)
+                                               image_column, image_columns, pad_token_extras)
+from lightalign.vision.images import row_image_values
 
 if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
     from datasets import Dataset
@@ -63,10 +64,9 @@ def unpair_rows(raw: Dataset, implicit: bool, numbers: list[int] | None = None) 
     from datasets import Dataset
 
     columns = {"prompt": prompts, "completion": completions, "label": labels, "pair": pairs}
-    column = image_column(raw.column_names)
-    if column is not None:
-        values = raw[column]
-        per_pair = [list(v) if column == "images" and v is not None else [] if v is None else [v] for v in values]
+    if image_column(raw.column_names) is not None:  # each pair's images as a list (from 'images' or 'image')
+        table = raw.select_columns(image_columns(raw.column_names))
+        per_pair = [row_image_values(row) for row in table]
         columns["images"] = [per_pair[p] for p in pairs]
     return Dataset.from_dict(columns)
 
@@ -291,7 +291,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
                     "('prompt', 'chosen', 'rejected'), which are unpaired on the fly."
                 )
             self.validate(raw, tokenizer, label, ["prompt", "completion"], labelled=True)
-            rows = raw.select_columns(["prompt", "completion", "label"] + [c for c in [image_column(cols)] if c])
+            rows = raw.select_columns(["prompt", "completion", "label"] + image_columns(cols))
             rows = rows.add_column("pair", [-1] * len(rows))
         else:
             detected = detect_format(raw) if {"prompt", "messages", "text", "completion"} & cols else "unknown"
