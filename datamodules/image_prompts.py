@@ -148,3 +148,13 @@ def has_image_rows(batch: dict[str, Any]) -> bool:
     images = batch.get("prompt_image_inputs")
     return images is not None and any(images.images_per_row)
 
+
+
+def prompt_image_entries(rollout: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's per-row image entries (``prompt_image_inputs`` and the ``prompt_<key>`` extras; not the prompt
+    ids or mask), to carry beside its tensors into every forward that scores its completions."""
+    images = rollout.get("prompt_image_inputs")
+    if images is None:
+        return {}
+    keys = ("prompt_image_inputs", *(f"prompt_{k}" for k in images.layout.token_keys))
+    return {k: rollout[k] for k in keys if k in rollout}

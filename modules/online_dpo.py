@@ -252,11 +252,14 @@ class OnlineDPOModule(SamplingModule):
 
     def pair_logps(self, rollout: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Per-token log-probs ``[2N, T]`` of the sampled completions under the policy (with gradients when
-        enabled) and the reference (no_grad)."""
+        enabled) and the reference (no_grad), each row with its prompt's images when it has them."""
         from lightalign.modules.training.rollout_forward import grpo_forward
+
+        from lightalign.datamodules.image_prompts import prompt_image_entries
 
         rows = {k: rollout[k].to(self.device) for k in ("prompt_ids", "prompt_mask", "completion_ids",
                                                         "completion_mask")}
+        rows.update({k: v.to(self.device) for k, v in prompt_image_entries(rollout).items()})  # the prompts' images
         with self.training_forward_context():
             policy = grpo_forward(self.model, rows, 1.0)[0]
         with torch.no_grad(), self.reference.model_for(self.ref_model, self.model) as ref:

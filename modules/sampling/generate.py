@@ -72,7 +72,7 @@ def generate_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     if return_logprobs:
         generate_kwargs.update(output_scores=True, return_dict_in_generate=True)
     if prompt_inputs:
-        suppressed = sorted({*generate_kwargs.pop("suppress_tokens", None) or (), *image_token_ids(model)})
+        suppressed = sorted({*(generate_kwargs.pop("suppress_tokens", None) or ()), *image_token_ids(model)})
         out = model.generate(input_ids=prompt_ids.repeat_interleave(num_generations, 0),
                              attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
                              **prompt_inputs, suppress_tokens=suppressed or None, **generate_kwargs)
