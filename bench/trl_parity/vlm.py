@@ -34,7 +34,8 @@ batch's own summary instead of its pixel values.
   padding, its image forward inputs and its reference forward) with generation replaced by scripted completion ids
   and the reward functions by scripted rewards (TRL turns them into advantages, ``scale_rewards="group"``); then
   ``GRPOTrainer._compute_loss`` (TRL's per-token log-prob forward with the images) with scripted old log-probs
-  (the policy's own plus seeded noise, so the clip acts), beta 0.04, epsilon 0.2, ``loss_type`` ``grpo`` and
+  (the policy's own plus seeded noise, so the clip acts), beta 0.04 (TRL's default ``use_bias_correction_kl``: the
+  KL term times the ratio), epsilon 0.2, ``loss_type`` ``grpo`` and
   ``dapo``.
 
 The file is ~1.2 MB (the state dict is most of it; pixel rows are saved as three sums per image or batch,
@@ -229,7 +230,7 @@ def grpo_trainer(model, ref_model, processor, loss_type: str, completion_ids: li
         state=types.SimpleNamespace(num_input_tokens_seen=0, global_step=0),
         args=types.SimpleNamespace(per_device_train_batch_size=len(completion_ids), steps_per_generation=1,
                                    gradient_accumulation_steps=1, gradient_checkpointing_kwargs=None,
-                                   use_bias_correction_kl=False, delta=None, report_to=[], device=torch.device("cpu"),
+                                   use_bias_correction_kl=True, delta=None, report_to=[], device=torch.device("cpu"),
                                    past_index=-1),
         loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2, importance_sampling_level="token",
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, vllm_importance_sampling_correction=False,
