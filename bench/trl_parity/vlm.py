@@ -6,7 +6,9 @@ Regenerate by hand from the repository root, in the bench venv (TRL never enters
     OMP_NUM_THREADS=1 .venv-bench/bin/python bench/trl_parity/vlm.py   # writes tests/fixtures/trl_vlm_parity.pt
 
 Nothing of lightalign is imported. The model is the shipped ``assets/models/tiny-qwen2-vl`` folder built with
-``from_config`` under ``torch.manual_seed(0)`` (float32; its state dict is saved, 211k parameters); the reference
+``from_config`` under ``torch.manual_seed(0)``, its ``initializer_range`` raised from 0.02 to 0.2 (``INIT_STD``: with
+near-uniform attention the images and the positions would barely move the losses) (float32; its state dict is saved,
+211k parameters); the reference
 model is that model with the last decoder layer's ``down_proj`` and the final norm taken from a second seeded build
 (only those tensors are saved, ``ref_overrides``), so reference log-probs differ from the policy's. The processor is the
 folder's ``Qwen2VLProcessor`` built image-only (without its video processor, which needs torchvision), as
@@ -69,6 +71,7 @@ DATA = ROOT / "examples" / "data"
 OUT = ROOT / "tests" / "fixtures" / "trl_vlm_parity.pt"
 SFT_ROWS, DPO_ROWS, GRPO_ROWS = (0, 3), (0, 1), (0, 2)
 NUM_GENERATIONS = 2
+INIT_STD = 0.2
 GRAD_PARAMS = ("model.visual.blocks.0.attn.qkv.weight", "model.language_model.layers.0.self_attn.q_proj.weight",
                "model.language_model.norm.weight")
 REF_OVERRIDE_PREFIXES = ("model.language_model.layers.1.mlp.down_proj.", "model.language_model.norm.")
@@ -87,8 +90,13 @@ def load_processor(**kwargs):
 
 
 def build_model(seed: int) -> torch.nn.Module:
+    """The folder's model from its config, initialised with a wider spread (``INIT_STD``) than its 0.02, so the
+    attention is peaked enough for the image features and the positions to move the losses clearly."""
+    config = AutoConfig.from_pretrained(MODEL)
+    for part in (config, config.text_config, config.vision_config):
+        part.initializer_range = INIT_STD
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(MODEL))
+    model = AutoModelForImageTextToText.from_config(config)
     return model.float().train()
 
 
