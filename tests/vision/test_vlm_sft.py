@@ -182,9 +182,10 @@ def test_bad_rows_are_refused_at_setup_naming_the_row(repo, tmp_path):
     path = _write(tmp_path, [good])
     with pytest.raises(DataFormatError, match=r"image column 'images', and '.*assets/models/tiny' is a text-only"):
         SFTDataModule(str(path), str(repo / "assets/models/tiny")).setup("fit")
-    for knob in ("packing", "padding_free"):
+    for knob, value in (("packing", True), ("padding_free", True), ("group_by_length", True),
+                        ("truncation_mode", "keep_end")):
         with pytest.raises(DataFormatError, match=f"{knob} is not supported for SFT data with images"):
-            _datamodule(repo, path, **{knob: True})
+            _datamodule(repo, path, **{knob: value})
 
 
 def test_max_length_never_cuts_inside_an_image(repo, conversations):
@@ -327,3 +328,17 @@ def test_console_script_fits_the_shipped_config(repo, tmp_path):
     assert (export / "processor_config.json").is_file() and (export / "model.safetensors").is_file()
     metrics = (next(tmp_path.rglob("metrics.csv"))).read_text()
     assert "val/loss" in metrics and "train/loss" in metrics
+
+
+def test_the_card_of_a_vision_language_adapter_loads_its_base_with_the_image_text_class():
+    """peft's ``AutoPeftModelForCausalLM`` would build the base with ``AutoModelForCausalLM`` (no class for most VLMs):
+    the snippet builds it with ``AutoModelForImageTextToText`` and puts the adapter on it."""
+    from lightalign.modules.training.model_card import model_card_text
+
+    common = dict(method="SFTModule", base_model="Qwen/Qwen2-VL-2B-Instruct", hparams={}, defaults={}, metrics={},
+                  versions={}, folder="/x/hf_model", vision_language=True)
+    adapter = model_card_text(**common, library_name="peft", auto_class="AutoPeftModelForCausalLM")
+    assert ('base = AutoModelForImageTextToText.from_pretrained("Qwen/Qwen2-VL-2B-Instruct")\n'
+            "model = PeftModel.from_pretrained(base, folder)\nprocessor = AutoProcessor.from_pretrained(folder)") in adapter
+    full = model_card_text(**common, auto_class="AutoModelForImageTextToText", pipeline_tag="image-text-to-text")
+    assert "from transformers import AutoModelForImageTextToText, AutoProcessor" in full and "vision-language" in full
