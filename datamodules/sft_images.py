@@ -113,8 +113,9 @@ def store_image_rows(raw: Dataset, fmt: str, processor: Any, *, label: str, text
 
 def _prompt_completion(row: dict[str, Any], processor: Any, number: int, where: str, count: int) -> dict[str, str]:
     prompt, completion = _restored(row["prompt"]), _restored(row["completion"])
-    validate_field(prompt, number, "prompt")
-    validate_field(completion, number, "completion")
+    view = lambda value: _text_view(value) if is_conversation(value) else value  # noqa: E731
+    validate_field(view(prompt), number, "prompt")
+    validate_field(view(completion), number, "completion")
     if is_conversation(prompt) != isinstance(completion, list):
         raise DataFormatError(f"{where}: 'prompt' and 'completion' must both be strings or both be message lists.")
     if is_conversation(prompt):

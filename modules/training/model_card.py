@@ -144,20 +144,28 @@ def model_card_text(
     preprocessor = "AutoProcessor" if vision_language else "AutoTokenizer"
     loaded = "processor" if vision_language else "tokenizer"
 
+    # a vision-language adapter: peft's AutoPeftModelForCausalLM would load the base with AutoModelForCausalLM, which
+    # has no class for most VLMs, so the base is loaded with AutoModelForImageTextToText and the adapter put on it
+    vlm_adapter = vision_language and auto_class.startswith("AutoPeft")
     lines += ["## How to load", "", "```python", f"from transformers import {preprocessor}"]
-    if auto_class.startswith("AutoPeft"):
+    if vlm_adapter:
+        lines[-1] = f"from transformers import AutoModelForImageTextToText, {preprocessor}"
+        lines += ["from peft import PeftModel", ""]
+    elif auto_class.startswith("AutoPeft"):
         lines += [f"from peft import {auto_class}", ""]
     else:
         lines[-1] = f"from transformers import {auto_class}, {preprocessor}"
         lines += [""]
-    if repo_id:
-        lines += [f'model = {auto_class}.from_pretrained("{repo_id}")',
-                  f'{loaded} = {preprocessor}.from_pretrained("{repo_id}")', "```", ""]
-    else:
+    where = json.dumps(repo_id) if repo_id else "folder"
+    if not repo_id:
         lines += ["# the folder this card is in (moved or copied: its new path)",
-                  f"folder = {json.dumps(folder or 'path/to/this/folder', ensure_ascii=False)}",
-                  f"model = {auto_class}.from_pretrained(folder)",
-                  f"{loaded} = {preprocessor}.from_pretrained(folder)", "```", ""]
+                  f"folder = {json.dumps(folder or 'path/to/this/folder', ensure_ascii=False)}"]
+    if vlm_adapter:
+        lines += [f"base = AutoModelForImageTextToText.from_pretrained({json.dumps(base_model)})",
+                  f"model = PeftModel.from_pretrained(base, {where})"]
+    else:
+        lines += [f"model = {auto_class}.from_pretrained({where})"]
+    lines += [f"{loaded} = {preprocessor}.from_pretrained({where})", "```", ""]
 
     lines += ["## Data", ""]
     if data is not None:

@@ -108,6 +108,30 @@ def test_per_row_batch_equals_the_processors_batch_and_image_tokens_are_never_ta
         assert dm.tokenizer.decode(batch["labels"][1][batch["labels"][1] != -100]) == "blue<|im_end|>"
 
 
+@pytest.mark.parametrize("case", ["messages", "messages_assistant_only", "prompt_completion"])
+def test_batches_equal_trls_vision_collator(repo, tmp_path, case):
+    """TRL 1.16's ``DataCollatorForVisionLanguageModeling`` on three demo rows (one with two images), saved by
+    bench/trl_parity/sft_vlm.py: our per-row batch has its tokens, masks, ``mm_token_type_ids``, image grid and pixels,
+    and its labels except on image tokens (TRL trains them when the whole sequence is the target; we never do).
+    Mutations: the completion's ``mm_token_type_ids`` not zero-padded, the assistant mask ignored, or the image-token
+    mask removed -> a tensor differs."""
+    fixture = torch.load(repo / "tests/fixtures/trl_sft_vlm_parity.pt", weights_only=True)[case]
+    rows, kwargs, ref = json.loads(fixture["rows"]), json.loads(fixture["kwargs"]), fixture["batch"]
+    data = _write(tmp_path, [{**r, "images": [str(repo / "examples/data" / p) for p in r["images"]]} for r in rows])
+    dm = _datamodule(repo, data, max_length=None, **kwargs)
+    batch = dm.collate_fn()([dm.train_dataset[i] for i in range(len(rows))])
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        torch.testing.assert_close(batch[key], ref[key], rtol=0, atol=0, msg=key)
+    images = batch["image_inputs"].tensors()
+    torch.testing.assert_close(images["image_grid_thw"], ref["image_grid_thw"], rtol=0, atol=0)
+    pixels = images["pixel_values"].double()
+    stats = torch.tensor([*pixels.shape, pixels.sum(), (pixels ** 2).sum()], dtype=torch.float64)
+    torch.testing.assert_close(stats, ref["pixel_values_stats"], rtol=1e-9, atol=0)
+    on_image = batch["input_ids"] == dm.processor.image_token_id
+    torch.testing.assert_close(batch["labels"], ref["labels"].masked_fill(on_image, -100), rtol=0, atol=0)
+    assert (ref["labels"][on_image] != -100).any() == (case == "messages")  # where TRL trains on image tokens
+
+
 def test_prompt_completion_and_text_rows(repo, tmp_path):
     """Prompt-completion: loss on the completion only (``completion_only_loss``), the prompt processed with its
     images, the completion after it; ``text`` rows with the processor's image token. Mutation: the completion's
@@ -158,9 +182,10 @@ def test_bad_rows_are_refused_at_setup_naming_the_row(repo, tmp_path):
     path = _write(tmp_path, [good])
     with pytest.raises(DataFormatError, match=r"image column 'images', and '.*assets/models/tiny' is a text-only"):
         SFTDataModule(str(path), str(repo / "assets/models/tiny")).setup("fit")
-    for knob in ("packing", "padding_free"):
+    for knob, value in (("packing", True), ("padding_free", True), ("group_by_length", True),
+                        ("truncation_mode", "keep_end")):
         with pytest.raises(DataFormatError, match=f"{knob} is not supported for SFT data with images"):
-            _datamodule(repo, path, **{knob: True})
+            _datamodule(repo, path, **{knob: value})
 
 
 def test_max_length_never_cuts_inside_an_image(repo, conversations):
@@ -303,3 +328,17 @@ def test_console_script_fits_the_shipped_config(repo, tmp_path):
     assert (export / "processor_config.json").is_file() and (export / "model.safetensors").is_file()
     metrics = (next(tmp_path.rglob("metrics.csv"))).read_text()
     assert "val/loss" in metrics and "train/loss" in metrics
+
+
+def test_the_card_of_a_vision_language_adapter_loads_its_base_with_the_image_text_class():
+    """peft's ``AutoPeftModelForCausalLM`` would build the base with ``AutoModelForCausalLM`` (no class for most VLMs):
+    the snippet builds it with ``AutoModelForImageTextToText`` and puts the adapter on it."""
+    from lightalign.modules.training.model_card import model_card_text
+
+    common = dict(method="SFTModule", base_model="Qwen/Qwen2-VL-2B-Instruct", hparams={}, defaults={}, metrics={},
+                  versions={}, folder="/x/hf_model", vision_language=True)
+    adapter = model_card_text(**common, library_name="peft", auto_class="AutoPeftModelForCausalLM")
+    assert ('base = AutoModelForImageTextToText.from_pretrained("Qwen/Qwen2-VL-2B-Instruct")\n'
+            "model = PeftModel.from_pretrained(base, folder)\nprocessor = AutoProcessor.from_pretrained(folder)") in adapter
+    full = model_card_text(**common, auto_class="AutoModelForImageTextToText", pipeline_tag="image-text-to-text")
+    assert "from transformers import AutoModelForImageTextToText, AutoProcessor" in full and "vision-language" in full
