@@ -144,7 +144,9 @@ def test_kto_sequences_and_mismatched_sequences_see_their_own_prompts_images(tmp
              "label": False, "images": ["img1.png"]},
             {"prompt": _user("Is it tall?"), "completion": [{"role": "assistant", "content": "yes"}],
              "label": True, "images": ["img2.png"]}]
-    dm = UnpairedPreferenceDataModule(str(_write(tmp_path, rows)), processor, batch_size=3, shuffle=False)
+    # one size for every image: wrong images would then give wrong values, not a shape error
+    path = _write(tmp_path, rows, sizes=((56, 56),) * 3)
+    dm = UnpairedPreferenceDataModule(str(path), processor, batch_size=3, shuffle=False)
     dm.setup("fit")
     batch = dm.collate_fn()([dm.train_dataset[i] for i in range(3)])
     model = _model(qwen, 0)
