@@ -135,6 +135,23 @@ def test_dpo_loss_on_our_batch_equals_the_hand_built_one(tmp_path, qwen, process
         assert not torch.allclose(module._pair_logps(policy, text_only)[0], pol[:3], atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["tiny-gemma3", "tiny-smolvlm"])
+def test_other_families_batches_equal_the_processors_own(tmp_path, repo, family):
+    """Gemma 3's ``token_type_ids`` (per token: 0 on completions and padding) and SmolVLM's per-row
+    ``pixel_values`` / ``pixel_attention_mask`` follow the ``[chosen; rejected]`` rows as the processor batches
+    them. Mutation: ``pad_token_extras`` padding with 1 -> Gemma 3's ``token_type_ids`` differ."""
+    processor = load_processor(str(repo / "assets/models" / family))
+    dm = _pair_data(_write(tmp_path, _pairs()), processor)
+    batch = dm.collate_fn()([dm.train_dataset[i] for i in range(3)])
+    images = [Image.open(tmp_path / f"img{i}.png").convert("RGB") for i in range(3)]
+    expected, completion = _hand_built_batch(processor, _pairs(), images)
+    tensors = batch["image_inputs"].tensors()
+    assert set(expected) == {"input_ids", "attention_mask"} | set(tensors) | set(dm.image_layout.token_keys)
+    for key, value in expected.items():
+        assert torch.equal(batch[key] if key in batch else tensors[key], value), key
+    assert torch.equal(batch["completion_mask"], completion)
+
+
 def test_kto_sequences_and_mismatched_sequences_see_their_own_prompts_images(tmp_path, qwen, processor):
     """Each row and its mismatched (KL) sequence = its prompt with its image + the partner's completion, as the
     processor gives that sequence alone. Mutation: the collator giving ``kl_image_inputs`` the partner rows'
