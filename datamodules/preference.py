@@ -291,6 +291,12 @@ class PreferenceDataModule(TokenizedDataModule):
     ``margin`` column (per pair, as TRL's reward data has) reaches the batches as ``margin``; ``RewardModule``
     reads it, the other methods ignore it.
 
+    With a vision-language model, an ``images`` / ``image`` column (TRL's) shows each pair's prompt its images:
+    rows checked and prompts expanded at setup (``ImageRows``; an image row's prompt is kept whole, a row that
+    would need a cut is refused naming it), each prompt processed with its images in the collator
+    (``PromptImages``: ``batch["image_inputs"]`` for the chosen rows and again for the rejected rows, and the
+    token-aligned extras). ``prompt_sharing`` and ``padding_free`` are refused with image rows.
+
     Args:
         path: training data: a local json/jsonl/parquet/csv file or folder, a hub dataset name, or a ``Dataset``.
         tokenizer: a tokenizer or its name/path (the CLI links it to the model's ``model_name_or_path``).
@@ -442,9 +448,9 @@ class PreferenceDataModule(TokenizedDataModule):
         if self.processor is None or image_column(raw.column_names) is None:
             return None
         for knob, on, why in (
-                ("prompt_sharing", self.prompt_sharing, "its [prompt, chosen, rejected] segments give the rejected "
-                 "tokens 1-D positions continuing the prompt's, which the model's multimodal positions (Qwen's mRoPE "
-                 "from image_grid_thw) are not measured against"),
+                ("prompt_sharing", self.prompt_sharing, "its [prompt, chosen, rejected] segments pass 1-D "
+                 "position_ids, and a multimodal-rotary model (Qwen-VL's mRoPE from image_grid_thw) then gives other "
+                 "log-probs than each pair alone (docs/vlm.md, 'DPO and KTO')"),
                 ("padding_free", self.padding_free, "its one row of back-to-back sequences passes 1-D position_ids, "
                  "which a multimodal-rotary model (Qwen-VL) must not get")):
             if on:

@@ -206,6 +206,10 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
     mismatched completions are its own completions; with ``shuffle: true`` (the default here) they come from
     other rows of the data, still never the row's own.
 
+    With a vision-language model, an ``images`` / ``image`` column (TRL's; paired rows give both their rows the
+    pair's images) shows each prompt its images, checked and expanded at setup as ``PreferenceDataModule`` does; a
+    row's mismatched sequence is its own prompt, so ``kl_image_inputs`` are the row's own images.
+
     Args:
         path: training data: a local json/jsonl/parquet file or folder, a hub dataset name, or a ``Dataset``.
         tokenizer: a tokenizer or its name/path (the CLI links it to the model's ``model_name_or_path``).

@@ -127,11 +127,29 @@ def test_dpo_loss_on_our_batch_equals_the_hand_built_one(tmp_path, qwen, process
     pol, ref = _logps_by_hand(policy, expected, completion), _logps_by_hand(reference, expected, completion)
     margin = (pol[:3] - ref[:3]) - (pol[3:] - ref[3:])
     by_hand = -torch.nn.functional.logsigmoid(BETA * margin).mean()
-    torch.testing.assert_close(loss.detach(), by_hand, atol=1e-6, rtol=1e-6)
+    # float32 sums of a few token log-probs on both sides: ~1e-6 each, scaled by beta in the loss
+    torch.testing.assert_close(loss.detach(), by_hand, atol=1e-5, rtol=0)
     # the images matter to this loss at this tolerance: the same rows without them give another one
     text_only = {k: v for k, v in batch.items() if k != "image_inputs"}
     with torch.no_grad():
         assert not torch.allclose(module._pair_logps(policy, text_only)[0], pol[:3], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["tiny-gemma3", "tiny-smolvlm"])
+def test_other_families_batches_equal_the_processors_own(tmp_path, repo, family):
+    """Gemma 3's ``token_type_ids`` (per token: 0 on completions and padding) and SmolVLM's per-row
+    ``pixel_values`` / ``pixel_attention_mask`` follow the ``[chosen; rejected]`` rows as the processor batches
+    them. Mutation: ``pad_token_extras`` padding with 1 -> Gemma 3's ``token_type_ids`` differ."""
+    processor = load_processor(str(repo / "assets/models" / family))
+    dm = _pair_data(_write(tmp_path, _pairs()), processor)
+    batch = dm.collate_fn()([dm.train_dataset[i] for i in range(3)])
+    images = [Image.open(tmp_path / f"img{i}.png").convert("RGB") for i in range(3)]
+    expected, completion = _hand_built_batch(processor, _pairs(), images)
+    tensors = batch["image_inputs"].tensors()
+    assert set(expected) == {"input_ids", "attention_mask"} | set(tensors) | set(dm.image_layout.token_keys)
+    for key, value in expected.items():
+        assert torch.equal(batch[key] if key in batch else tensors[key], value), key
+    assert torch.equal(batch["completion_mask"], completion)
 
 
 def test_kto_sequences_and_mismatched_sequences_see_their_own_prompts_images(tmp_path, qwen, processor):
@@ -144,7 +162,9 @@ def test_kto_sequences_and_mismatched_sequences_see_their_own_prompts_images(tmp
              "label": False, "images": ["img1.png"]},
             {"prompt": _user("Is it tall?"), "completion": [{"role": "assistant", "content": "yes"}],
              "label": True, "images": ["img2.png"]}]
-    dm = UnpairedPreferenceDataModule(str(_write(tmp_path, rows)), processor, batch_size=3, shuffle=False)
+    # one size for every image: wrong images would then give wrong values, not a shape error
+    path = _write(tmp_path, rows, sizes=((56, 56),) * 3)
+    dm = UnpairedPreferenceDataModule(str(path), processor, batch_size=3, shuffle=False)
     dm.setup("fit")
     batch = dm.collate_fn()([dm.train_dataset[i] for i in range(3)])
     model = _model(qwen, 0)
