@@ -12,7 +12,7 @@ column (``images``: a list per row, ``image``: one).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -99,14 +99,16 @@ class ImagePromptCollator:
     """``PromptCollator``'s batch for rows with images (see the module docstring): ``prompt_input_ids`` /
     ``prompt_attention_mask`` left-padded, ``prompt_image_inputs`` (``ImageInputs``, batch row order), each
     token-aligned extra as ``prompt_<key>`` (left-padded with 0), ``prompts`` as in the data, and ``columns`` with
-    the images as PIL images under ``column``."""
+    the images as PIL images under ``column``. ``left_pad``: ``PromptCollator``'s padding of prompt ids
+    (``prompt.left_pad``), so both collators pad alike."""
 
-    def __init__(self, processor: Any, layout: Any, column: str) -> None:
-        self.processor, self.layout, self.column = processor, layout, column
+    def __init__(self, processor: Any, layout: Any, column: str, left_pad: Callable) -> None:
+        self.processor, self.layout, self.column, self.left_pad = processor, layout, column, left_pad
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        from lightalign.datamodules.prompt import left_pad
         from lightalign.vision import ImageInputs, encode_row
+
+        left_pad = self.left_pad
 
         encoded, images = [], []
         for row in rows:

@@ -83,7 +83,9 @@ class PromptDataModule(TokenizedDataModule):
     """Prompts for online RL (GRPO) from any TRL prompt-only dataset.
 
     ``prompt`` is a string or a conversation (the chat template is applied with the generation prompt); every
-    other column (e.g. ``answer``) is kept and reaches the reward functions as a keyword list. The number of
+    other column (e.g. ``answer``) is kept and reaches the reward functions as a keyword list. For a
+    vision-language model, an ``images`` (or ``image``) column gives each prompt its images (TRL's format; rows
+    checked and batched by ``image_prompts``: ``prepare_image_prompts``, ``ImagePromptCollator``). The number of
     prompts per training batch is set by the module (``generation_batch_size / num_generations``) through
     ``configure_rollout``; ``batch_size`` applies to validation (``val_batch_size``).
 
@@ -126,7 +128,7 @@ class PromptDataModule(TokenizedDataModule):
         if self.processor is not None:  # a vision-language model: each row through the processor (its images)
             from lightalign.datamodules.image_prompts import ImagePromptCollator
 
-            return ImagePromptCollator(self.processor, self.image_layout, self.image_column or "images")
+            return ImagePromptCollator(self.processor, self.image_layout, self.image_column or "images", left_pad)
         return PromptCollator(self.tokenizer.pad_token_id)
 
     @property

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from lightalign.modules.training.logprobs import image_token_ids
+
 
 # The sampling knobs every backend gives generate()'s meaning (the others are generate()-only GenerationConfig fields).
 SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -93,11 +95,3 @@ def generate_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     logps = torch.log_softmax(scores, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
     return out.sequences, logps
 
-
-def image_token_ids(model: torch.nn.Module) -> list[int]:
-    """The placeholder token ids a vision-language model's config names (``image_token_id``, ``video_token_id``,
-    ``image_token_index``); ``[]`` for a text model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    ids = (getattr(config, name, None) for name in ("image_token_id", "video_token_id", "image_token_index"))
-    return sorted({int(i) for i in ids if isinstance(i, int)})

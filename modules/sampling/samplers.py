@@ -70,10 +70,11 @@ class GenerateSampler(Sampler):
     name = "generate"
 
     def sample(self, model, prompt_ids, prompt_mask, num_generations, *, eos, pad_token_id, max_new_tokens,
-               share_prefill=True, continuous_config=None, return_logprobs=False, prompt_inputs=None, **sampling):
+               share_prefill=True, continuous_config=None, return_logprobs=False, **sampling):
         from lightalign.modules.sampling.generate import generate_groups
         from lightalign.strategies.sharding import generation_context
 
+        prompt_inputs = sampling.pop("prompt_inputs", None)  # image prompts' inputs (sample_groups), repeated
         with generation_context(model) as extra:  # full parameters under FSDP2 / ZeRO-3, released after
             out = generate_groups(model, prompt_ids, prompt_mask, num_generations, share_prefill=share_prefill,
                                   return_logprobs=return_logprobs, prompt_inputs=prompt_inputs, **extra,

@@ -153,12 +153,30 @@ def padded_position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def prompt_image_kwargs(rows: dict[str, Any], completion_width: int) -> dict[str, torch.Tensor]:
+def image_token_ids(model: torch.nn.Module) -> list[int]:
+    """The placeholder token ids a vision-language model's config names (``image_token_id``, ``video_token_id``,
+    ``image_token_index``); ``[]`` for a text model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    ids = (getattr(config, name, None) for name in ("image_token_id", "video_token_id", "image_token_index"))
+    return sorted({int(i) for i in ids if isinstance(i, int)})
+
+
+def prompt_image_kwargs(model: torch.nn.Module, rows: dict[str, Any], completion_width: int
+                        ) -> dict[str, torch.Tensor]:
     """What a forward of ``[left-padded prompt, completion]`` rows adds for their prompts' images: the rows' image
     tensors (``prompt_image_inputs``) and each token-aligned extra (``prompt_<key>``) continued with 0 over the
-    ``completion_width`` completion tokens (text). ``{}`` when no row has an image."""
+    ``completion_width`` completion tokens (text). ``{}`` when no row has an image; rows whose prompts hold the
+    model's image placeholder tokens without their images are refused (a model would read the placeholders as
+    plain tokens, silently)."""
     images = rows.get("prompt_image_inputs")
     if images is None or not any(images.images_per_row):
+        placeholders = image_token_ids(model)
+        if placeholders and torch.isin(rows["prompt_ids"], torch.tensor(placeholders, device=rows["prompt_ids"].device)
+                                       ).any():
+            raise ValueError("These prompts hold image placeholder tokens but no images reached the forward that "
+                             "scores their completions; a prompt batch with images carries them as "
+                             "'prompt_image_inputs' (PromptDataModule with a vision-language model's processor).")
         return {}
     out = dict(images.tensors())
     for key in images.layout.token_keys:
@@ -196,7 +214,7 @@ def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor], thr
     t = rows["completion_ids"].shape[1]
     input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
     attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
-    images = prompt_image_kwargs(rows, t)
+    images = prompt_image_kwargs(model, rows, t)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1,
                   **images, **forward_positions(model, attention_mask, images))
     logits = model(**inputs).logits

@@ -37,7 +37,7 @@ def grpo_forward(model: torch.nn.Module, mb: dict[str, Any], temperature: float 
     input_ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
     # a tool rollout's loss mask leaves out the tool results, which its attention mask keeps
     attention_mask = torch.cat([mb["prompt_mask"], mb.get("completion_attention_mask", mb["completion_mask"])], dim=1)
-    images = prompt_image_kwargs(mb, t)  # the prompts' images (none for text rows)
+    images = prompt_image_kwargs(model, mb, t)  # the prompts' images (none for text rows)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1,
                   **images, **forward_positions(model, attention_mask, images))
     logits = model(**inputs).logits[:, :-1] / temperature  # the sampling distribution

@@ -141,7 +141,7 @@ def test_generate_samples_with_the_images(setup):
     sampled. Mutation: the image inputs dropped from ``generate`` (``generate_groups`` without ``prompt_inputs``)
     -> the log-probs of the image rows differ."""
     from lightalign.modules.sampling.completions import sample_completions
-    from lightalign.modules.sampling.generate import image_token_ids
+    from lightalign.modules.training.logprobs import image_token_ids
     from lightalign.modules.training.rollout_forward import grpo_forward
 
     torch.manual_seed(0)
@@ -193,7 +193,8 @@ def test_backends_other_than_generate_and_unmeasured_layouts_are_refused(setup):
     from lightalign.modules.sampling.samplers import sample_groups
 
     for backend in ("compact", "continuous", "static"):
-        with pytest.raises(ValueError, match=f"backend '{backend}' \\(generation_backend.*generation_backend: generate"):
+        refused = f"backend '{backend}' \\(generation_backend.*set generation_backend: generate"
+        with pytest.raises(ValueError, match=refused):
             choose_sampler(setup.model, SamplingConfig(backend=backend, share_prefill=False), 2, images=True)
     assert choose_sampler(setup.model, SamplingConfig(share_prefill=False), 2, images=True) == (
         "generate", "generation generate (the prompts have images: only generate samples with them)")
@@ -253,13 +254,16 @@ def _fit(repo, tmp_path, config, *args):
     return out, {k for row in rows for k, v in row.items() if v}, rows
 
 
-@pytest.mark.parametrize("config, logged", [
-    ("vlm_grpo_tiny.yaml", {"train/reward/mean", "train/kl", "train/loss"}),
-    ("vlm_rloo_tiny.yaml", {"train/reward/mean", "train/kl", "train/loss"}),
-    ("vlm_online_dpo_tiny.yaml", {"train/reward/mean", "train/loss", "train/rewards/margins"}),
+@pytest.mark.parametrize("config, steps, logged", [
+    ("vlm_grpo_tiny.yaml", 2, {"train/reward/mean", "train/kl", "train/loss"}),
+    ("vlm_rloo_tiny.yaml", 1, {"train/reward/mean", "train/kl", "train/loss"}),
+    ("vlm_online_dpo_tiny.yaml", 1, {"train/reward/mean", "train/loss", "train/rewards/margins"}),
 ])
-def test_shipped_vlm_online_configs_train_through_the_console_script(repo, tmp_path, config, logged):
-    """Each shipped config trains two steps on the demo image prompts, sampling on ``generate`` with the images."""
-    out, keys, rows = _fit(repo, tmp_path, config, "--trainer.max_steps", "2")
-    assert logged <= keys and max(int(r["step"]) for r in rows) >= 1
+def test_shipped_vlm_online_configs_train_through_the_console_script(repo, tmp_path, config, steps, logged):
+    """Each shipped config trains on the demo image prompts (GRPO two steps; RLOO and online DPO one), sampling on
+    ``generate`` with the images. Mutations: the rollout's micro-batches without the prompts' images
+    (``_make_rollout``), or online DPO's pair forward without them (``pair_logps``) -> the forward refuses image
+    placeholder tokens without images, and the run fails."""
+    out, keys, rows = _fit(repo, tmp_path, config, "--trainer.max_steps", str(steps), "--export.enabled", "false")
+    assert logged <= keys and max(int(r["step"]) for r in rows) == steps - 1
     assert "generation generate (the prompts have images: only generate samples with them)" in out.stdout + out.stderr
