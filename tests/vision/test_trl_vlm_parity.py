@@ -228,8 +228,8 @@ def test_grpo_batch_loss_and_gradients_equal_trl(grpo_rollout, loss_type):
     """Our prompt batch repeated for the generations is TRL's rollout batch (left-padded prompt ids and mask,
     ``mm_token_type_ids`` over the prompt, images per completion row); ``grpo_forward`` gives TRL's per-token
     log-probs (policy and reference, the images in both forwards, the model's own mRoPE positions), and
-    ``grpo_loss`` on them with TRL's advantages and old log-probs gives TRL's ``GRPOTrainer._compute_loss`` and its
-    gradients (the KL term with TRL's bias correction)."""
+    ``grpo_loss`` on them with TRL's advantages and old log-probs gives TRL's ``GRPOTrainer._compute_loss``, its
+    gradients (the KL term with TRL's bias correction) and its KL and clip statistics."""
     from lightalign.modules.losses.grpo import GRPOLossConfig, grpo_loss
     from lightalign.modules.training.rollout_forward import grpo_forward
 
@@ -250,9 +250,12 @@ def test_grpo_batch_loss_and_gradients_equal_trl(grpo_rollout, loss_type):
         ref_logps = grpo_forward(reference, mb)[0] * mask
     assert_close(ref_logps, theirs["ref_per_token_logps"], "reference per-token log-probs")
     config = GRPOLossConfig(loss_type=loss_type, epsilon=case["epsilon"], use_bias_correction_kl=True)
-    loss, _ = grpo_loss(logps, theirs["old_per_token_logps"], theirs["advantages"], mask, config=config,
-                        beta=case["beta"], ref_per_token_logps=ref_logps,
-                        num_items_in_batch=theirs["num_items_in_batch"])
+    loss, stats = grpo_loss(logps, theirs["old_per_token_logps"], theirs["advantages"], mask, config=config,
+                            beta=case["beta"], ref_per_token_logps=ref_logps,
+                            num_items_in_batch=theirs["num_items_in_batch"])
     loss.backward()
     assert_close(loss, case["loss"], "loss")
     assert_grads_match(policy, case)
+    for name in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert_close(stats[name], case["metrics"][name].float(), name)
+    assert case["metrics"]["clip_ratio/region_mean"] > 0  # the scripted old log-probs make the clip act
