@@ -81,8 +81,10 @@ class HFExport(L.Callback):
                            + ", ".join(p.name for p in left))
 
     def _tokenizer(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+        """What is saved beside the model: the data module's processor for a vision-language model (tokenizer, image
+        processor and chat template), else its tokenizer."""
         datamodule = getattr(trainer, "datamodule", None)
-        tok = getattr(datamodule, "tokenizer", None)
+        tok = getattr(datamodule, "processor", None) or getattr(datamodule, "tokenizer", None)
         return tok if tok is not None else getattr(pl_module, "tokenizer", None)
 
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule, output_dir: Path) -> None:
@@ -151,6 +153,7 @@ def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, 
     data = getattr(datamodule, "path", None)
     adapter = (folder / "adapter_config.json").is_file()
     classifier = type(pl_module).__name__ == "RewardModule"
+    vision = bool(getattr(pl_module, "is_vision_language", False)) and not classifier
     return dict(
         method=type(pl_module).__name__,
         method_name=getattr(pl_module, "method_name", None),
@@ -171,8 +174,10 @@ def card_inputs(folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, 
         folder=str(Path(folder).resolve()),
         library_name="peft" if adapter else "transformers",
         auto_class=("AutoPeftModelForSequenceClassification" if classifier else "AutoPeftModelForCausalLM") if adapter
-        else ("AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"),
-        pipeline_tag="text-classification" if classifier else "text-generation",
+        else ("AutoModelForSequenceClassification" if classifier else
+              "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"),
+        pipeline_tag="text-classification" if classifier else "image-text-to-text" if vision else "text-generation",
+        vision_language=vision,
     )
 
 

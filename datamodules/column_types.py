@@ -5,7 +5,9 @@ numbers (or fails), so a check after loading names a row that was fine (``row 0 
 file's bad line. ``ColumnTypes`` sees every row as ``json.loads`` returns it (the source check parses each line
 anyway) and records, per column and per field inside one (``messages[].content``, ``chosen[].role``), how many rows
 hold each JSON type and the first line of each. A column holding two types is refused naming the line of the rarer
-one (the odd one out), its value, and the type the other rows have. ``null`` (and a missing key) is no type: rows may
+one (the odd one out), its value, and the type the other rows have. A message's ``content`` may mix strings and
+lists of content parts (TRL's image conversations: parts in the user turn, a string answer), which ``datasets``
+keeps as JSON values. ``null`` (and a missing key) is no type: rows may
 leave a column out. Integers and floats are one type (numbers).
 """
 
@@ -68,7 +70,7 @@ class ColumnTypes:
 
     def check(self) -> None:
         for path, kinds in self.seen.items():
-            if len(kinds) < 2:
+            if len(kinds) < 2 or (path.endswith("[].content") and set(kinds) == {"string", "list"}):
                 continue
             # the odd one out: the rarest type (on a tie, the one that appeared later)
             odd = min(kinds, key=lambda k: (kinds[k][0], -kinds[k][1]))

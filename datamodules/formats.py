@@ -124,6 +124,9 @@ def validate_messages(messages: Any, row: int, column: str, require_assistant: b
                 _check_tool_calls(msg["tool_calls"], f"{where}, message {i} (assistant)")
             if role == "assistant" and msg.get("tool_calls") and (content is None or isinstance(content, str)):
                 continue  # a tool-calling turn may have no text
+            if isinstance(content, list) and content:  # content parts (TRL's multimodal messages)
+                _check_content_parts(content, f"{where}, message {i} ({role})")
+                continue
             if not isinstance(content, str):
                 raise DataFormatError(
                     f"{where}, message {i} ({role}): content must be a string, got {type(content).__name__} {content!r:.80}."
@@ -136,6 +139,21 @@ def validate_messages(messages: Any, row: int, column: str, require_assistant: b
                 f"{where}: the conversation has no assistant turn, so assistant_only_loss leaves nothing to learn. "
                 "Remove the row or set assistant_only_loss=False."
             )
+
+
+def _check_content_parts(parts: list, where: str) -> None:
+    """Content given as parts: each ``{"type": "image"}`` or ``{"type": "text", "text": <non-empty string>}``, at
+    least one text or image (whether the images match the row's is ``vision.with_image_parts``' check)."""
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image":
+            continue
+        raise DataFormatError(f"{where}, content part {j}: expected {{\"type\": \"text\", \"text\": ...}} or "
+                              f"{{\"type\": \"image\"}}, got {part!r:.80}.")
+    if not any(p["type"] == "image" or p["text"].strip() for p in parts):
+        raise DataFormatError(f"{where}: content is empty.")
 
 
 def validate_text(value: Any, row: int, column: str, expected: str = "a string") -> None:

@@ -10,6 +10,9 @@ import torch
 from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.shared_prefix import SharedPromptCollator, check_pack_length
+from lightalign.vision.inputs import ImageInputs
+from lightalign.datamodules.image_rows import (ImageRows, PromptImages, check_prompt_whole, check_text_model,
+                                               image_column, image_columns, pad_token_extras)
 from lightalign.datamodules.formats import (
     DataFormatError,
     check_chat_template,
@@ -167,7 +170,7 @@ def parse_margin(value: Any, row: int) -> float:
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, implicit: bool,
                     max_length: int | None, max_prompt_length: int | None, max_completion_length: int | None,
                     truncation_mode: str, split: str, row_numbers: list[int] | None = None,
-                    version: int = TOKENIZATION_VERSION) -> dict[str, list]:
+                    version: int = TOKENIZATION_VERSION, image_rows: ImageRows | None = None) -> dict[str, list]:
     out: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": [], "split": [],
                             "index": []}
     for j, row_index in enumerate(indices):
@@ -175,11 +178,22 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
         number = row_index if row_numbers is None else row_numbers[row_index]  # the row in the user's data
         if implicit:
             row["prompt"], row["chosen"], row["rejected"] = extract_prompt(row["chosen"], row["rejected"], number)
+        if image_rows is not None:  # checked naming the row; the prompt gets its image parts
+            row["prompt"], stored, images = image_rows.check_row(row, COMPLETIONS, f"row {number}")
         ids = tokenize_preference_row(row, tokenizer)
+        if image_rows is not None:
+            prompt_text, ids["prompt_input_ids"] = image_rows.expanded_prompt(row, "chosen", tokenizer, images,
+                                                                              ids["prompt_input_ids"])
         prompt, chosen, rejected = truncate_pair(
             ids["prompt_input_ids"], ids["chosen_input_ids"], ids["rejected_input_ids"],
             max_length, max_prompt_length, max_completion_length, truncation_mode,
         )
+        if image_rows is not None:
+            check_prompt_whole(f"row {number}", ids["prompt_input_ids"], prompt, bool(images),
+                               f"max_length={max_length}, max_prompt_length={max_prompt_length}, "
+                               f"truncation_mode='{truncation_mode}'")
+            out.setdefault("prompt_text", []).append(prompt_text)
+            out.setdefault("images", []).append(stored)
         if not chosen or not rejected:
             raise DataFormatError(
                 f"row {number}: the prompt has {len(ids['prompt_input_ids'])} tokens and nothing is left of the "
@@ -206,16 +220,20 @@ class PreferenceCollator:
     rows carry them. ``completions``: the row blocks, in order (a triple batch adds ``reference``).
     """
 
-    def __init__(self, pad_token_id: int, completions: Sequence[str] = COMPLETIONS) -> None:
-        self.pad_token_id, self.completions = pad_token_id, tuple(completions)
+    def __init__(self, pad_token_id: int, completions: Sequence[str] = COMPLETIONS,
+                 images: PromptImages | None = None) -> None:
+        self.pad_token_id, self.completions, self.images = pad_token_id, tuple(completions), images
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        seqs, masks = [], []
+        seqs, masks, extras = [], [], []
+        image_inputs, prompt_extras = self.images(rows) if self.images is not None else (None, None)
         for key in self.completions:
-            for row in rows:
+            for i, row in enumerate(rows):
                 prompt, completion = row["prompt_input_ids"], row[f"{key}_input_ids"]
                 seqs.append(list(prompt) + list(completion))
                 masks.append([0] * len(prompt) + [1] * len(completion))
+                if prompt_extras is not None:
+                    extras.append((prompt_extras[i], len(completion)))
         longest = max(len(s) for s in seqs)
         n = len(seqs)
         input_ids = torch.full((n, longest), self.pad_token_id, dtype=torch.long)
@@ -226,6 +244,9 @@ class PreferenceCollator:
             attention_mask[i, : len(seq)] = 1
             completion_mask[i, : len(seq)] = torch.tensor(mask)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
+        if image_inputs is not None:  # each prompt's images once per block (chosen rows, then rejected rows)
+            batch["image_inputs"] = ImageInputs.cat([image_inputs] * len(self.completions))
+            batch.update(pad_token_extras(extras, image_inputs.layout.token_keys, longest))
         for key in ("ref_chosen_logps", "ref_rejected_logps", MARGIN):
             if key in rows[0]:
                 batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
@@ -269,6 +290,12 @@ class PreferenceDataModule(TokenizedDataModule):
     shared beginning is the prompt); plain strings or conversations (chat template applied). An optional numeric
     ``margin`` column (per pair, as TRL's reward data has) reaches the batches as ``margin``; ``RewardModule``
     reads it, the other methods ignore it.
+
+    With a vision-language model, an ``images`` / ``image`` column (TRL's) shows each pair's prompt its images:
+    rows checked and prompts expanded at setup (``ImageRows``; an image row's prompt is kept whole, a row that
+    would need a cut is refused naming it), each prompt processed with its images in the collator
+    (``PromptImages``: ``batch["image_inputs"]`` for the chosen rows and again for the rejected rows, and the
+    token-aligned extras). ``prompt_sharing`` and ``padding_free`` are refused with image rows.
 
     Args:
         path: training data: a local json/jsonl/parquet/csv file or folder, a hub dataset name, or a ``Dataset``.
@@ -338,7 +365,13 @@ class PreferenceDataModule(TokenizedDataModule):
             return SharedPromptCollator(self.tokenizer.pad_token_id, self.pack_length)
         if self.padding_free:
             return PaddingFreePreferenceCollator()
-        return PreferenceCollator(self.tokenizer.pad_token_id)
+        return PreferenceCollator(self.tokenizer.pad_token_id, images=self.prompt_images())
+
+    def prompt_images(self) -> PromptImages | None:
+        """The collator part that processes each prompt with its images; None unless the rows carry images."""
+        if self.processor is None or not any("images" in ds.column_names for ds in self.splits().values()):
+            return None
+        return PromptImages(self.processor, self.image_layout)
 
     # ------------------------------------------------------------------------------------- reference log-probs
     def splits(self) -> dict[str, Dataset]:
@@ -384,6 +417,9 @@ class PreferenceDataModule(TokenizedDataModule):
         self.validate(raw, tokenizer, label, implicit)
         keep = [c for c in ("prompt", "chosen", "rejected") if c in cols]
         margin = [MARGIN] if MARGIN in cols else []  # checked and made a float per row in _tokenize_batch
+        image_rows = self.image_rows(raw, label)
+        if image_rows is not None:
+            keep += image_columns(cols)
         return raw.select_columns(keep + margin).map(
             _tokenize_batch,
             batched=True,
@@ -401,8 +437,26 @@ class PreferenceDataModule(TokenizedDataModule):
                 split=label,
                 row_numbers=self.row_numbers,
                 version=TOKENIZATION_VERSION,
+                image_rows=image_rows,
             ),
         )
+
+    def image_rows(self, raw: Dataset, label: str) -> ImageRows | None:
+        """For data with an image column and a vision-language model: what checks and tokenizes its rows
+        (``ImageRows``); the layouts not measured exact with images are refused here, naming the knob."""
+        check_text_model(raw, self.processor, label, self._tokenizer_arg)
+        if self.processor is None or image_column(raw.column_names) is None:
+            return None
+        for knob, on, why in (
+                ("prompt_sharing", self.prompt_sharing, "its [prompt, chosen, rejected] segments pass 1-D "
+                 "position_ids, and a multimodal-rotary model (Qwen-VL's mRoPE from image_grid_thw) then gives other "
+                 "log-probs than each pair alone (docs/vlm.md, 'DPO and KTO')"),
+                ("padding_free", self.padding_free, "its one row of back-to-back sequences passes 1-D position_ids, "
+                 "which a multimodal-rotary model (Qwen-VL) must not get")):
+            if on:
+                raise ValueError(f"{knob}=True with image rows: {why}. Set {knob}: false for vision-language "
+                                 "preference data (the padded chosen-then-rejected rows, measured exact).")
+        return ImageRows(self.processor, self.image_layout, self.image_base_dir)
 
     def validate(self, raw: Dataset, tokenizer: Any, label: str, implicit: bool) -> None:
         """Every row: strings or conversations throughout, nothing empty; count identical pairs."""

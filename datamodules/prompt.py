@@ -83,7 +83,9 @@ class PromptDataModule(TokenizedDataModule):
     """Prompts for online RL (GRPO) from any TRL prompt-only dataset.
 
     ``prompt`` is a string or a conversation (the chat template is applied with the generation prompt); every
-    other column (e.g. ``answer``) is kept and reaches the reward functions as a keyword list. The number of
+    other column (e.g. ``answer``) is kept and reaches the reward functions as a keyword list. For a
+    vision-language model, an ``images`` (or ``image``) column gives each prompt its images (TRL's format; rows
+    checked and batched by ``image_prompts``: ``prepare_image_prompts``, ``ImagePromptCollator``). The number of
     prompts per training batch is set by the module (``generation_batch_size / num_generations``) through
     ``configure_rollout``; ``batch_size`` applies to validation (``val_batch_size``).
 
@@ -115,13 +117,25 @@ class PromptDataModule(TokenizedDataModule):
         self.prompts_per_generation = self.batch_size
         self.repeat = 1
         self.conversation_rows: dict[str, int] = {}  # split label -> rows split from a 'messages' column
+        self.image_rows: dict[str, int] = {}  # split label -> rows with images (a vision-language model's data)
+        self.image_column: str | None = None  # the data's image column ('images' or 'image'), once one is seen
 
     def configure_rollout(self, prompts_per_generation: int, repeat: int) -> None:
         """Called by the GRPO module: prompts per generation batch, and training steps each rollout serves."""
         self.prompts_per_generation, self.repeat = prompts_per_generation, repeat
 
     def default_collator(self) -> Callable:
+        if self.processor is not None:  # a vision-language model: each row through the processor (its images)
+            from lightalign.datamodules.image_prompts import ImagePromptCollator
+
+            return ImagePromptCollator(self.processor, self.image_layout, self.image_column or "images", left_pad)
         return PromptCollator(self.tokenizer.pad_token_id)
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any prepared split has a row with an image (the online methods refuse, at setup, what they
+        cannot run exactly with images: ``check_image_rollout``)."""
+        return any(self.image_rows.values())
 
     def rollouts_per_epoch(self) -> int:
         """Generation batches one epoch of this rank's prompts holds (an incomplete last one is dropped)."""
@@ -157,6 +171,16 @@ class PromptDataModule(TokenizedDataModule):
                 f"Prompt data needs a 'prompt' column; the {label} data has {sorted(raw.column_names)}. "
                 "Rename the column holding the prompts to 'prompt' (strings or message lists)."
             )
+        if self.processor is not None:  # a vision-language model's prompts, with or without images
+            return self.prepare_image_rows(raw, label)
+        from lightalign.datamodules.image_prompts import image_column
+
+        column = image_column(raw.column_names)
+        if column is not None:
+            raise DataFormatError(
+                f"The {label} data has an '{column}' column, and '{self._tokenizer_arg}' is a text model, which "
+                "cannot read images: use a vision-language model (its processor reads the images), or drop the "
+                "column.")
         conversational = isinstance(raw[0]["prompt"], list)
         first = self.row_numbers[0] if self.row_numbers else 0
         if conversational:
@@ -169,6 +193,21 @@ class PromptDataModule(TokenizedDataModule):
         return raw.map(_tokenize_prompts, batched=True, num_proc=self.dataset_num_proc, desc=f"Tokenizing {label}",
                        fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length,
                                       chat_template_kwargs=self.chat_template_kwargs, version=TOKENIZATION_VERSION))
+
+    def prepare_image_rows(self, raw: Dataset, label: str) -> Dataset:
+        """A vision-language model's prompts: each row checked (its images open, its placeholders count them) and
+        tokenized by the processor; the images kept as refs (``prepare_image_prompts``)."""
+        from lightalign.datamodules.image_prompts import image_column, prepare_image_prompts
+
+        column = image_column(raw.column_names)
+        if column is not None:
+            self.image_column = self.image_column or column
+        prepared = prepare_image_prompts(
+            raw, self.processor, self.image_layout, label=label, numbers=self.row_numbers,
+            base_dir=self.image_base_dir, max_prompt_length=self.max_prompt_length,
+            chat_template_kwargs=self.chat_template_kwargs)
+        self.image_rows[label] = sum(1 for refs in prepared["image_refs"] if refs)
+        return prepared
 
     def train_dataloader(self) -> DataLoader:
         if len(self.train_dataset) < self.prompts_per_generation:

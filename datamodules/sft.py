@@ -155,6 +155,7 @@ class SFTDataModule(TokenizedDataModule):
         self.assistant_only_loss = assistant_only_loss
         self.packing, self.padding_free = packing, padding_free or packing
         self.group_by_length = group_by_length
+        self.image_rows = False  # the splits hold images: stored rows, processed per row by ImageSFTCollator
 
     def prepare_rows(self, raw: Dataset, tokenizer: Any, label: str) -> Dataset:
         """Validate, tokenize (cached by datasets), truncate, drop rows with no target left, pack."""
@@ -163,6 +164,13 @@ class SFTDataModule(TokenizedDataModule):
         fmt = detect_format(raw, self.text_field)
         self.data_format = fmt  # named in the export's model card
         require_format(fmt, (LANGUAGE_MODELING, PROMPT_COMPLETION, CONVERSATIONAL), "SFT", raw.column_names)
+        if self.check_image_data(raw, label):
+            self.validate(raw, fmt, tokenizer, label, text_checks=False)
+            from lightalign.datamodules.sft_images import store_image_rows
+
+            return store_image_rows(raw, fmt, self.processor, label=label, text_field=self.text_field,
+                                    numbers=self.row_numbers, base_dir=self.image_base_dir,
+                                    assistant_only_loss=self.assistant_only_loss)
         self.validate(raw, fmt, tokenizer, label)
         tokenized = raw.map(
             _tokenize_batch,
@@ -202,8 +210,37 @@ class SFTDataModule(TokenizedDataModule):
             tokenized = self._pack(tokenized)
         return tokenized
 
-    def validate(self, raw: Dataset, fmt: str, tokenizer: Any, label: str) -> None:
-        """Check every row before any tokenization; errors name the row and the column."""
+    def check_image_data(self, raw: Dataset, label: str) -> bool:
+        """Whether the split holds images (an ``images``/``image`` column); refuses image data the run cannot train
+        exactly: a text-only model, ``packing``/``padding_free`` (1-D positions where the model needs its own
+        multimodal ones: not measured exact), ``truncation_mode='keep_end'`` (it would cut the image tokens at the
+        start, as TRL refuses), ``group_by_length`` (lengths are known only once the images are processed)."""
+        from lightalign.datamodules.sft_images import image_column
+
+        column = image_column(raw.column_names)
+        if column is None:
+            if self.image_rows:
+                raise DataFormatError(f"The {label} split has no 'images'/'image' column, and the training split has "
+                                      "one: give every split its images (an empty list for a row without any).")
+            return False
+        if self.processor is None:
+            raise DataFormatError(f"The {label} data has an image column '{column}', and '{self._tokenizer_arg}' is a "
+                                  "text-only model (no image processor): use a vision-language model, or drop the "
+                                  f"'{column}' column.")
+        for knob, value, fix in (("packing", self.packing, "packing=False"),
+                                 ("padding_free", self.padding_free and not self.packing, "padding_free=False"),
+                                 ("group_by_length", self.group_by_length, "group_by_length=False"),
+                                 ("truncation_mode", self.truncation_mode == "keep_end" and self.max_length,
+                                  "truncation_mode='keep_start' or max_length=None")):
+            if value:
+                raise DataFormatError(f"{knob} is not supported for SFT data with images (column '{column}'): "
+                                      f"set {fix}.")
+        self.image_rows = True
+        return True
+
+    def validate(self, raw: Dataset, fmt: str, tokenizer: Any, label: str, text_checks: bool = True) -> None:
+        """Check every row before any tokenization; errors name the row and the column (``text_checks=False``: the
+        chat template only; ``store_image_rows`` checks the rows of image data)."""
         first, first_number = raw[0], self.row_numbers[0] if self.row_numbers else 0
         conversational = fmt == CONVERSATIONAL or (fmt == PROMPT_COMPLETION and is_conversation(first["prompt"]))
         if conversational:
@@ -214,6 +251,8 @@ class SFTDataModule(TokenizedDataModule):
                     "{% generation %} ... {% endgeneration %}; this tokenizer's template does not. Pass "
                     "data.chat_template with the markers or set assistant_only_loss=False."
                 )
+        if not text_checks:
+            return
         if fmt == LANGUAGE_MODELING:
             for i, row in iter_rows(raw, [self.text_field], self.row_numbers):
                 validate_text(row[self.text_field], i, self.text_field)
@@ -249,6 +288,11 @@ class SFTDataModule(TokenizedDataModule):
         return LengthGroupedSampler(lengths, self.batch_size, **self.sampler_kwargs())
 
     def default_collator(self) -> Callable:
+        if self.image_rows:
+            from lightalign.datamodules.sft_images import ImageSFTCollator
+
+            return ImageSFTCollator(self.processor, self.image_layout, completion_only_loss=self.completion_only_loss,
+                                    assistant_only_loss=self.assistant_only_loss, max_length=self.max_length)
         if self.padding_free:
             return PaddingFreeCollator()
         return PaddingCollator(self.tokenizer.pad_token_id)

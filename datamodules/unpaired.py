@@ -25,6 +25,9 @@ from lightalign.datamodules.formats import (
     validate_field,
 )
 from lightalign.datamodules.preference import TruncationMode, common_prefix_length, extract_prompt, truncate_pair
+from lightalign.datamodules.image_rows import (ImageRows, PromptImages, check_prompt_whole, check_text_model,
+                                               image_column, image_columns, pad_token_extras)
+from lightalign.vision.images import row_image_values
 
 if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help
     from datasets import Dataset
@@ -37,7 +40,8 @@ UNPAIR_BLOCK = 1000
 
 
 def unpair_rows(raw: Dataset, implicit: bool, numbers: list[int] | None = None) -> Dataset:
-    """Paired rows -> unpaired rows (``prompt``, ``completion``, ``label``, ``pair``: the source row index).
+    """Paired rows -> unpaired rows (``prompt``, ``completion``, ``label``, ``pair``: the source row index; and
+    ``images``, each row its pair's images, when the data has an image column).
 
     ``numbers``: the rows' numbers in the user's data, for errors (``formats.iter_rows``)."""
     prompts, completions, labels, pairs = [], [], [], []
@@ -59,7 +63,12 @@ def unpair_rows(raw: Dataset, implicit: bool, numbers: list[int] | None = None) 
                 pairs.append(item[0])
     from datasets import Dataset
 
-    return Dataset.from_dict({"prompt": prompts, "completion": completions, "label": labels, "pair": pairs})
+    columns = {"prompt": prompts, "completion": completions, "label": labels, "pair": pairs}
+    if image_column(raw.column_names) is not None:  # each pair's images as a list (from 'images' or 'image')
+        table = raw.select_columns(image_columns(raw.column_names))
+        per_pair = [row_image_values(row) for row in table]
+        columns["images"] = [per_pair[p] for p in pairs]
+    return Dataset.from_dict(columns)
 
 
 def tokenize_unpaired_row(prompt: Any, completion: Any, tokenizer: Any) -> tuple[list[int], list[int]]:
@@ -102,14 +111,28 @@ def kl_partners(n: int, block: int) -> list[int]:
 
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, max_length: int | None,
                     max_prompt_length: int | None, max_completion_length: int | None, truncation_mode: str,
-                    split: str, version: int = TOKENIZATION_VERSION) -> dict[str, list]:
+                    split: str, version: int = TOKENIZATION_VERSION, image_rows: ImageRows | None = None,
+                    ) -> dict[str, list]:
     out: dict[str, list] = {"prompt_input_ids": [], "completion_input_ids": [], "label": [], "split": [], "index": []}
     for j, row_index in enumerate(indices):
-        prompt_ids, completion_ids = tokenize_unpaired_row(batch["prompt"][j], batch["completion"][j], tokenizer)
+        where = f"row {row_index}" if batch["pair"][j] < 0 else f"pair row {batch['pair'][j]}"
+        prompt = batch["prompt"][j]
+        if image_rows is not None:  # checked naming the row; the prompt gets its image parts
+            row = {k: v[j] for k, v in batch.items()}
+            prompt, stored, images = image_rows.check_row(row, ("completion",), where)
+        prompt_ids, completion_ids = tokenize_unpaired_row(prompt, batch["completion"][j], tokenizer)
+        if image_rows is not None:
+            prompt_text, prompt_ids = image_rows.expanded_prompt({**row, "prompt": prompt}, "completion", tokenizer,
+                                                                 images, prompt_ids)
         prompt, completion, _ = truncate_pair(prompt_ids, completion_ids, completion_ids, max_length,
                                               max_prompt_length, max_completion_length, truncation_mode)
+        if image_rows is not None:
+            check_prompt_whole(where, prompt_ids, prompt, bool(images),
+                               f"max_length={max_length}, max_prompt_length={max_prompt_length}, "
+                               f"truncation_mode='{truncation_mode}'")
+            out.setdefault("prompt_text", []).append(prompt_text)
+            out.setdefault("images", []).append(stored)
         if not completion:
-            where = f"row {row_index}" if batch["pair"][j] < 0 else f"pair row {batch['pair'][j]}"
             raise DataFormatError(
                 f"{where}: the prompt has {len(prompt_ids)} tokens and nothing is left of the completion within "
                 f"max_length={max_length} (max_prompt_length={max_prompt_length}, truncation_mode='{truncation_mode}'). "
@@ -129,8 +152,8 @@ class UnpairedPreferenceCollator:
     ``max_length`` at the end), and ``labels`` (bool, True = desirable). Precomputed ``ref_logps`` /
     ``ref_kl_logps`` pass through when the rows carry them."""
 
-    def __init__(self, pad_token_id: int, max_length: int | None = None) -> None:
-        self.pad_token_id, self.max_length = pad_token_id, max_length
+    def __init__(self, pad_token_id: int, max_length: int | None = None, images: PromptImages | None = None) -> None:
+        self.pad_token_id, self.max_length, self.images = pad_token_id, max_length, images
 
     def pad(self, pieces: list[tuple[list[int], list[int]]], prefix: str) -> dict[str, torch.Tensor]:
         seqs = [list(p) + list(c) for p, c in pieces]
@@ -151,6 +174,14 @@ class UnpairedPreferenceCollator:
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = self.pad([(r["prompt_input_ids"], r["completion_input_ids"]) for r in rows], "")
         batch.update(self.pad([(r["prompt_input_ids"], r["kl_completion_input_ids"]) for r in rows], "kl_"))
+        if self.images is not None:  # a mismatched sequence is its own row's prompt: the same images
+            image_inputs, extras = self.images(rows)
+            keys = image_inputs.layout.token_keys
+            for prefix in ("", "kl_"):
+                batch[f"{prefix}image_inputs"] = image_inputs
+                pieces = [(e, len(r[f"{prefix}completion_input_ids"])) for e, r in zip(extras, rows)]
+                padded = pad_token_extras(pieces, keys, batch[f"{prefix}input_ids"].shape[1], self.max_length)
+                batch.update({prefix + key: value for key, value in padded.items()})
         batch["labels"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
         for key in ("ref_logps", "ref_kl_logps"):
             if key in rows[0]:
@@ -174,6 +205,10 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
     (``kl_partners``). With ``shuffle: false`` (TRL's sequential order) a micro-batch is exactly one block, so its
     mismatched completions are its own completions; with ``shuffle: true`` (the default here) they come from
     other rows of the data, still never the row's own.
+
+    With a vision-language model, an ``images`` / ``image`` column (TRL's; paired rows give both their rows the
+    pair's images) shows each prompt its images, checked and expanded at setup as ``PreferenceDataModule`` does; a
+    row's mismatched sequence is its own prompt, so ``kl_image_inputs`` are the row's own images.
 
     Args:
         path: training data: a local json/jsonl/parquet file or folder, a hub dataset name, or a ``Dataset``.
@@ -213,7 +248,10 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
         self.label_counts: dict[str, tuple[int, int]] = {}  # split -> (desirable, undesirable)
 
     def default_collator(self) -> Callable:
-        return UnpairedPreferenceCollator(self.tokenizer.pad_token_id, self.max_length)
+        images = None
+        if self.processor is not None and any("images" in ds.column_names for ds in self.splits().values()):
+            images = PromptImages(self.processor, self.image_layout)
+        return UnpairedPreferenceCollator(self.tokenizer.pad_token_id, self.max_length, images)
 
     # ------------------------------------------------------------------------------------- reference log-probs
     def splits(self) -> dict[str, Dataset]:
@@ -257,7 +295,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
                     "('prompt', 'chosen', 'rejected'), which are unpaired on the fly."
                 )
             self.validate(raw, tokenizer, label, ["prompt", "completion"], labelled=True)
-            rows = raw.select_columns(["prompt", "completion", "label"])
+            rows = raw.select_columns(["prompt", "completion", "label"] + image_columns(cols))
             rows = rows.add_column("pair", [-1] * len(rows))
         else:
             detected = detect_format(raw) if {"prompt", "messages", "text", "completion"} & cols else "unknown"
@@ -274,6 +312,10 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
                 "rows; KTO needs both kinds. Add rows of the missing kind."
             )
         self.label_counts[label] = (desirable, undesirable)
+        check_text_model(rows, self.processor, label, self._tokenizer_arg)
+        image_rows = None
+        if self.processor is not None and image_column(rows.column_names) is not None:
+            image_rows = ImageRows(self.processor, self.image_layout, self.image_base_dir)
         tokenized = rows.map(
             _tokenize_batch,
             batched=True,
@@ -283,7 +325,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
             desc=f"Tokenizing {label}",
             fn_kwargs=dict(tokenizer=tokenizer, max_length=self.max_length, max_prompt_length=self.max_prompt_length,
                            max_completion_length=self.max_completion_length, truncation_mode=self.truncation_mode,
-                           split=label, version=TOKENIZATION_VERSION),
+                           split=label, version=TOKENIZATION_VERSION, image_rows=image_rows),
         )
         completions = tokenized["completion_input_ids"]
         partners = kl_partners(len(tokenized), self.batch_size)

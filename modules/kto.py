@@ -23,6 +23,7 @@ from lightalign.modules.reference.precompute import PrecomputeReferenceKnobs, pr
 from lightalign.modules.reference.bema import BEMAKnobs
 from lightalign.modules.reference.sync import PRECOMPUTED, ReferenceSyncKnobs, quantized_reference
 from lightalign.modules.training.stat_hooks import StatHooks
+from lightalign.vision.inputs import model_inputs
 
 # The tokenized columns a reference log-prob depends on (with their row order): the cache key hashes them.
 TOKENIZED_COLUMNS = ("prompt_input_ids", "completion_input_ids", "kl_completion_input_ids", "index")
@@ -50,9 +51,11 @@ def balance_warning(desirable: int, undesirable: int, desirable_weight: float, u
 
 
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
-    """Summed completion log-probs ``[N]`` of the padded sequences ``{prefix}input_ids`` (one forward)."""
+    """Summed completion log-probs ``[N]`` of the padded sequences ``{prefix}input_ids`` (one forward), with their
+    image inputs (``model_inputs``: the mismatched ``kl_`` sequences carry their own prompts' images)."""
     ids = batch[f"{prefix}input_ids"]
-    logits = model(input_ids=ids, attention_mask=batch[f"{prefix}attention_mask"], use_cache=False).logits
+    logits = model(input_ids=ids, attention_mask=batch[f"{prefix}attention_mask"], use_cache=False,
+                   **model_inputs(batch, prefix)).logits
     token_logps, _ = completion_logps(logits, ids, batch[f"{prefix}completion_mask"])
     return token_logps.sum(-1)
 

@@ -166,6 +166,7 @@ class OnlineDPOModule(SamplingModule):
     """
 
     method_name = "Online DPO"
+    takes_image_prompts = True  # prompts with images: sampled and scored with them (check_image_prompts)
     uses_reference_model = True
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
     progress_stats = ("loss", "reward/mean")  # with a judge: ("loss", "win_rate")
@@ -251,11 +252,14 @@ class OnlineDPOModule(SamplingModule):
 
     def pair_logps(self, rollout: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Per-token log-probs ``[2N, T]`` of the sampled completions under the policy (with gradients when
-        enabled) and the reference (no_grad)."""
+        enabled) and the reference (no_grad), each row with its prompt's images when it has them."""
         from lightalign.modules.training.rollout_forward import grpo_forward
+
+        from lightalign.datamodules.image_prompts import prompt_image_entries
 
         rows = {k: rollout[k].to(self.device) for k in ("prompt_ids", "prompt_mask", "completion_ids",
                                                         "completion_mask")}
+        rows.update({k: v.to(self.device) for k, v in prompt_image_entries(rollout).items()})  # the prompts' images
         with self.training_forward_context():
             policy = grpo_forward(self.model, rows, 1.0)[0]
         with torch.no_grad(), self.reference.model_for(self.ref_model, self.model) as ref:

@@ -34,7 +34,7 @@ import torch
 
 import lightalign.modules.adaptations.probe_layouts as pl
 
-PROBE_VERSION = 2  # bump when what the probe measures changes: old verdicts are then not reused
+PROBE_VERSION = 3  # bump when what the probe measures changes: old verdicts are then not reused
 TOLERANCE = 1e-4  # nats per token (float32)
 GENERATION_BACKENDS = ("shared_prefill", "compact", "continuous", "static")
 TRAIN_DETERMINISM = "train_determinism"  # not a layout: with disable_dropout, two train-mode forwards agree
@@ -174,13 +174,14 @@ def _measure(model_class: type, shrunk, layout: str) -> Verdict:
                            "whatever the seed, so a backend's decoding cannot be shown exact")
     else:
         probe = _build(model_class, shrunk)
-        long = pl.probe_sequences(_vocab(probe), LONG, NEW_TOKENS)
+        long = pl.probe_sequences(_vocab(probe), LONG, NEW_TOKENS, exclude=_placeholders(probe))
     padded = _run(probe, "padded", long)
     if padded.error or padded.difference <= TOLERANCE:
         return _run_any(probe, layout, long, reference) if layout != "padded" else padded
     # The model's own batching is not exact on sequences crossing its thresholds: every layout (padded included)
     # and backend is judged on sequences under them, and the verdict carries the size of the model's own effect.
-    verdict = _run_any(probe, layout, pl.probe_sequences(_vocab(probe), SHORT, SHORT_NEW_TOKENS, seed=1))
+    verdict = _run_any(probe, layout, pl.probe_sequences(_vocab(probe), SHORT, SHORT_NEW_TOKENS, seed=1,
+                                                       exclude=_placeholders(probe)))
     return Verdict(layout, verdict.exact, verdict.difference, verdict.error, batch_dependence=padded.difference)
 
 
@@ -226,7 +227,7 @@ def _measure_determinism(probe) -> Verdict:
 
     disable_dropout_in_model(probe)
     vocab = _vocab(probe)
-    ids = torch.tensor([pl.probe_sequences(vocab, LONG, NEW_TOKENS).pairs[0][0] * 2])
+    ids = torch.tensor([pl.probe_sequences(vocab, LONG, NEW_TOKENS, exclude=_placeholders(probe)).pairs[0][0] * 2])
     try:
         diff = train_mode_nondeterminism(probe, ids)
     except Exception as error:  # noqa: BLE001 - reported as the verdict; the run's own forward will say more
@@ -236,6 +237,13 @@ def _measure_determinism(probe) -> Verdict:
 
 def _vocab(probe) -> int:
     return int(probe.get_input_embeddings().weight.shape[0])
+
+
+def _placeholders(probe) -> tuple[int, ...]:
+    """The probe's image placeholder ids (none for a text model): never drawn into its text sequences."""
+    from lightalign.modules.training.logprobs import image_token_ids
+
+    return tuple(image_token_ids(probe))
 
 
 def _diverse_generator(model_class: type, shrunk, seeds: int = 8, distinct: int = 3):
@@ -250,7 +258,7 @@ def _diverse_generator(model_class: type, shrunk, seeds: int = 8, distinct: int 
             config.tie_word_embeddings = False
     for seed in range(seeds):
         probe = _build(model_class, shrunk, seed=seed // 2, random_norms=bool(seed % 2))
-        seqs = pl.probe_sequences(_vocab(probe), LONG, NEW_TOKENS, seed=seed)
+        seqs = pl.probe_sequences(_vocab(probe), LONG, NEW_TOKENS, seed=seed, exclude=_placeholders(probe))
         try:
             reference = pl.greedy_alone(probe, seqs)
         except Exception:  # noqa: BLE001 - measured again (and reported) by _measure_backend

@@ -30,13 +30,15 @@ class ProbeSequences:
 
 
 def probe_sequences(vocab_size: int, lengths: tuple[tuple[int, int, int], ...], new_tokens: int,
-                    seed: int = 0) -> ProbeSequences:
-    """Random token ids (never 0-2: pad/bos/eos of the probe) for ``lengths`` = (prompt, chosen, rejected) sizes."""
+                    seed: int = 0, exclude: tuple[int, ...] = ()) -> ProbeSequences:
+    """Random token ids (never 0-2: pad/bos/eos of the probe) for ``lengths`` = (prompt, chosen, rejected) sizes;
+    an id in ``exclude`` (a vision-language model's image placeholders: text layouts are measured on text) is
+    drawn as 3 instead."""
     g = torch.Generator().manual_seed(seed)
     high = max(vocab_size, 4)
 
     def ids(n: int) -> list[int]:
-        return torch.randint(3, high, (n,), generator=g).tolist()
+        return [3 if i in exclude else i for i in torch.randint(3, high, (n,), generator=g).tolist()]
 
     pairs = tuple((ids(p), ids(c)) for p, c, _ in lengths)
     rejected = tuple(ids(r) for _, _, r in lengths)

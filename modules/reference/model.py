@@ -193,6 +193,22 @@ def tokenized_fingerprint(dataset: Any, columns: tuple[str, ...]) -> str:
     return h.hexdigest()
 
 
+def images_fingerprint(dataset: Any) -> str:
+    """The identity of the images tokenized rows show (their stored ``images`` column: each image's bytes, read
+    from its file where it is stored by path), in row order; ``""`` for rows without an image column, so text
+    rows keep their key. Two images of one size expand to the same tokens, so the token ids alone cannot tell
+    them apart."""
+    if "images" not in dataset.column_names:
+        return ""
+    h = hashlib.blake2b(digest_size=16)
+    for images in dataset["images"]:
+        h.update(f"{len(images)}:".encode())
+        for image in images:
+            data = image["bytes"] if image.get("bytes") is not None else Path(image["path"]).read_bytes()
+            h.update(hashlib.blake2b(data, digest_size=16).digest())
+    return h.hexdigest()
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("LIGHTALIGN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightalign")
     return Path(root) / "ref_logps"

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import torch
 
 from lightalign.knobs import KnobGroup, knob
-from lightalign.modules.reference.model import cache_path, load_cached, save_cached, tokenized_fingerprint
+from lightalign.modules.reference.model import (cache_path, images_fingerprint, load_cached, save_cached,
+                                               tokenized_fingerprint)
 
 __all__ = ["PrecomputeReferenceKnobs", "precompute_reference_logps", "sharded_reference_pass"]
 
@@ -49,7 +50,7 @@ def precompute_reference_logps(module: Any, datamodule: Any, columns: Sequence[s
     """Give ``datamodule`` the reference log-probs of every split (``set_reference_logps``).
 
     Values come from the disk cache when the same reference weights met the same tokenized rows before (the key
-    hashes every weight and every token id of ``columns``); otherwise each rank computes its share of the rows and
+    hashes every weight, every token id of ``columns`` and the bytes of every image the rows show); otherwise each rank computes its share of the rows and
     the shares are gathered, and rank 0 writes the cache under the keys ``names``."""
     fingerprint = None
     was_training = module.training
@@ -59,7 +60,7 @@ def precompute_reference_logps(module: Any, datamodule: Any, columns: Sequence[s
             continue
         fingerprint = fingerprint or module.reference_fingerprint()
         path = cache_path(module.knobs.precompute_reference.ref_log_probs_cache_dir, fingerprint,
-                          tokenized_fingerprint(dataset, columns))
+                          tokenized_fingerprint(dataset, columns) + images_fingerprint(dataset))
         cached = load_cached(path)
         if not module.trainer.strategy.reduce_boolean_decision(cached is not None, all=True):
             first, second = sharded_reference_pass(module, datamodule, dataset)
@@ -93,7 +94,8 @@ def sharded_reference_pass(module: Any, datamodule: Any, dataset: Any) -> tuple[
     for _ in range(steps):
         real = next(batches, None)
         batch = real if real is not None else batch  # a short share repeats its last batch
-        a, b = module.reference_logps({k: v.to(module.device) if torch.is_tensor(v) else v for k, v in batch.items()})
+        # tensors and the rows' image inputs (ImageInputs) move; host lists and strings stay
+        a, b = module.reference_logps({k: v.to(module.device) if hasattr(v, "to") else v for k, v in batch.items()})
         if real is not None and stop > start:
             firsts.append(a.float())
             seconds.append(b.float() if b is not None else torch.zeros_like(a, dtype=torch.float32))

@@ -72,10 +72,18 @@ def split_rollout(tensors: dict[str, torch.Tensor], lengths: torch.Tensor, steps
         order = (torch.randperm(rows // g, device=device)[:, None] * g + torch.arange(g, device=device)).flatten()
     else:
         order = torch.randperm(rows, device=device)
-    tensors = {k: v[order] for k, v in tensors.items()}
+    tensors = {k: take_rows(v, order) for k, v in tensors.items()}
     tensors["lengths"] = lengths[order]
     micro = rows // steps
-    return [{k: v[i * micro:(i + 1) * micro] for k, v in tensors.items()} for i in range(steps)]
+    return [{k: take_rows(v, slice(i * micro, (i + 1) * micro)) for k, v in tensors.items()} for i in range(steps)]
+
+
+def take_rows(value: Any, index: torch.Tensor | slice) -> Any:
+    """Rows ``index`` of a per-row rollout entry: a tensor, or the prompts' ``ImageInputs`` (``select``)."""
+    if isinstance(value, torch.Tensor):
+        return value[index]
+    rows = range(len(value))[index] if isinstance(index, slice) else index
+    return value.select(rows)
 
 
 def in_rollout_order(chunks: list[dict[str, torch.Tensor]], *keys: str) -> list[torch.Tensor]:

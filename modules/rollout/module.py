@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightalign.datamodules.image_prompts import prompt_image_entries
 from lightalign.knobs import takes_knobs
 from lightalign.modules.agent.environments import closing_environments
 from lightalign.modules.agent.episodes import TOOL_STATS, ToolRollouts
@@ -305,6 +306,7 @@ class OnlineRLModule(SamplingModule):
         lengths = rollout["completion_mask"].sum(-1)  # tokens through the last EOS (tool results included)
         tensors = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
                                            *(("sampling_logps",) if self.sampler_is_stale() else ()))}
+        tensors.update(prompt_image_entries(rollout))  # the prompts' images (ImageInputs, token extras), per row
         if "tool_mask" in rollout:  # tool results: attended to, not trained on (nor in the KL)
             tensors["completion_attention_mask"] = rollout["completion_mask"]
             tensors["completion_mask"] = rollout["completion_mask"] * rollout["tool_mask"]

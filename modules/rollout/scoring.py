@@ -65,7 +65,7 @@ def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDi
         if calls:
             stats[metric_key("tools/failure_frequency")].update(torch.tensor(failures / calls))
     module.last_samples = [
-        {"step": module.global_step, "prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t,
+        {"step": module.global_step, "prompt": _last_turn_text(p), "completion": t,
          "reward": float(r), **{n: float(per_func[i, j]) for j, n in enumerate(module.reward_names)},
          **{column: values[i] for column, values in extra.items()}}
         for i, (p, t, r) in enumerate(zip(rollout["prompts"], rollout["texts"], total.tolist()))
@@ -74,6 +74,17 @@ def score_rollout(module: Any, rollout: dict[str, Any], stats: torch.nn.ModuleDi
         scored = total[~torch.isnan(total)]  # eval_metrics see each scored completion's total reward
         module.update_eval_metrics(scored, torch.ones_like(scored, dtype=torch.long))
     return per_func, total
+
+
+def _last_turn_text(prompt: Any) -> str:
+    """What the sample table shows of a prompt: the string, or its last turn's text (content parts joined, an image
+    part as ``<image>``)."""
+    if isinstance(prompt, str):
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(content, list):
+        return "".join("<image>" if part.get("type") == "image" else part.get("text") or "" for part in content)
+    return content
 
 
 def _fallback_warning(name: str, report: FallbackReport, rollout: dict[str, Any], value: float) -> str:

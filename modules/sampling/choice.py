@@ -48,12 +48,16 @@ def effective_backend(backend: str | None, model: Any, knobs: dict[str, Any]) ->
     return chosen, None
 
 
-def choose_sampler(model: torch.nn.Module, sampling: SamplingConfig, largest_group: int = 2) -> tuple[str, str]:
+def choose_sampler(model: torch.nn.Module, sampling: SamplingConfig, largest_group: int = 2,
+                   images: bool = False) -> tuple[str, str]:
     """(the sampler's name, the fit-start note saying how it was chosen). ``largest_group``: the most completions
-    per prompt the run samples (with one, no prefill is shared and ``share_prefill`` is not measured)."""
+    per prompt the run samples (with one, no prefill is shared and ``share_prefill`` is not measured). ``images``:
+    the prompts have images, which only ``generate`` samples with (``image_prompt_sampler``)."""
     from lightalign.modules.adaptations import describe_decision
     from lightalign.modules.adaptations.support import LayoutRefused, check_layout
 
+    if images:
+        return image_prompt_sampler(sampling, largest_group)
     asked = sampling.backend
     if asked is not None:
         check_processes(get_sampler(asked))  # an asked one-process backend is refused here, before any rollout
@@ -69,3 +73,20 @@ def choose_sampler(model: torch.nn.Module, sampling: SamplingConfig, largest_gro
     if sampling.share_prefill and backend == "generate" and largest_group > 1:
         check_layout(model, "shared_prefill")  # refused naming model.share_prefill
     return backend, f"generation {backend} ({how})"
+
+
+def image_prompt_sampler(sampling: SamplingConfig, largest_group: int) -> tuple[str, str]:
+    """The sampler of prompts with images: ``generate``, the one backend that passes a prompt's images to the model
+    (``IMAGE_BACKENDS``); another asked backend is refused naming its knob, and so is ``share_prefill`` (its
+    prefill runs the prompts without their images)."""
+    from lightalign.modules.sampling.samplers import refuse_images
+
+    asked = sampling.backend
+    if asked is not None:
+        refuse_images(asked, "generation_backend" if asked != "continuous"
+                      else "generation_backend / use_transformers_continuous_batching")
+    if sampling.share_prefill and largest_group > 1:
+        raise ValueError("share_prefill=True computes each prompt's prefill without its images; with image prompts "
+                         "set share_prefill: false (generate then runs every copy of a prompt with its images).")
+    how = "asked" if asked else "the prompts have images: only generate samples with them"
+    return "generate", f"generation generate ({how})"

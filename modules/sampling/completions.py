@@ -53,15 +53,23 @@ def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, 
     ``prompts``, ``completions`` (strings, or assistant messages for conversational prompts), ``texts`` and
     ``columns`` (the data's other columns, plus ``completion_ids``). With ``return_logprobs`` also
     ``sampling_logps`` ``[rows, T]``: the log-prob each token had in the distribution it was sampled from
-    (0 under the mask's zeros)."""
+    (0 under the mask's zeros). A batch with images (``ImagePromptCollator``) is sampled with them, and the rollout
+    carries each row's prompt images (``prompt_image_inputs``, ``prompt_<key>``: ``repeated_prompt_inputs``)."""
+    from lightalign.datamodules.image_prompts import has_image_rows, repeated_prompt_inputs
+    from lightalign.vision import model_inputs
+
     eos = eos_token_ids(model, tokenizer)
+    prompt_inputs = None
+    if has_image_rows(batch):  # the prompts repeated num_generations times, each with its images
+        prompt_inputs = model_inputs(repeated_prompt_inputs(batch, num_generations), "prompt_")
     was_training = model.training
     model.eval()
     try:
         samples = sample_groups(
             model, batch["prompt_input_ids"], batch["prompt_attention_mask"], num_generations, backend=backend,
             eos=eos, pad_token_id=tokenizer.pad_token_id, max_new_tokens=max_new_tokens, share_prefill=share_prefill,
-            continuous_config=continuous_config, return_logprobs=return_logprobs, **sampling)
+            continuous_config=continuous_config, return_logprobs=return_logprobs, prompt_inputs=prompt_inputs,
+            **sampling)
     finally:
         model.train(was_training)
     return assemble_rollout(tokenizer, batch, num_generations, samples, eos)
@@ -70,6 +78,8 @@ def sample_completions(model: torch.nn.Module, tokenizer: Any, batch: dict[str, 
 def assemble_rollout(tokenizer: Any, batch: dict[str, Any], num_generations: int, samples: Samples,
                      eos: list[int]) -> dict[str, Any]:
     """The rollout ``sample_completions`` returns, from a sampler's ``Samples`` for ``batch`` (see there)."""
+    from lightalign.datamodules.image_prompts import has_image_rows, repeated_prompt_inputs
+
     completion_ids, logps, lengths = samples
     completion_ids, completion_mask, truncated = cut_after_eos(completion_ids, eos, tokenizer.pad_token_id, lengths)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -83,6 +93,8 @@ def assemble_rollout(tokenizer: Any, batch: dict[str, Any], num_generations: int
         "completion_ids": completion_ids, "completion_mask": completion_mask, "truncated": truncated,
         "prompts": prompts, "completions": completions, "texts": texts, "columns": columns,
     }
+    if has_image_rows(batch):  # each completion's prompt images, for every forward that scores it
+        rollout.update(repeated_prompt_inputs(batch, num_generations))
     if logps is not None:  # 0 under the mask's zeros, also where a sampler left NaN (an engine's unscored token)
         rollout["sampling_logps"] = logps.masked_fill(completion_mask == 0, 0.0)
     return rollout

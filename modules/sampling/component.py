@@ -27,6 +27,7 @@ class Sampling:
         self.config = config
         self.chosen: dict[str, tuple[str, str]] = {}  # who -> (sampler, fit-start note)
         self.engines: dict[str, Any] = {}  # who -> an engine's Sampler (vLLM), for this fit
+        self.images = False  # the prompts have images: only generate samples them (choose_sampler)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         return self.config.sampling_kwargs()
@@ -54,7 +55,7 @@ class Sampling:
         from lightalign.modules.sampling.choice import choose_sampler
 
         if who not in self.chosen:
-            self.chosen[who] = choose_sampler(model, self.config, largest_group)
+            self.chosen[who] = choose_sampler(model, self.config, largest_group, images=self.images)
         return self.chosen[who][0]
 
     def sampler(self, model: torch.nn.Module, who: str = "policy", largest_group: int = 1) -> Any:

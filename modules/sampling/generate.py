@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from lightalign.modules.training.logprobs import image_token_ids
+
 
 # The sampling knobs every backend gives generate()'s meaning (the others are generate()-only GenerationConfig fields).
 SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -56,20 +58,31 @@ def prefill_shared_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, promp
 @torch.no_grad()
 def generate_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                     num_generations: int, share_prefill: bool = True, return_logprobs: bool = False,
-                    **generate_kwargs: Any):
+                    prompt_inputs: dict[str, torch.Tensor] | None = None, **generate_kwargs: Any):
     """``num_generations`` completions per prompt, rows grouped by prompt: ``[P * G, prompt_len + new]``.
 
     With ``share_prefill`` (and prompts of at least two tokens) the prompt prefill runs once per prompt;
     otherwise this is ``model.generate(num_return_sequences=num_generations)``. With ``return_logprobs`` also the
     sampler's log-prob of each new token ``[P * G, new]`` (``generate``'s processed scores: the distribution sampled
-    from), as ``(sequences, logprobs)``."""
+    from), as ``(sequences, logprobs)``.
+
+    ``prompt_inputs``: image prompts' inputs, their rows already repeated ``num_generations`` times
+    (``repeated_prompt_inputs``): every prompt row is repeated likewise (``repeat_interleave``) and ``generate`` runs
+    on the copies with their images (the model computes its own positions: mRoPE); no prefill is shared, and the
+    image placeholder tokens are never sampled (``image_token_ids``; TRL suppresses them too), since a sampled one
+    would have no image to stand for."""
     if return_logprobs:
         generate_kwargs.update(output_scores=True, return_dict_in_generate=True)
-    if not share_prefill or num_generations == 1 or prompt_ids.shape[1] < 2:
+    if prompt_inputs:
+        suppressed = sorted({*(generate_kwargs.pop("suppress_tokens", None) or ()), *image_token_ids(model)})
+        out = model.generate(input_ids=prompt_ids.repeat_interleave(num_generations, 0),
+                             attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
+                             **prompt_inputs, suppress_tokens=suppressed or None, **generate_kwargs)
+    elif not share_prefill or num_generations == 1 or prompt_ids.shape[1] < 2:
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                              num_return_sequences=num_generations, **generate_kwargs)
     else:
-        cache = prefill_shared_cache(model, prompt_ids, prompt_mask, num_generations)
+        cache = prefill_shared_cache(model, prompt_ids, prompt_mask, num_generations)  # text prompts only
         out = model.generate(
             input_ids=prompt_ids.repeat_interleave(num_generations, 0),
             attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
@@ -81,3 +94,4 @@ def generate_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     scores = torch.stack(out.scores, 1).float()  # [P * G, new, V]
     logps = torch.log_softmax(scores, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
     return out.sequences, logps
+

@@ -27,6 +27,7 @@ class SamplingModule(PolicyModule):
     """A method that samples completions from its models (its sampling knobs: ``SamplingKnobs``, ``VLLMKnobs``)."""
 
     progress_stats: tuple[str, ...] = ()  # the statistics shown in the progress bar
+    takes_image_prompts = False  # whether the method trains on prompts with images (check_image_prompts)
     vllm_gpu_memory_utilization_default = 0.3  # TRL's for the method (GRPOConfig, DistillationConfig)
     train_stats: torch.nn.ModuleDict
     eval_stats: torch.nn.ModuleDict
@@ -65,6 +66,11 @@ class SamplingModule(PolicyModule):
         self.tokenizer = getattr(datamodule, "tokenizer", None)
         if stage == "fit" and not hasattr(datamodule, "configure_rollout"):
             raise TypeError(f"{type(self).__name__} trains on PromptDataModule batches; got {type(datamodule).__name__}.")
+        if stage == "fit" and getattr(datamodule, "has_images", False):
+            from lightalign.modules.sampling.image_prompts import check_image_prompts
+
+            check_image_prompts(self)  # what is not exact with images, refused before any rollout
+            self.sampling.images = True  # the sampler is chosen for image prompts (choose_sampler)
         split = getattr(datamodule, "conversation_rows", None)
         if stage == "fit" and split:
             from lightning.pytorch.utilities import rank_zero_info

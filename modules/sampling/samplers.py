@@ -74,9 +74,11 @@ class GenerateSampler(Sampler):
         from lightalign.modules.sampling.generate import generate_groups
         from lightalign.strategies.sharding import generation_context
 
+        prompt_inputs = sampling.pop("prompt_inputs", None)  # image prompts' inputs (sample_groups), repeated
         with generation_context(model) as extra:  # full parameters under FSDP2 / ZeRO-3, released after
             out = generate_groups(model, prompt_ids, prompt_mask, num_generations, share_prefill=share_prefill,
-                                  return_logprobs=return_logprobs, **extra, do_sample=True, eos_token_id=eos,
+                                  return_logprobs=return_logprobs, prompt_inputs=prompt_inputs, **extra,
+                                  do_sample=True, eos_token_id=eos,
                                   pad_token_id=pad_token_id, use_cache=True, max_new_tokens=max_new_tokens,
                                   **sampling)
         sequences, logps = out if return_logprobs else (out, None)
@@ -203,11 +205,30 @@ def refuse_knobs(sampler: Sampler, **knobs: Any) -> None:
 def sample_groups(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
                   *, backend: str | Sampler, eos: list[int], pad_token_id: int, max_new_tokens: int,
                   share_prefill: bool = True, continuous_config: dict[str, Any] | None = None,
-                  return_logprobs: bool = False, **sampling: Any) -> Samples:
+                  return_logprobs: bool = False, prompt_inputs: dict[str, Any] | None = None,
+                  **sampling: Any) -> Samples:
     """``backend``'s ``sample`` (a registered name or a ``Sampler``), refused first when several processes train
-    and the backend runs in one only."""
+    and the backend runs in one only. ``prompt_inputs``: the image inputs of the prompts repeated
+    ``num_generations`` times (``repeated_prompt_inputs``), which only ``generate`` takes (``refuse_images``)."""
     sampler = get_sampler(backend) if isinstance(backend, str) else backend
     check_processes(sampler)
+    if prompt_inputs:
+        refuse_images(sampler.name, None)
+        sampling["prompt_inputs"] = prompt_inputs
     return sampler.sample(model, prompt_ids, prompt_mask, num_generations, eos=eos, pad_token_id=pad_token_id,
                           max_new_tokens=max_new_tokens, share_prefill=share_prefill,
                           continuous_config=continuous_config, return_logprobs=return_logprobs, **sampling)
+
+
+IMAGE_BACKENDS = ("generate",)  # the backends that sample image prompts (measured: tests/vision)
+
+
+def refuse_images(backend: str, knob: str | None) -> None:
+    """Refuse sampling prompts with images on ``backend`` unless it is one that takes them (``IMAGE_BACKENDS``):
+    the other backends run the prompt through the model without its images. ``knob``: the setting that chose it."""
+    if backend in IMAGE_BACKENDS:
+        return
+    chosen = f" ({knob})" if knob else ""
+    raise ValueError(f"The prompts have images, and the generation backend '{backend}'{chosen} samples without "
+                     "them (only 'generate' passes a prompt's images to the model): set generation_backend: "
+                     "generate (and use_vllm / use_transformers_continuous_batching: false).")

@@ -19,7 +19,9 @@ from lightalign.modules.training.lora import is_peft_model
 def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: Any = None, merge_lora: bool = False,
               state_dict: dict[str, torch.Tensor] | None = None, random_base: bool = False) -> Path:
     """Write a Hugging Face model folder (``save_pretrained`` of model and tokenizer), atomically. ``tokenizer``: a
-    tokenizer, or its name or folder (loaded with ``lightalign.hub.load_tokenizer``).
+    tokenizer or a vision-language model's processor (tokenizer, image processor and chat template:
+    ``AutoProcessor`` loads the folder), or its name or folder (loaded with ``lightalign.hub.load_tokenizer``, or
+    ``lightalign.vision.load_processor`` for a vision-language model).
 
     The folder is written under a temporary name beside ``output_dir`` and renamed into place, so a crash
     mid-write leaves the previous export intact. With LoRA, the adapters are saved; ``merge_lora`` saves a
@@ -61,9 +63,14 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer: 
             if config is not None and use_cache is not None:
                 config.use_cache = use_cache
         if isinstance(tokenizer, (str, os.PathLike)):  # a name or folder, as the datamodules take it
-            from lightalign.hub import load_tokenizer
+            from lightalign.hub import is_vision_language_model, load_tokenizer
 
-            tokenizer = load_tokenizer(str(tokenizer))
+            if Path(tokenizer, "config.json").is_file() and is_vision_language_model(str(tokenizer)):
+                from lightalign.vision import load_processor
+
+                tokenizer = load_processor(str(tokenizer))
+            else:
+                tokenizer = load_tokenizer(str(tokenizer))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         # mkdtemp makes the folder 0700 and safetensors writes 0600 files: give the export the permissions a

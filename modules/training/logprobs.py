@@ -7,6 +7,7 @@ chunk by row chunk, so at most ``chunk_rows x vocab`` float32 values exist at a 
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
@@ -152,6 +153,58 @@ def padded_position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def image_token_ids(model: torch.nn.Module) -> list[int]:
+    """The placeholder token ids a vision-language model's config names (``image_token_id``, ``video_token_id``,
+    ``image_token_index``); ``[]`` for a text model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    ids = (getattr(config, name, None) for name in ("image_token_id", "video_token_id", "image_token_index"))
+    return sorted({int(i) for i in ids if isinstance(i, int)})
+
+
+def prompt_image_kwargs(model: torch.nn.Module, rows: dict[str, Any], completion_width: int
+                        ) -> dict[str, torch.Tensor]:
+    """What a forward of ``[left-padded prompt, completion]`` rows adds for their prompts' images: the rows' image
+    tensors (``prompt_image_inputs``) and each token-aligned extra (``prompt_<key>``) continued with 0 over the
+    ``completion_width`` completion tokens (text). ``{}`` when no row has an image; rows whose prompts hold the
+    model's image placeholder tokens without their images are refused (a model would read the placeholders as
+    plain tokens, silently)."""
+    images = rows.get("prompt_image_inputs")
+    if images is None or not any(images.images_per_row):
+        placeholders = image_token_ids(model)
+        if placeholders and torch.isin(rows["prompt_ids"], torch.tensor(placeholders, device=rows["prompt_ids"].device)
+                                       ).any():
+            raise ValueError("These prompts hold image placeholder tokens but no images reached the forward that "
+                             "scores their completions; a prompt batch with images carries them as "
+                             "'prompt_image_inputs' (PromptDataModule with a vision-language model's processor).")
+        return {}
+    out = dict(images.tensors())
+    for key in images.layout.token_keys:
+        prompt = rows.get(f"prompt_{key}")
+        if prompt is not None:
+            out[key] = torch.cat([prompt, prompt.new_zeros(prompt.shape[0], completion_width)], dim=1)
+    return out
+
+
+def computes_own_positions(model: torch.nn.Module) -> bool:
+    """Whether the model computes its own multi-axis positions from the image inputs (mRoPE: Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL, whose model has ``get_rope_index``); 1-D positions handed to such a model would be wrong for image
+    tokens."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return any(callable(getattr(m, "get_rope_index", None)) for m in (base, getattr(base, "model", None)))
+
+
+def forward_positions(model: torch.nn.Module, attention_mask: torch.Tensor, images: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+    """The ``position_ids`` a forward of left-padded rows passes: counted from each row's first real token
+    (``padded_position_ids``, as the samplers count) when the model takes them, none when the rows carry images
+    and the model computes its own positions from them (``computes_own_positions``; it then also counts from
+    each row's first attended token)."""
+    if not forward_accepts(model, "position_ids") or (images and computes_own_positions(model)):
+        return {}
+    return {"position_ids": padded_position_ids(attention_mask)}
+
+
 def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor], through_last: bool = False,
                       ) -> torch.Tensor:
     """The logits ``[B, T, V]`` predicting each completion token of padded ``[left-padded prompt, completion]``
@@ -161,8 +214,8 @@ def completion_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor], thr
     t = rows["completion_ids"].shape[1]
     input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
     attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1)
-    if forward_accepts(model, "position_ids"):
-        inputs["position_ids"] = padded_position_ids(attention_mask)
+    images = prompt_image_kwargs(model, rows, t)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1,
+                  **images, **forward_positions(model, attention_mask, images))
     logits = model(**inputs).logits
     return logits if through_last else logits[:, :-1]

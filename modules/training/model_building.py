@@ -111,7 +111,13 @@ class ModelBuilding:
             check_layout(meta, layout, max_tokens=longest)
 
     def _prepare_model(self) -> None:
+        from lightalign.hub import is_vision_language_config
+        from lightalign.modules.training.vision_model import excluding_frozen, freeze_vision
+
         compute, peft_config = self.knobs.compute, self.knobs.model.peft_config
+        # a vision-language policy (AutoModelForImageTextToText): its export holds the processor, its card says so
+        self.is_vision_language = is_vision_language_config(getattr(self.model, "config", None))
+        self.frozen_vision_parameters = freeze_vision(self.model, self.knobs.vision_model)
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes as they are
         if self.knobs.dropout.disable_dropout:
             from lightalign.modules.training.dropout import disable_dropout_in_model
@@ -126,7 +132,7 @@ class ModelBuilding:
         self.lean_mlps = self.adaptations.mlps_switched
         if peft_config is not None and not is_peft_model(self.model):
             prepare_quantized_base(self.model)  # QLoRA
-            self.model = apply_peft(self.model, peft_config)
+            self.model = apply_peft(self.model, excluding_frozen(peft_config, self.model, self.knobs.vision_model))
         if compute.torch_compile:
             from lightalign.modules.training.acceleration import compile_model
 

@@ -94,6 +94,7 @@ def model_card_text(
     pipeline_tag: str | None = "text-generation",
     license: str | None = None,
     random_init: bool = False,
+    vision_language: bool = False,
 ) -> str:
     """The text of ``README.md`` (YAML metadata + markdown body); pure: the same inputs give the same text.
 
@@ -117,6 +118,8 @@ def model_card_text(
             adapter, ``AutoModelForSequenceClassification`` for a reward model).
         license: the license, when known (otherwise left out).
         random_init: the run started from random weights (``from_config``): no base model in the metadata.
+        vision_language: a vision-language model (reads images): the card says so, and the snippet loads the folder's
+            processor (``AutoProcessor``: tokenizer, image processor, chat template) beside the model.
     """
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -135,21 +138,34 @@ def model_card_text(
               else f"[`{base_model}`](https://huggingface.co/{base_model})" if hub_base else f"`{base_model}`")
     lines += [f"Trained with lightalign's {named} from {origin}"
               + (f", {step} optimizer steps." if step is not None else "."), ""]
+    if vision_language:
+        lines += ["This is a vision-language model: it reads images and text and writes text. The folder holds its "
+                  "processor (tokenizer, image processor and chat template) beside the weights.", ""]
+    preprocessor = "AutoProcessor" if vision_language else "AutoTokenizer"
+    loaded = "processor" if vision_language else "tokenizer"
 
-    lines += ["## How to load", "", "```python", "from transformers import AutoTokenizer"]
-    if auto_class.startswith("AutoPeft"):
+    # a vision-language adapter: peft's AutoPeftModelForCausalLM would load the base with AutoModelForCausalLM, which
+    # has no class for most VLMs, so the base is loaded with AutoModelForImageTextToText and the adapter put on it
+    vlm_adapter = vision_language and auto_class.startswith("AutoPeft")
+    lines += ["## How to load", "", "```python", f"from transformers import {preprocessor}"]
+    if vlm_adapter:
+        lines[-1] = f"from transformers import AutoModelForImageTextToText, {preprocessor}"
+        lines += ["from peft import PeftModel", ""]
+    elif auto_class.startswith("AutoPeft"):
         lines += [f"from peft import {auto_class}", ""]
     else:
-        lines[-1] = f"from transformers import {auto_class}, AutoTokenizer"
+        lines[-1] = f"from transformers import {auto_class}, {preprocessor}"
         lines += [""]
-    if repo_id:
-        lines += [f'model = {auto_class}.from_pretrained("{repo_id}")',
-                  f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", ""]
-    else:
+    where = json.dumps(repo_id) if repo_id else "folder"
+    if not repo_id:
         lines += ["# the folder this card is in (moved or copied: its new path)",
-                  f"folder = {json.dumps(folder or 'path/to/this/folder', ensure_ascii=False)}",
-                  f"model = {auto_class}.from_pretrained(folder)",
-                  "tokenizer = AutoTokenizer.from_pretrained(folder)", "```", ""]
+                  f"folder = {json.dumps(folder or 'path/to/this/folder', ensure_ascii=False)}"]
+    if vlm_adapter:
+        lines += [f"base = AutoModelForImageTextToText.from_pretrained({json.dumps(base_model)})",
+                  f"model = PeftModel.from_pretrained(base, {where})"]
+    else:
+        lines += [f"model = {auto_class}.from_pretrained({where})"]
+    lines += [f"{loaded} = {preprocessor}.from_pretrained({where})", "```", ""]
 
     lines += ["## Data", ""]
     if data is not None:

@@ -29,6 +29,7 @@ from lightalign.modules.training.export import export_hf
 from lightalign.modules.training.model_building import ComputeKnobs, ModelBuilding, ModelKnobs
 from lightalign.modules.training.optimization import Optimization, OptimizationKnobs
 from lightalign.modules.training.side_effects import ScopedSideEffects
+from lightalign.modules.training.vision_model import VisionModelKnobs, check_vision_model
 
 # TRL's former names of knobs, refused naming the current one
 RENAMED_KNOBS = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max"}
@@ -72,7 +73,7 @@ def taken_by(names: list[str]) -> str:
 
 
 @takes_knobs(ModelKnobs, ComputeKnobs, DropoutKnobs, RouterAuxKnobs, OptimizationKnobs, EvalMetricsKnobs,
-             NonfiniteKnobs, CPUMemoryKnobs)
+             NonfiniteKnobs, CPUMemoryKnobs, VisionModelKnobs)
 class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.LightningModule):
     """Loads the policy and owns what every post-training method shares (its knobs: ``knob_groups``)."""
 
@@ -135,6 +136,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
     def check_knob_combinations(self) -> None:
         """Refuse combinations of knobs from several groups (each group checked its own knobs); a method extends it,
         calling ``super().check_knob_combinations()`` first. Runs at construction, before ``compose``."""
+        model = self.knobs.model
+        check_vision_model(self.knobs.vision_model, model.model, model.model_name_or_path, model.trust_remote_code)
         if "reference_sync" in self.knobs and self.knobs.reference_sync.sync_ref_model:  # methods with a reference
             refuse_reference_sync(self.reference_sync_blocker())
         if "bema" in self.knobs and self.knobs.bema.update_ref_model:  # the methods with a reference
@@ -165,6 +168,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         self.adaptations = AdaptationReport()
         self.router_aux = None  # the MoE load-balancing loss collector, attached at fit start when in force
         self.dropout_report = None  # what disable_dropout zeroed (disable_dropout_in_model), said at fit start
+        self.is_vision_language = False  # set when the model is prepared: a VLM exports its processor
+        self.frozen_vision_parameters: list[str] = []  # what freeze_vision_tower / _projector froze
         if self.model is not None:
             self._prepare_model()
 

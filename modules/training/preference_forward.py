@@ -20,6 +20,7 @@ from lightalign.modules.training.logprobs import (
     shared_prefix_logits,
 )
 from lightalign.modules.training.sft_forward import sft_logits
+from lightalign.vision.inputs import model_inputs
 
 
 def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> bool:
@@ -64,7 +65,9 @@ def completion_token_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor
     """Per-token completion log-probs of the 2B sequences (chosen first): ``(logps [2B, L], mask [2B, L])``.
 
     Shared-prefix layout: one forward, logits only where a completion token is predicted. Classic layout: one
-    forward over the padded chosen and rejected rows. Masked entries hold 0.
+    forward over the padded chosen and rejected rows, with the rows' image inputs (``model_inputs``: each prompt's
+    images for its chosen and its rejected row) and no ``position_ids``, so a multimodal-rotary model computes its
+    own. Masked entries hold 0.
     """
     token_logps, mask, _ = completion_token_logps_and_alignment(model, batch, alignment=False)
     return token_logps, mask
@@ -81,7 +84,8 @@ def completion_token_logps_and_alignment(model: torch.nn.Module, batch: dict[str
         return (unpack_row(token_logps, sizes), unpack_row(mask, sizes),
                 unpack_row(squares, sizes) if alignment else None)
     if not shared_prompt_layout(batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                       **model_inputs(batch)).logits
         token_logps, mask = completion_logps(logits, batch["input_ids"], batch["completion_mask"])
         if not alignment:
             return token_logps, mask, None
@@ -122,7 +126,8 @@ def completion_and_prompt_logps(model: torch.nn.Module, batch: dict[str, torch.T
         token_logps, mask = unpack_row(every.masked_fill(~completion, 0.0), sizes), unpack_row(completion, sizes)
         prompt_logps = unpack_row(every.masked_fill(~prompt_mask, 0.0), sizes)[:half].sum(-1)
         return token_logps, mask, prompt_logps, unpack_row(prompt_mask, sizes)[:half].sum(-1)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                       **model_inputs(batch)).logits
     every = selective_log_softmax(logits[:, :-1, :], batch["input_ids"][:, 1:])
     completion = batch["completion_mask"][:, 1:].bool()
     prompt_mask = batch["attention_mask"][:half, 1:].bool() & ~completion[:half]  # rows are right-padded

@@ -55,6 +55,8 @@ def to_cpu(value: Any) -> Any:
         return value.cpu()
     if isinstance(value, dict):
         return {k: to_cpu(v) for k, v in value.items()}
+    if hasattr(value, "images_per_row"):  # a rollout's prompt images (ImageInputs)
+        return value.to("cpu")
     return value
 
 

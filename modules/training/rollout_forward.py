@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from lightalign.modules.adaptations.layouts import split_packed_attention
-from lightalign.modules.training.logprobs import (forward_accepts, padded_position_ids, scatter_to_sequences,
-                                                  selective_log_softmax, shared_prefix_token_logps)
+from lightalign.modules.training.logprobs import (forward_accepts, forward_positions, prompt_image_kwargs,
+                                                  scatter_to_sequences, selective_log_softmax,
+                                                  shared_prefix_token_logps)
 
 
 def grpo_forward(model: torch.nn.Module, mb: dict[str, Any], temperature: float = 1.0):
@@ -18,7 +19,8 @@ def grpo_forward(model: torch.nn.Module, mb: dict[str, Any], temperature: float 
     (divided by ``temperature``) and the mask selecting the scored rows of those logits.
 
     Padded layout: ``[left-padded prompt, completion]`` rows, positions counted from each row's first real token
-    (what ``generate`` used; models with learned absolute positions depend on it). Shared layout (``mb["shared"]``):
+    (what ``generate`` used; models with learned absolute positions depend on it), with each row's prompt images
+    (``prompt_image_kwargs``; an mRoPE model then computes its own positions). Shared layout (``mb["shared"]``):
     one segment per prompt, logits only where a completion token is predicted. Padding-free layout
     (``mb["packed"]``, ``packed_completion_batch``): every ``[prompt, completion]`` one after the other in one row,
     positions from 0 for each, one attention call per sequence; logits only where a completion token is predicted.
@@ -35,9 +37,9 @@ def grpo_forward(model: torch.nn.Module, mb: dict[str, Any], temperature: float 
     input_ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
     # a tool rollout's loss mask leaves out the tool results, which its attention mask keeps
     attention_mask = torch.cat([mb["prompt_mask"], mb.get("completion_attention_mask", mb["completion_mask"])], dim=1)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1)
-    if forward_accepts(model, "position_ids"):
-        inputs["position_ids"] = padded_position_ids(attention_mask)
+    images = prompt_image_kwargs(model, mb, t)  # the prompts' images (none for text rows)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=t + 1,
+                  **images, **forward_positions(model, attention_mask, images))
     logits = model(**inputs).logits[:, :-1] / temperature  # the sampling distribution
     return selective_log_softmax(logits, mb["completion_ids"]), logits, mb["completion_mask"].bool()
 
