@@ -99,8 +99,8 @@ class ImagePromptCollator:
     """``PromptCollator``'s batch for rows with images (see the module docstring): ``prompt_input_ids`` /
     ``prompt_attention_mask`` left-padded, ``prompt_image_inputs`` (``ImageInputs``, batch row order), each
     token-aligned extra as ``prompt_<key>`` (left-padded with 0), ``prompts`` as in the data, and ``columns`` with
-    the images as PIL images under ``column`` (the data's image column; None: it has none). ``left_pad``: ``PromptCollator``'s padding of prompt ids
-    (``prompt.left_pad``), so both collators pad alike."""
+    the images as PIL images under ``column`` (the data's image column; None: it has none). ``left_pad``:
+    ``PromptCollator``'s padding of prompt ids (``prompt.left_pad``), so both collators pad alike."""
 
     def __init__(self, processor: Any, layout: Any, column: str | None, left_pad: Callable) -> None:
         self.processor, self.layout, self.column, self.left_pad = processor, layout, column, left_pad
