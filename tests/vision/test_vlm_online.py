@@ -182,6 +182,31 @@ def test_reward_functions_receive_the_rows_images(setup):
     assert total.tolist() == pytest.approx(expect) and expect[0] != expect[2]
 
 
+def test_a_rollout_with_images_checkpoints_for_a_weights_only_load(setup, tmp_path):
+    """The rollout buffer's micro-batches, images included, load back with ``torch.load(weights_only=True)`` (what
+    a resumed run reads) and split in the rollout's row order. Mutation: ``RolloutBuffer.state_dict`` keeping the
+    ``ImageInputs`` object -> the weights-only load refuses it."""
+    from lightalign.modules.rollout.buffer import RolloutBuffer, split_rollout
+
+    mb = _scripted_rollout(setup.batch)
+    chunks = split_rollout(mb, mb["completion_mask"].sum(-1), 2, 2, whole_groups=False)
+    for chunk in chunks:  # the images follow their rows through the shuffle
+        rows = chunk["prompt_image_inputs"].rows
+        for i, ids in enumerate(chunk["prompt_ids"]):
+            j = next(j for j in range(6) if torch.equal(mb["prompt_ids"][j], ids))
+            assert rows[i].keys() == mb["prompt_image_inputs"].rows[j].keys()
+            assert all(torch.equal(rows[i][k], mb["prompt_image_inputs"].rows[j][k]) for k in rows[i])
+    buffer = RolloutBuffer()
+    buffer.fill(chunks)
+    torch.save(buffer.state_dict(), tmp_path / "state.pt")
+    restored = RolloutBuffer()
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    for before, after in zip(chunks, restored.chunks):
+        assert after["prompt_image_inputs"].layout == before["prompt_image_inputs"].layout
+        assert torch.equal(after["prompt_image_inputs"].tensors()["pixel_values"],
+                           before["prompt_image_inputs"].tensors()["pixel_values"])
+
+
 def test_backends_other_than_generate_and_unmeasured_layouts_are_refused(setup):
     """Prompts with images sample only on ``generate``: another asked backend is refused naming it, the knob and
     ``generate``; the default picks ``generate`` and says why; ``share_prefill``, ``prompt_sharing``,
@@ -243,6 +268,19 @@ def test_bad_image_rows_are_refused_naming_the_row(repo, tmp_path):
     data = PromptDataModule(str(_write(tmp_path, good)), tokenizer=str(repo / "assets/models/tiny"))
     with pytest.raises(DataFormatError, match="has an 'images' column, and .* is a text model"):
         data.setup("fit")
+
+
+def test_text_prompts_for_a_vision_language_model_carry_no_images(repo, tmp_path):
+    """Prompts without an image column, for a vision-language model: the rows prepare, no image is announced, and
+    the batch has no image rows (sampling and forwards take the text path)."""
+    from lightalign import PromptDataModule
+    from lightalign.datamodules.image_prompts import has_image_rows
+
+    rows = [{"prompt": [{"role": "user", "content": "Say yes."}], "answer": "yes"}]
+    data = PromptDataModule(str(_write(tmp_path, rows)), tokenizer=str(repo / VLM))
+    data.setup("fit")
+    batch = data.collate_fn()([data.train_dataset[0]])
+    assert not data.has_images and not has_image_rows(batch) and batch["columns"] == {"answer": ["yes"]}
 
 
 def _fit(repo, tmp_path, config, *args):
