@@ -68,6 +68,12 @@ def _inside(kind: str, x: int, y: int) -> bool:
 
 
 MASKS = {kind: [[_inside(kind, x, y) for x in range(BOX)] for y in range(BOX)] for kind in KINDS}
+AREAS = {kind: sum(map(sum, mask)) for kind, mask in MASKS.items()}  # pixels: square 100, circle 80, triangle 50
+
+
+def area(scene: Scene, color: str) -> int:
+    """How many pixels the scene's shapes of ``color`` cover."""
+    return sum(AREAS[s.kind] for s in scene if s.color == color)
 
 
 def render(scene: Scene) -> Image.Image:
@@ -109,8 +115,11 @@ def question(rng: random.Random, kind: str) -> tuple[Scene, str, str, list[str]]
         color = rng.choice(colors)
         k = rng.randint(2, 4)
         while True:
-            scene = random_scene(rng, rng.randint(0, 3), lambda _k, c: c != color, fixed=[(rng.choice(KINDS), color) for _ in range(k)])
-            if all(sum(s.color == c for s in scene) < k for c in colors if c != color):
+            n_others, fixed = rng.randint(0, 3), [(rng.choice(KINDS), color) for _ in range(k)]
+            scene = random_scene(rng, n_others, lambda _k, c: c != color, fixed=fixed)
+            # The answer is both the colour of most shapes and the colour covering the most pixels (easy to learn).
+            if all(sum(s.color == c for s in scene) < k and area(scene, c) < area(scene, color)
+                   for c in colors if c != color):
                 break
         return scene, "What color are most of the shapes?", color, [c for c in colors if c != color]
     if kind == "count_color":
@@ -237,8 +246,9 @@ def build(out: Path, seed: int = SEED) -> None:
     for _ in range(N_KTO):
         scene, text, answer, wrong = question(rng, draw_kind(rng))
         good = rng.random() < 0.6
-        rows.append({"prompt": [user_turn(text, 1)], "completion": [assistant_turn(answer if good else rng.choice(wrong))],
-                     "label": good, "images": images(scene)})
+        completion = answer if good else rng.choice(wrong)
+        rows.append({"prompt": [user_turn(text, 1)], "completion": [assistant_turn(completion)], "label": good,
+                     "images": images(scene)})
     write_jsonl(out / "vlm_kto.jsonl", rows)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -76,7 +75,9 @@ def test_the_images_ship_with_the_package():
     wanted = {f"examples/data/{name}.jsonl" for name in FILES}
     wanted |= {f"examples/data/vlm_images/{p.name}" for p in (DATA / "vlm_images").iterdir()}
     assert wanted <= {f.as_posix() for f in shipped_files(REPO)}
-    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["lightalign"]
+    package_data = re.search(r"\[tool\.setuptools\.package-data\]\s*lightalign = \[(.*?)\]",
+                             (REPO / "pyproject.toml").read_text(), re.DOTALL)[1]  # no tomllib before Python 3.11
+    patterns = re.findall(r'"([^"]+)"', package_data)
     in_wheel = {p.relative_to(REPO).as_posix() for pattern in patterns for p in REPO.glob(pattern) if p.is_file()}
     assert wanted <= in_wheel
 
@@ -120,7 +121,13 @@ def read_scene(path: Path) -> list[tuple[str, str, int]]:
         return shapes
 
 
-def right_answer(question: str, scenes: list[list[tuple[str, str, int]]]) -> str:
+def colour_area(path: Path) -> Counter:
+    """How many pixels each shape colour covers."""
+    with Image.open(path) as image:
+        return Counter({color_name(rgb): n for n, rgb in image.convert("RGB").getcolors() if rgb != BACKGROUND})
+
+
+def right_answer(question: str, scenes: list[list[tuple[str, str, int]]], colour_areas: list[Counter]) -> str:
     """The answer to a shipped question, worked out from the scenes read from the pixels."""
     if len(scenes) == 2:
         assert question == "Which image has more circles, the first or the second?"
@@ -131,6 +138,8 @@ def right_answer(question: str, scenes: list[list[tuple[str, str, int]]]) -> str
     if question == "What color are most of the shapes?":
         (top, n), *rest = Counter(color for _k, color, _x in scene).most_common()
         assert not rest or rest[0][1] < n, "no single most frequent colour"
+        (most_pixels, pixels_n), *others = colour_areas[0].most_common()
+        assert most_pixels == top and (not others or others[0][1] < pixels_n), "most shapes, not most pixels"
         return top
     if question == "How many shapes are there?":
         return str(len(scene))
@@ -150,7 +159,8 @@ def question_and_answer(row: dict) -> tuple[str, str]:
     """The question text and the right answer for the row's images."""
     user = (row.get("messages") or row["prompt"])[0]
     (text,) = [part["text"] for part in user["content"] if part["type"] == "text"]
-    return text, right_answer(text, [read_scene(DATA / path) for path in row["images"]])
+    paths = [DATA / path for path in row["images"]]
+    return text, right_answer(text, [read_scene(p) for p in paths], [colour_area(p) for p in paths])
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -177,6 +187,6 @@ def test_accuracy_reward_scores_the_demo_answers():
     for completions in (as_string, as_parts, answers):
         assert accuracy_reward([r["prompt"] for r in prompts], completions, answer=answers) == [1.0] * len(prompts)
     pairs = rows("vlm_preference")
-    gold = [row["chosen"][0]["content"] for row in pairs]
-    assert accuracy_reward([r["prompt"] for r in pairs], [r["rejected"] for r in pairs], answer=gold) == [0.0] * len(pairs)
-    assert accuracy_reward([r["prompt"] for r in pairs], [r["chosen"] for r in pairs], answer=gold) == [1.0] * len(pairs)
+    pair_prompts, gold = [r["prompt"] for r in pairs], [r["chosen"][0]["content"] for r in pairs]
+    assert accuracy_reward(pair_prompts, [r["rejected"] for r in pairs], answer=gold) == [0.0] * len(pairs)
+    assert accuracy_reward(pair_prompts, [r["chosen"] for r in pairs], answer=gold) == [1.0] * len(pairs)
