@@ -230,7 +230,8 @@ def check_vision_layout(model_or_name: Any, layout: str, processor=None,
     model_class, config, processor = _resolve(model_or_name, processor, processor_kwargs)
     verdict = measure_vision(model_class, config, processor, layout)
     if not verdict.exact:
-        knob, alternative = _KNOBS.get(layout, ("model.generation_backend: generate", "a single image row per batch"))
+        knob, alternative = _KNOBS.get(layout, ("batched generation (model.generation_backend: generate)",
+                                                 "per-device batch size 1"))
         raise LayoutRefused(
             f"{knob} cannot run exactly with images on {model_class.__name__} (model_type "
             f"'{getattr(config, 'model_type', '?')}'): measured on a shrunk copy of its config with images in the "
