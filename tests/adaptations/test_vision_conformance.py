@@ -7,7 +7,8 @@ Mutations that fail this file: ``model_inputs`` returning only the token extras 
 images no longer reach its logits, every family's ``padded`` verdict turns into a refusal); ``vision_layouts.packed``
 passing 1-D positions to a model with ``get_rope_index`` (the three Qwen families' packed verdicts); the
 shared-prefix mask letting a completion attend to the other completion of its prompt (every shared verdict);
-``generate`` in ``vision_layouts`` dropping the image inputs of the batch (every generate verdict).
+``vision_layouts.greedy_batched`` dropping the image inputs of the batch (every generate verdict);
+``vision_probe._measure`` accepting every measured layout (Gemma 3's packed and shared cells).
 """
 
 from __future__ import annotations
@@ -48,10 +49,32 @@ def fresh_cache(tmp_path_factory):
         os.environ["LIGHTALIGN_CACHE_DIR"] = saved
 
 
+def _truth(family: str, layout: str) -> float:
+    """The layout's largest log-prob difference on the family's own model (not the probe: full vocabulary, its
+    own token ids, other weights and images), against each sequence alone."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from lightalign.modules.adaptations import vision_layouts as vl
+    from lightalign.modules.adaptations.probe import unit_scale
+    from lightalign.modules.adaptations.probe_layouts import max_difference
+    from lightalign.vision import load_processor, measure_key_layout
+
+    folder = ASSETS / family
+    config = AutoConfig.from_pretrained(folder)
+    model = unit_scale(AutoModelForImageTextToText.from_config(config), seed=7).eval()  # (Gemma 3's zero projection too)
+    processor = load_processor(str(folder))
+    keys = measure_key_layout(processor)
+    seqs = vl.image_sequences(processor, keys, config, config, config.get_text_config().vocab_size, seed=3)
+    if layout == "padding_free":
+        return max_difference(vl.packed(model, seqs, keys), vl.alone(model, seqs, keys))
+    return max_difference(vl.shared(model, seqs, keys), vl.shared_alone(model, seqs, keys))
+
+
 @pytest.mark.parametrize("family", list(EXACT))
 def test_vision_matrix(family):
     """Each (family x layout x backend) cell: exact within float32's 1e-4 nats (or 0 differing greedy tokens), or
-    refused with the knob; the probe's images reach its logits (else nothing here would show they follow rows)."""
+    refused with the knob; the probe's images reach its logits (else nothing here would show they follow rows).
+    The packed and shared verdicts are also the truth on the family's own model."""
     folder = str(ASSETS / family)
     for layout in MEASURED:
         try:
@@ -59,9 +82,12 @@ def test_vision_matrix(family):
         except LayoutRefused as error:
             assert layout not in EXACT[family], f"{family}/{layout} refused: {error}"
             assert "nats" in str(error), str(error)
+            assert _truth(family, layout) > 1e-4, f"{family}/{layout} refused, but the model computes it exactly"
             continue
         assert layout in EXACT[family], f"{family}/{layout} accepted: {verdict}"
         assert verdict.image_effect > MIN_IMAGE_EFFECT and verdict.difference <= 1e-4, verdict
+        if layout in ("padding_free", "dpo_shared"):
+            assert _truth(family, layout) <= 1e-4, f"{family}/{layout} accepted, but the model is not exact"
     for backend in BACKENDS:
         with pytest.raises(LayoutRefused, match="never reach the model"):
             check_vision_layout(folder, backend)
@@ -85,3 +111,17 @@ def test_refusal_message_names_model_knob_difference_and_setting():
     assert "model.generation_backend: generate" in str(info.value)
     with pytest.raises(ValueError, match="Unknown layout"):
         check_vision_layout(folder, "sideways")
+
+
+def test_check_takes_the_model_and_the_run_processor():
+    """At setup the caller passes its model (a PEFT wrapper's base is probed) and the processor it loaded."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from lightalign.vision import load_processor
+
+    folder = ASSETS / "tiny-llava"
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder))
+    processor = load_processor(str(folder))
+    assert check_vision_layout(model, "grpo_packed", processor=processor).exact
+    with pytest.raises(LayoutRefused, match="LlavaForConditionalGeneration"):
+        check_vision_layout(model, "static", processor=processor)
