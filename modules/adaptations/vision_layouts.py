@@ -8,12 +8,14 @@ shrunk config's, other ids into the plain range). Per layout, the per-token log-
 * ``padded``: one batch, left- or right-padded, rows with 0/1/2 images mixed (``ImageInputs`` builds the image
   tensors), the model computing its own positions (Qwen's 3-D mRoPE positions from the mask);
 * ``packed``: every sequence one after the other in one row, its images concatenated in order, positions restarting
-  per sequence: 1-D, or for a model with ``get_rope_index`` (mRoPE) the model's own 3-D positions of each sequence
-  alone, concatenated; each sequence attends alone (``sdpa_varlen`` with ``sequence_sizes``);
+  per sequence; each sequence attends alone (``sdpa_varlen`` with ``sequence_sizes``);
 * ``shared``: one row of segments ``[prompt, completion 1, completion 2]`` under a 4D mask (completions attend to
-  their prompt and themselves), positions of each completion continuing its prompt's (mRoPE: those of
-  ``prompt + completion`` alone);
+  their prompt and themselves), positions of each completion continuing its prompt's;
 * ``generate``: greedy tokens of a left-padded batch of prompts with images, and of each prompt alone.
+
+Positions of ``packed`` and ``shared`` rows (``positions``): ``"1d"`` is what lightalign's collators give them
+(``arange`` per sequence); ``"model"``, for a model with ``get_rope_index`` (Qwen's mRoPE), the model's own 3-D
+positions of each sequence alone, concatenated (for other models the same as ``"1d"``).
 """
 
 from __future__ import annotations
@@ -164,18 +166,18 @@ def _merged_images(seqs: list[ImageSequence], layout: ImageKeyLayout) -> dict[st
 
 
 @torch.no_grad()
-def packed(model, seqs: list[ImageSequence], layout: ImageKeyLayout) -> list[torch.Tensor]:
+def packed(model, seqs: list[ImageSequence], layout: ImageKeyLayout, positions: str = "1d") -> list[torch.Tensor]:
     from lightalign.modules.adaptations.attention import use_varlen_sdpa
 
     use_varlen_sdpa(model)
     ids = torch.tensor([sum((s.ids for s in seqs), [])])
     extras = {k: torch.tensor([sum((s.extra(k) for s in seqs), [])]) for k in layout.token_keys}
-    if uses_mrope(model):
-        positions = torch.cat([_rope_positions(model, s, layout) for s in seqs], dim=-1)
+    if positions == "model" and uses_mrope(model):
+        position_ids = torch.cat([_rope_positions(model, s, layout) for s in seqs], dim=-1)
     else:
-        positions = torch.cat([torch.arange(len(s.ids)) for s in seqs])[None]
+        position_ids = torch.cat([torch.arange(len(s.ids)) for s in seqs])[None]
     sizes = [len(s.ids) for s in seqs]
-    logits = model(input_ids=ids, position_ids=positions, sequence_sizes=sizes, use_cache=False,
+    logits = model(input_ids=ids, position_ids=position_ids, sequence_sizes=sizes, use_cache=False,
                    **_inputs((_merged_images(seqs, layout),), layout, extras)).logits[0]
     out, start = [], 0
     for n in sizes:
@@ -193,12 +195,12 @@ def shared_sequences(seqs: list[ImageSequence]) -> list[tuple[ImageSequence, Ima
 
 
 @torch.no_grad()
-def shared(model, seqs: list[ImageSequence], layout: ImageKeyLayout) -> list[torch.Tensor]:
+def shared(model, seqs: list[ImageSequence], layout: ImageKeyLayout, positions: str = "1d") -> list[torch.Tensor]:
     """Completion log-probs of ``shared_sequences`` in one row of ``[prompt, completion 1, completion 2]``
     segments under a 4D mask."""
     groups = shared_sequences(seqs)
-    ids, extras, positions, pieces = [], {k: [] for k in layout.token_keys}, [], []
-    mrope = uses_mrope(model)
+    ids, extras, position_ids, pieces = [], {k: [] for k in layout.token_keys}, [], []
+    mrope = positions == "model" and uses_mrope(model)
     start = 0
     for a, b in groups:
         p = len(a.prompt)
@@ -206,7 +208,7 @@ def shared(model, seqs: list[ImageSequence], layout: ImageKeyLayout) -> list[tor
         ids += a.prompt + a.completion + b.completion
         for k in extras:
             extras[k] += a.extra(k) + [0] * len(b.completion)
-        positions += [rope[0][..., :p], rope[0][..., p:], rope[1][..., p:]]
+        position_ids += [rope[0][..., :p], rope[0][..., p:], rope[1][..., p:]]
         pieces.append((start, p, len(a.completion), len(b.completion)))
         start += p + len(a.completion) + len(b.completion)
     total = len(ids)
@@ -218,7 +220,7 @@ def shared(model, seqs: list[ImageSequence], layout: ImageKeyLayout) -> list[tor
             allowed[s + off: s + off + c, s: s + p] = True
             allowed[s + off: s + off + c, s + off: s + off + c] = causal(c)
     ids_t = torch.tensor([ids])
-    logits = model(input_ids=ids_t, attention_mask=allowed[None, None], position_ids=torch.cat(positions, -1),
+    logits = model(input_ids=ids_t, attention_mask=allowed[None, None], position_ids=torch.cat(position_ids, -1),
                    use_cache=False, **_inputs((_merged_images([a for a, _ in groups], layout),), layout,
                                               {k: torch.tensor([v]) for k, v in extras.items()})).logits[0]
     out, lp = [], logits.float().log_softmax(-1)

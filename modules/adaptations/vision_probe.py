@@ -6,7 +6,10 @@ The probe is the user's model class on the user's config shrunk in size only, vi
 0, 1 and 2 images (``vision_layouts``). Each layout's per-token log-probs are compared with each sequence's own
 forward; ``generate`` on a left-padded batch of image prompts with each prompt alone. First the probe shows that its
 images reach its logits (``image_effect``: dropping them moves the log-probs by O(1) nats); where they do not, no
-layout can be shown to keep images with their rows, and every layout is refused. The sampling backends other than
+layout can be shown to keep images with their rows, and every layout is refused. Packed and shared rows are measured
+with the 1-D positions lightalign's collators give them; for an mRoPE model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) also
+with the model's own 3-D positions of each sequence (``model_positions_difference``), what such a layout would have
+to pass to be exact. The sampling backends other than
 ``generate`` (and the shared prefill) take token ids and masks only, so the image tensors never reach the model:
 refused without building a probe.
 
@@ -34,7 +37,7 @@ from lightalign.modules.adaptations.probe import (GENERATION_BACKENDS, TOLERANCE
                                                   cache_dir, unit_scale)
 from lightalign.modules.adaptations.support import _KNOBS, LAYOUTS, LayoutRefused
 
-VISION_PROBE_VERSION = 1
+VISION_PROBE_VERSION = 2
 KINDS = {"padded": "padded", "dpo_classic": "padded", "grpo_padded": "padded",
          "padding_free": "packed", "packed": "packed", "grpo_packed": "packed",
          "dpo_shared": "shared", "grpo_shared": "shared", "generate": "generate",
@@ -50,6 +53,9 @@ class VisionVerdict:
     difference: float  # max |Δ log-prob| (nats), or the number of differing greedy tokens (generate)
     error: str | None = None
     image_effect: float = 0.0  # max |Δ log-prob| when the images are dropped from the probe's forwards
+    # packed / shared rows of an mRoPE model: the difference with the model's own 3-D positions per sequence instead
+    # of the 1-D positions lightalign's collators give (None: not an mRoPE model, or another layout)
+    model_positions_difference: float | None = None
     seconds: float = 0.0
     cached: bool = False
 
@@ -58,7 +64,11 @@ class VisionVerdict:
             return f"is not exact ({self.error})"
         if KINDS[self.layout] == "generate":
             return f"gives {int(self.difference)} greedy tokens that differ from generate on each prompt alone"
-        return f"gives log-probs that differ from each sequence's own forward by up to {self.difference:.1e} nats"
+        text = f"gives log-probs that differ from each sequence's own forward by up to {self.difference:.1e} nats"
+        if self.model_positions_difference is not None and not self.exact:
+            text += (f" with the 1-D position_ids lightalign gives its sequences (with the model's own multimodal "
+                     f"positions of each sequence, get_rope_index, {self.model_positions_difference:.1e} nats)")
+        return text
 
 
 def _fingerprint(processor) -> str:
@@ -153,10 +163,14 @@ def _measure(model_class: type, config, shrunk, processor, layout: str, key: str
     try:
         if kind == "padded":
             diff = max(max_difference(vl.padded(probe, seqs, keys, side), want) for side in ("left", "right"))
-        elif kind == "packed":
-            diff = max_difference(vl.packed(probe, seqs, keys), want)
-        elif kind == "shared":
-            diff = max_difference(vl.shared(probe, seqs, keys), vl.shared_alone(probe, seqs, keys))
+        elif kind in ("packed", "shared"):
+            run = vl.packed if kind == "packed" else vl.shared
+            reference = want if kind == "packed" else vl.shared_alone(probe, seqs, keys)
+            diff = max_difference(run(probe, seqs, keys), reference)
+            if vl.uses_mrope(probe):
+                own = max_difference(run(probe, seqs, keys, positions="model"), reference)
+                return VisionVerdict(layout, diff <= TOLERANCE, diff, image_effect=effect,
+                                     model_positions_difference=own)
         else:  # generate
             gen, reference = _generation_probe(model_class, shrunk, seqs, keys)
             got = vl.greedy_batched(gen, seqs, keys, NEW_TOKENS)

@@ -5,7 +5,7 @@ rows with 0/1/2 images, left and right padding).
 
 Mutations that fail this file: ``model_inputs`` returning only the token extras (no ``pixel_values``: the probe's
 images no longer reach its logits, every family's ``padded`` verdict turns into a refusal); ``vision_layouts.packed``
-passing 1-D positions to a model with ``get_rope_index`` (the three Qwen families' packed verdicts); the
+passing 1-D positions whatever ``positions`` says (the Qwen families' 3-D positions no longer exact); the
 shared-prefix mask letting a completion attend to the other completion of its prompt (every shared verdict);
 ``vision_layouts.greedy_batched`` dropping the image inputs of the batch (every generate verdict);
 ``vision_probe._measure`` accepting every measured layout (Gemma 3's packed and shared cells).
@@ -19,16 +19,18 @@ from pathlib import Path
 import pytest
 
 from lightalign.modules.adaptations import LayoutRefused
-from lightalign.modules.adaptations.vision_probe import MIN_IMAGE_EFFECT, check_vision_layout
+from lightalign.modules.adaptations.vision_probe import MIN_IMAGE_EFFECT, _resolve, check_vision_layout, measure_vision
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "models"
 # one layout per measurement (the others share it: KINDS), then the backends; "refused" cells with their cause
 MEASURED = ("padded", "padding_free", "dpo_shared", "generate")
 BACKENDS = ("shared_prefill", "compact", "continuous", "static")
 EXACT = {
-    "tiny-qwen2-vl": MEASURED,
-    "tiny-qwen2.5-vl": MEASURED,
-    "tiny-qwen3-vl": MEASURED,
+    # mRoPE: packed and shared rows with lightalign's 1-D positions are refused; with the model's own 3-D positions
+    # of each sequence they are exact (model_positions_difference, asserted below)
+    "tiny-qwen2-vl": ("padded", "generate"),
+    "tiny-qwen2.5-vl": ("padded", "generate"),
+    "tiny-qwen3-vl": ("padded", "generate"),
     # Gemma 3's images attend to each other both ways (token_type_ids in its own mask): a packed row's or a shared
     # prefix's own mask replaces that mask, so those are refused
     "tiny-gemma3": ("padded", "generate"),
@@ -49,7 +51,7 @@ def fresh_cache(tmp_path_factory):
         os.environ["LIGHTALIGN_CACHE_DIR"] = saved
 
 
-def _truth(family: str, layout: str) -> float:
+def _truth(family: str, layout: str, positions: str = "1d") -> float:
     """The layout's largest log-prob difference on the family's own model (not the probe: full vocabulary, its
     own token ids, other weights and images), against each sequence alone."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -66,8 +68,8 @@ def _truth(family: str, layout: str) -> float:
     keys = measure_key_layout(processor)
     seqs = vl.image_sequences(processor, keys, config, config, config.get_text_config().vocab_size, seed=3)
     if layout == "padding_free":
-        return max_difference(vl.packed(model, seqs, keys), vl.alone(model, seqs, keys))
-    return max_difference(vl.shared(model, seqs, keys), vl.shared_alone(model, seqs, keys))
+        return max_difference(vl.packed(model, seqs, keys, positions), vl.alone(model, seqs, keys))
+    return max_difference(vl.shared(model, seqs, keys, positions), vl.shared_alone(model, seqs, keys))
 
 
 @pytest.mark.parametrize("family", list(EXACT))
@@ -93,6 +95,12 @@ def test_vision_matrix(family):
             check_vision_layout(folder, backend)
     # a second check is the cached verdict
     assert check_vision_layout(folder, "padded").cached
+    if "qwen" in family:  # exact with the model's own 3-D positions of each sequence, on the probe and the model
+        model_class, config, processor = _resolve(folder, None, None)
+        for layout in ("padding_free", "dpo_shared"):
+            verdict = measure_vision(model_class, config, processor, layout)
+            assert verdict.difference > 1e-4 >= verdict.model_positions_difference, verdict
+            assert _truth(family, layout, positions="model") <= 1e-4, layout
 
 
 def test_refusal_message_names_model_knob_difference_and_setting():
