@@ -246,11 +246,25 @@ def check_vision_layout(model_or_name: Any, layout: str, processor=None,
     if not verdict.exact:
         knob, alternative = _KNOBS.get(layout, ("batched generation (model.generation_backend: generate)",
                                                  "per-device batch size 1"))
+        cause = likely_cause(processor, layout, verdict)
         raise LayoutRefused(
             f"{knob} cannot run exactly with images on {model_class.__name__} (model_type "
             f"'{getattr(config, 'model_type', '?')}'): measured on a shrunk copy of its config with images in the "
-            f"rows, the {layout} layout {verdict.describe()}. Set {alternative} for image rows.")
+            f"rows, the {layout} layout {verdict.describe()}{f' ({cause})' if cause else ''}. Set {alternative} for "
+            "image rows.")
     return verdict
+
+
+def likely_cause(processor, layout: str, verdict: VisionVerdict) -> str:
+    """What explains a refused packed or shared layout (only an explanation: the measurement decided)."""
+    from lightalign.vision.processor import measure_key_layout
+
+    if KINDS[layout] not in ("packed", "shared") or verdict.error or verdict.model_positions_difference is not None:
+        return ""  # (an mRoPE model's verdict says itself what its own positions give)
+    if "token_type_ids" in measure_key_layout(processor).token_keys:
+        return ("its image tokens attend to each other both ways (token_type_ids in the model's own mask), which "
+                "this layout's mask does not give them")
+    return ""
 
 
 assert set(KINDS) == set(LAYOUTS) | {"generate"} | set(GENERATION_BACKENDS)
