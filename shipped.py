@@ -20,7 +20,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SHIPPED = {
     "configs": ("*.yaml", "strategies/*.yaml", "strategies/*.json"),
     "assets": ("README.md", "models/*/*"),
-    "examples": ("*.py", "*.sh", "*.sbatch", "agent/*.py", "data/*"),
+    "examples": ("*.py", "*.sh", "*.sbatch", "agent/*.py", "data/*", "data/vlm_images/*.png"),
 }
 
 
