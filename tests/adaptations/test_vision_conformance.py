@@ -133,3 +133,33 @@ def test_check_takes_the_model_and_the_run_processor():
     assert check_vision_layout(model, "grpo_packed", processor=processor).exact
     with pytest.raises(LayoutRefused, match="LlavaForConditionalGeneration"):
         check_vision_layout(model, "static", processor=processor)
+
+
+def vision_families_table() -> str:
+    """docs/model_support.md's VLM table: family x measurement, the vision probe's verdicts on this machine."""
+    import transformers
+    import torch
+
+    columns = {"padded": "padded rows (SFT, DPO, KTO, GRPO)", "padding_free": "padding-free / packing",
+               "dpo_shared": "prompt sharing (DPO, GRPO)", "generate": "generate (left-padded batch)",
+               "shared_prefill": "shared prefill", "compact": "compact", "continuous": "continuous",
+               "static": "static"}
+    lines = [f"transformers {transformers.__version__}, torch {torch.__version__}", "",
+             "| folder (class) | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 1) + "|"]
+    for family in EXACT:
+        model_class, config, processor = _resolve(str(ASSETS / family), None, None)
+        cells = []
+        for layout in columns:
+            v = measure_vision(model_class, config, processor, layout)
+            if v.error:
+                cells.append("refused (takes no image inputs)" if "never reach" in v.error else "refused (fails)")
+                continue
+            size = f"{int(v.difference)} tokens" if layout == "generate" else f"{v.difference:.0e}"
+            own = f"; 3-D positions {v.model_positions_difference:.0e}" if v.model_positions_difference else ""
+            cells.append(f"{'exact' if v.exact else 'refused'} ({size}{own})")
+        lines.append(f"| {family} ({model_class.__name__}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python tests/adaptations/test_vision_conformance.py -> docs/model_support.md's VLM table
+    print(vision_families_table())
