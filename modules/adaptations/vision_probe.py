@@ -107,6 +107,7 @@ def sampler_takes_images(backend: str) -> bool:
     return "image_inputs" in inspect.signature(get_sampler(name).sample).parameters
 
 
+_SHRUNK: dict[tuple[str, str], tuple] = {}  # the last model's (shrunk config, facts)
 _PROBES: dict[str, tuple] = {}  # per shrunk config and processor: (probe, generation probe, sequences, layout)
 
 
@@ -193,8 +194,13 @@ def measure_vision(model_class: type, config, processor, layout: str) -> VisionV
                                  "the image tensors never reach the model, so its tokens are those of a model that "
                                  "has not seen the images")
         raise NotImplementedError(f"the {layout} backend takes image inputs: measure it here before accepting it")
-    with _plain_construction():
-        shrunk, facts = shrink_config(config, None, model_class=model_class)
+    memo = (f"{model_class.__module__}.{model_class.__qualname__}",
+            hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest())
+    if memo not in _SHRUNK:  # the layouts of one model share its shrunk config
+        with _plain_construction():
+            _SHRUNK.clear()
+            _SHRUNK[memo] = shrink_config(config, None, model_class=model_class)
+    shrunk, facts = _SHRUNK[memo]
     key = _key(model_class, shrunk, f"vision:{KINDS[layout]}",
                {**facts, "processor": _fingerprint(processor), "vision_probe": VISION_PROBE_VERSION})
     cached = _read(key)

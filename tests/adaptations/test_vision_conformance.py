@@ -13,6 +13,7 @@ shared-prefix mask letting a completion attend to the other completion of its pr
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -51,22 +52,31 @@ def fresh_cache(tmp_path_factory):
         os.environ["LIGHTALIGN_CACHE_DIR"] = saved
 
 
-def _truth(family: str, layout: str, positions: str = "1d") -> float:
-    """The layout's largest log-prob difference on the family's own model (not the probe: full vocabulary, its
-    own token ids, other weights and images), against each sequence alone."""
+@functools.lru_cache(maxsize=1)
+def _family_model(family: str):
+    """The family's own model (unit-scale weights of another seed than the probe's; Gemma 3's zero image
+    projection redrawn too), its processor's batch layout and other sequences than the probe's."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from lightalign.modules.adaptations import vision_layouts as vl
     from lightalign.modules.adaptations.probe import unit_scale
-    from lightalign.modules.adaptations.probe_layouts import max_difference
     from lightalign.vision import load_processor, measure_key_layout
 
     folder = ASSETS / family
     config = AutoConfig.from_pretrained(folder)
-    model = unit_scale(AutoModelForImageTextToText.from_config(config), seed=7).eval()  # (Gemma 3's zero projection too)
+    model = unit_scale(AutoModelForImageTextToText.from_config(config), seed=7).eval()
     processor = load_processor(str(folder))
     keys = measure_key_layout(processor)
-    seqs = vl.image_sequences(processor, keys, config, config, config.get_text_config().vocab_size, seed=3)
+    return model, keys, vl.image_sequences(processor, keys, config, config, config.get_text_config().vocab_size, seed=3)
+
+
+def _truth(family: str, layout: str, positions: str = "1d") -> float:
+    """The layout's largest log-prob difference on the family's own model (not the probe: full vocabulary, its
+    own token ids, other weights and images), against each sequence alone."""
+    from lightalign.modules.adaptations import vision_layouts as vl
+    from lightalign.modules.adaptations.probe_layouts import max_difference
+
+    model, keys, seqs = _family_model(family)
     if layout == "padding_free":
         return max_difference(vl.packed(model, seqs, keys, positions), vl.alone(model, seqs, keys))
     return max_difference(vl.shared(model, seqs, keys, positions), vl.shared_alone(model, seqs, keys))
