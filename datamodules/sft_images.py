@@ -42,17 +42,6 @@ def image_column(column_names: Sequence[str]) -> str | None:
     return next((c for c in IMAGE_COLUMNS if c in column_names), None)
 
 
-def _restored(messages: Any) -> Any:
-    """A conversation as the file held it. ``datasets`` keeps a ``content`` field that mixes strings and part lists
-    (TRL's image conversations: parts in the user turn, a string answer) as JSON values, and reads a string that is
-    valid JSON as that value: the answer ``"4"`` comes back as the number 4. Numbers and booleans are turned back
-    into their text."""
-    if not isinstance(messages, list):
-        return messages
-    return [{**m, "content": json.dumps(m["content"])} if isinstance(m, dict) and isinstance(m.get("content"), (
-        bool, int, float)) else m for m in messages]
-
-
 def _text_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation with content parts joined to strings (image parts as ``<image>``), so the text checks of
     ``validate_messages`` (roles, empty turns, tool calls) apply to image conversations too."""
@@ -86,7 +75,7 @@ def store_image_rows(raw: Dataset, fmt: str, processor: Any, *, label: str, text
         stored = {"row": number, "kind": "", "text": "", "completion": "", "messages": "", "images": images}
         try:
             if fmt == CONVERSATIONAL:
-                messages = with_image_parts(_restored(row["messages"]), len(images), where=where)
+                messages = with_image_parts(row["messages"], len(images), where=where)
                 validate_messages(_text_view(messages), number, "messages", require_assistant=assistant_only_loss)
                 stored.update(kind=MESSAGES, messages=json.dumps({"messages": chat_messages(messages),
                                                                   "tools": row.get("tools")}))
@@ -112,7 +101,7 @@ def store_image_rows(raw: Dataset, fmt: str, processor: Any, *, label: str, text
 
 
 def _prompt_completion(row: dict[str, Any], processor: Any, number: int, where: str, count: int) -> dict[str, str]:
-    prompt, completion = _restored(row["prompt"]), _restored(row["completion"])
+    prompt, completion = row["prompt"], row["completion"]
     view = lambda value: _text_view(value) if is_conversation(value) else value  # noqa: E731
     validate_field(view(prompt), number, "prompt")
     validate_field(view(completion), number, "completion")

@@ -109,11 +109,47 @@ def _load_path_or_hub(source: str, split: str, name: str | None) -> Dataset:
                 raise
             cause = err.__cause__ or err.__context__
             raise DataFormatError(f"Data file '{source}' could not be read: {type(cause).__name__}: {cause}") from err
+    if FILE_BUILDERS[suffix] == "json":
+        dataset = _with_content_parts(dataset, path)
     if suffix == ".csv":  # CSV cells are text; pandas would turn "19" into 19
         from datasets import Features, Value
 
         dataset = dataset.cast(Features({c: Value("string") for c in dataset.column_names}))
     return dataset
+
+
+def _with_content_parts(dataset: Dataset, path: Path) -> Dataset:
+    """A conversation column whose ``content`` mixes strings and lists of content parts (TRL's image conversations:
+    parts in the user turn, a string answer) is what ``datasets`` stores as a ``Json`` value, and it reads back a
+    string that parses as JSON as that value (the answer ``"4"`` as the number 4, ``"null"`` as None). Such columns
+    are read again from the file as TRL's ``prepare_multimodal_messages`` makes them (``as_content_parts``: every
+    string content one text part, the row's images placed before the first user turn's text when the conversation
+    has no image parts), so each content holds exactly what the file did."""
+    from datasets.features import Json
+
+    columns = [name for name, feature in dataset.features.items()
+               if isinstance(getattr(feature, "feature", None), dict)
+               and isinstance(feature.feature.get("content"), Json)]
+    if not columns:
+        return dataset
+    text = path.read_text(encoding="utf-8-sig")
+    rows: Any = None
+    if path.suffix.lower() == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError:  # JSON lines in a .json file (check_file accepted them)
+            rows = None
+        rows = [rows] if isinstance(rows, dict) else rows
+    if rows is None:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    from lightalign.vision.images import row_image_values
+    from lightalign.vision.messages import as_content_parts
+
+    values = {name: [as_content_parts(row.get(name), len(row_image_values(row))) for row in rows] for name in columns}
+    return dataset.map(lambda _, i: {f"{name}__parts": values[name][i] for name in columns}, with_indices=True,
+                       remove_columns=columns, load_from_cache_file=False,
+                       ).rename_columns({f"{name}__parts": name for name in columns})
 
 
 def _load_hub(source: str, split: str, name: str | None) -> Dataset:

@@ -1,7 +1,7 @@
 """Image placeholders in conversational rows: TRL's content parts ``{"type": "image"}`` beside
-``{"type": "text", "text": ...}``. A conversation with string contents gets one image part per image at the start of
-its first user turn (as TRL's ``prepare_multimodal_messages``); one with parts must name exactly as many images as
-the row has."""
+``{"type": "text", "text": ...}``. A conversation without image parts gets one per image before the text of its first
+user turn with string content (as TRL's ``prepare_multimodal_messages``); one with image parts must name exactly as
+many images as the row has."""
 
 from __future__ import annotations
 
@@ -14,29 +14,40 @@ def count_image_parts(messages: list[dict[str, Any]]) -> int:
                for part in message["content"] if isinstance(part, dict) and part.get("type") == "image")
 
 
-def _has_parts(messages: list[dict[str, Any]]) -> bool:
-    return any(isinstance(message.get("content"), list) for message in messages)
+def _insert_images(messages: list[dict[str, Any]], num_images: int) -> list[dict[str, Any]]:
+    """TRL's rule: the first user turn whose content is a string gets ``num_images`` image parts before its text."""
+    out, placed = [], False
+    for message in messages:
+        if not placed and message.get("role") == "user" and isinstance(message.get("content"), str):
+            placed = True
+            if num_images:
+                parts = [{"type": "image"} for _ in range(num_images)]
+                message = {**message, "content": [*parts, {"type": "text", "text": message["content"]}]}
+        out.append(message)
+    return out
 
 
 def with_image_parts(messages: list[dict[str, Any]], num_images: int, *, where: str) -> list[dict[str, Any]]:
-    """The conversation with its image placeholders checked against ``num_images`` (or inserted: string contents
-    only). Raises ``ValueError`` naming ``where`` when the counts differ."""
-    if not _has_parts(messages):
-        if not num_images:
-            return messages
-        out, placed = [], False
-        for message in messages:
-            if message.get("role") == "user" and not placed and isinstance(message.get("content"), str):
-                parts = [{"type": "image"} for _ in range(num_images)]
-                message = {**message, "content": [*parts, {"type": "text", "text": message["content"]}]}
-                placed = True
-            out.append(message)
-        if not placed:
-            raise ValueError(f"{where}: the row has {num_images} image(s) but no user turn to show them in.")
-        return out
-    placeholders = count_image_parts(messages)
-    if placeholders != num_images:
-        raise ValueError(f"{where}: the conversation has {placeholders} image placeholder(s) "
-                         f"({{\"type\": \"image\"}} parts) but the row has {num_images} image(s); each image needs "
-                         "exactly one placeholder where it is shown.")
-    return messages
+    """The conversation with its image placeholders checked against ``num_images``. One without image parts gets
+    them by TRL's rule (before the text of the first user turn with string content); other string contents stay
+    strings. Raises ``ValueError`` naming ``where`` when the counts differ."""
+    existing = count_image_parts(messages)
+    out = messages if existing or not num_images else _insert_images(messages, num_images)
+    if count_image_parts(out) != num_images:
+        raise ValueError(f"{where}: the conversation has {existing} image placeholder(s) ({{\"type\": \"image\"}} "
+                         f"parts) but the row has {num_images} image(s); each image needs exactly one placeholder "
+                         "where it is shown (a conversation without image parts gets them before the text of its "
+                         "first user turn with string content).")
+    return out
+
+
+def as_content_parts(messages: Any, num_images: int) -> Any:
+    """A conversation with every string content as one text part, the row's images placed first as
+    ``with_image_parts`` places them (what TRL's ``prepare_multimodal_messages`` makes of it, placeholders not yet
+    filled); anything else unchanged."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return messages
+    if num_images and not count_image_parts(messages):
+        messages = _insert_images(messages, num_images)
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+            for m in messages]

@@ -122,3 +122,20 @@ def test_console_reads_bom_files_and_names_the_column_of_invalid_json(repo, tmp_
     line = console_error_line(repo, "fit", "--config", "configs/quickstart.yaml", "--data.path", str(path),
                               "--data.val_path", "null", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
     assert line.startswith("lightalign: error: ") and expected in line, line
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_contents_mixing_strings_and_parts_read_back_as_the_file_holds_them(tmp_path, suffix):
+    """A conversation column whose contents mix strings and content-part lists (TRL's image conversations) keeps
+    every string exactly (``sources._with_content_parts``: strings become one text part). Mutation: returning the
+    dataset as ``datasets`` read it -> the answer "4" comes back as the number 4 and "null" as None."""
+    from lightalign.datamodules.sources import load_rows
+
+    answers = ["4", "null", "1e3", '"quoted"', "true"]
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]},
+                          {"role": "assistant", "content": a}]} for a in answers]
+    path = tmp_path / f"mixed{suffix}"
+    path.write_text(json.dumps(rows) if suffix == ".json" else "\n".join(json.dumps(r) for r in rows) + "\n")
+    got = load_rows(str(path))
+    assert [r["messages"][1]["content"] for r in got] == [[{"type": "text", "text": a}] for a in answers]
+    assert got[0]["messages"][0]["content"] == rows[0]["messages"][0]["content"]

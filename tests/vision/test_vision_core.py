@@ -13,6 +13,7 @@ pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
 from helpers.vlm_folders import build_tiny_qwen2_vl  # noqa: E402
+from lightalign.vision.messages import as_content_parts  # noqa: E402
 from lightalign.vision import (ImageInputs, encode_row, is_vision_language_model, load_image, load_processor,  # noqa: E402
                                measure_key_layout, model_inputs, row_images, with_image_parts)
 
@@ -62,6 +63,12 @@ def test_placeholders_inserted_for_string_turns_and_counted_for_parts():
         with_image_parts(parts, 2, where="row 7")
     with pytest.raises(ValueError, match=r"row 8: the conversation has 1 .* has 0"):
         with_image_parts(parts, 0, where="row 8")
+    # TRL's rule: the first user turn with string content takes the images, whatever the other turns hold
+    mixed = [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]
+    assert with_image_parts(mixed, 1, where="row 9")[0]["content"] == [{"type": "image"}, {"type": "text", "text": "q"}]
+    assert as_content_parts(mixed, 1) == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]}, mixed[1]]
+    assert as_content_parts(parts, 1) == parts
 
 
 def test_processor_loads_image_only_and_its_layout_is_measured(qwen2_vl):
