@@ -99,6 +99,7 @@ class TokenizedDataModule(L.LightningDataModule):
             self.processor, self.tokenizer = self.tokenizer, self.tokenizer.tokenizer
         # While a split is prepared: the folder its relative image paths are read from (image_base_dir).
         self.image_base_dir: Any = None
+        self._image_splits: set[str] = set()  # the splits of a vision-language model's data with an image column
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
@@ -182,11 +183,14 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def _prepare(self, raw: Dataset, tokenizer: Any, label: str, source: Any, numbers: list[int] | None) -> Dataset:
         """``prepare_rows`` with ``self.row_numbers`` set for the split; its errors name the data they are about."""
-        from lightalign.vision.images import image_base_dir
+        from lightalign.vision.images import image_base_dir, image_column
 
         self.row_numbers, self.image_base_dir = numbers, image_base_dir(source)
         try:
-            return self.prepare_rows(raw, tokenizer, label)
+            prepared = self.prepare_rows(raw, tokenizer, label)
+            if self.processor is not None and image_column(raw.column_names) is not None:
+                self._image_splits.add(label)
+            return prepared
         except DataFormatError as err:
             row = getattr(err, "row", None)  # an error about one row (MissingColumnError): the file's line too
             line = row_line(source, row) if row is not None else None
@@ -194,6 +198,12 @@ class TokenizedDataModule(L.LightningDataModule):
             raise DataFormatError(f"{label} data '{describe(source)}'{at}: {err}") from err
         finally:
             self.row_numbers = self.image_base_dir = None
+
+    @property
+    def has_images(self) -> bool:
+        """Whether a prepared split is a vision-language model's data with an image column (a method not measured
+        with images refuses it at setup: ``PolicyModule.refuse_unmeasured_images``)."""
+        return bool(self._image_splits)
 
     # ------------------------------------------------------------------------------------- loaders
     def collate_fn(self) -> Callable:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
 from lightalign.datamodules.formats import DataFormatError, about_row, chat_messages, iter_rows, validate_field
-from lightalign.vision.images import IMAGE_COLUMNS, load_image, stored_images
+from lightalign.vision.images import IMAGE_COLUMNS, image_column, load_image, stored_images
+from lightalign.vision.messages import text_view
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -25,25 +24,6 @@ if TYPE_CHECKING:
 IMAGE_REFS = "image_refs"   # the prepared rows' images: {"bytes", "path"} refs (stored_images)
 PROMPT_TEXT = "prompt_text"  # the prompt as the processor reads it: chat template applied, one placeholder per image
 PREPARED_COLUMNS = (IMAGE_REFS, PROMPT_TEXT, "prompt_input_ids")
-
-
-def image_column(column_names: Sequence[str]) -> str | None:
-    """The data's image column (``images`` before ``image``, as TRL reads them), None without one."""
-    return next((c for c in IMAGE_COLUMNS if c in column_names), None)
-
-
-def text_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation with each content-part list as one string (``<image>`` for an image part), so the checks of
-    text conversations (roles, empty turns, tool calls) apply to it."""
-    out = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            text = "".join("<image>" if isinstance(p, dict) and p.get("type") == "image"
-                           else str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
-            message = {**message, "content": text}
-        out.append(message)
-    return out
 
 
 def prepare_image_prompts(raw: Dataset, processor: Any, layout: Any, *, label: str, numbers: Any, base_dir: Any,

@@ -28,11 +28,6 @@ from lightalign.vision.processor import ImageKeyLayout, encode_row
 STORED = ("prompt_text", "images")  # the columns an image row adds to its tokenized row
 
 
-def image_column(columns: Sequence[str]) -> str | None:
-    """The data's image column (``images`` before ``image``), None when it has neither."""
-    return next((c for c in IMAGE_COLUMNS if c in columns), None)
-
-
 def image_columns(columns: Sequence[str]) -> list[str]:
     """Every image column the data has (a JSONL file may give some rows ``images`` and others ``image``)."""
     return [c for c in IMAGE_COLUMNS if c in columns]

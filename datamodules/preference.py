@@ -11,8 +11,9 @@ from lightalign.datamodules.base import TokenizedDataModule
 from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.shared_prefix import SharedPromptCollator, check_pack_length
 from lightalign.vision.inputs import ImageInputs
+from lightalign.vision.images import image_column
 from lightalign.datamodules.image_rows import (ImageRows, PromptImages, check_prompt_whole, check_text_model,
-                                               image_column, image_columns, pad_token_extras)
+                                               image_columns, pad_token_extras)
 from lightalign.datamodules.formats import (
     DataFormatError,
     check_chat_template,

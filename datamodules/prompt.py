@@ -173,7 +173,7 @@ class PromptDataModule(TokenizedDataModule):
             )
         if self.processor is not None:  # a vision-language model's prompts, with or without images
             return self.prepare_image_rows(raw, label)
-        from lightalign.datamodules.image_prompts import image_column
+        from lightalign.vision.images import image_column
 
         column = image_column(raw.column_names)
         if column is not None:
@@ -197,7 +197,8 @@ class PromptDataModule(TokenizedDataModule):
     def prepare_image_rows(self, raw: Dataset, label: str) -> Dataset:
         """A vision-language model's prompts: each row checked (its images open, its placeholders count them) and
         tokenized by the processor; the images kept as refs (``prepare_image_prompts``)."""
-        from lightalign.datamodules.image_prompts import image_column, prepare_image_prompts
+        from lightalign.datamodules.image_prompts import prepare_image_prompts
+        from lightalign.vision.images import image_column
 
         column = image_column(raw.column_names)
         if column is not None:

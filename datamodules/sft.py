@@ -215,7 +215,7 @@ class SFTDataModule(TokenizedDataModule):
         exactly: a text-only model, ``packing``/``padding_free`` (1-D positions where the model needs its own
         multimodal ones: not measured exact), ``truncation_mode='keep_end'`` (it would cut the image tokens at the
         start, as TRL refuses), ``group_by_length`` (lengths are known only once the images are processed)."""
-        from lightalign.datamodules.sft_images import image_column
+        from lightalign.vision.images import image_column
 
         column = image_column(raw.column_names)
         if column is None:

@@ -26,33 +26,15 @@ from lightalign.datamodules.collators import IGNORE_INDEX
 from lightalign.datamodules.formats import (CONVERSATIONAL, LANGUAGE_MODELING, DataFormatError, chat_messages,
                                             is_conversation, iter_rows, render_prompt_completion, validate_field,
                                             validate_messages, validate_text)
-from lightalign.vision.images import IMAGE_COLUMNS, load_image, stored_images
+from lightalign.vision.images import image_column, load_image, stored_images
 from lightalign.vision.inputs import ImageInputs
-from lightalign.vision.messages import with_image_parts
+from lightalign.vision.messages import text_view, with_image_parts
 from lightalign.vision.processor import ImageKeyLayout, encode_row
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
 MESSAGES, TEXT, PROMPT_COMPLETION_ROW = "messages", "text", "prompt_completion"
-
-
-def image_column(column_names: Sequence[str]) -> str | None:
-    """The image column of a split (``images`` or ``image``), None for text-only data."""
-    return next((c for c in IMAGE_COLUMNS if c in column_names), None)
-
-
-def _text_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation with content parts joined to strings (image parts as ``<image>``), so the text checks of
-    ``validate_messages`` (roles, empty turns, tool calls) apply to image conversations too."""
-    out = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(part.get("text", "") if part.get("type") == "text" else "<image>"
-                              for part in content if isinstance(part, dict))
-        out.append({**message, "content": content})
-    return out
 
 
 def store_image_rows(raw: Dataset, fmt: str, processor: Any, *, label: str, text_field: str, numbers: Any,
@@ -76,7 +58,7 @@ def store_image_rows(raw: Dataset, fmt: str, processor: Any, *, label: str, text
         try:
             if fmt == CONVERSATIONAL:
                 messages = with_image_parts(row["messages"], len(images), where=where)
-                validate_messages(_text_view(messages), number, "messages", require_assistant=assistant_only_loss)
+                validate_messages(text_view(messages), number, "messages", require_assistant=assistant_only_loss)
                 stored.update(kind=MESSAGES, messages=json.dumps({"messages": chat_messages(messages),
                                                                   "tools": row.get("tools")}))
             elif fmt == LANGUAGE_MODELING:
@@ -102,7 +84,7 @@ def store_image_rows(raw: Dataset, fmt: str, processor: Any, *, label: str, text
 
 def _prompt_completion(row: dict[str, Any], processor: Any, number: int, where: str, count: int) -> dict[str, str]:
     prompt, completion = row["prompt"], row["completion"]
-    view = lambda value: _text_view(value) if is_conversation(value) else value  # noqa: E731
+    view = lambda value: text_view(value) if is_conversation(value) else value  # noqa: E731
     validate_field(view(prompt), number, "prompt")
     validate_field(view(completion), number, "completion")
     if is_conversation(prompt) != isinstance(completion, list):

@@ -25,8 +25,9 @@ from lightalign.datamodules.formats import (
     validate_field,
 )
 from lightalign.datamodules.preference import TruncationMode, common_prefix_length, extract_prompt, truncate_pair
+from lightalign.vision.images import image_column
 from lightalign.datamodules.image_rows import (ImageRows, PromptImages, check_prompt_whole, check_text_model,
-                                               image_column, image_columns, pad_token_extras)
+                                               image_columns, pad_token_extras)
 from lightalign.vision.images import row_image_values
 
 if TYPE_CHECKING:  # datasets (with pandas, pyarrow) is imported where rows are read, not for --help

@@ -71,6 +71,8 @@ class DPOModule(StatHooks, PolicyModule):
     disabled: no second copy in memory.
     """
 
+    takes_images = True  # rows with images: every forward reads them (tests/vision)
+
     method_name = "DPO"
     logged_stats = PAIR_STATS
     uses_reference_model = True

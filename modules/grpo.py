@@ -35,7 +35,7 @@ class GRPOModule(CriticFreeModule):
     mask (``EntropyKnobs``) and the rewards' way to advantages (``RewardShapingKnobs``), on the critic-free loop."""
 
     method_name = "GRPO"
-    takes_image_prompts = True  # prompts with images: sampled and scored with them (check_image_prompts)
+    takes_images = True  # prompts with images: sampled and scored with them (check_image_prompts)
     uses_reference_model = True
     method_stats = ("clip_ratio", "clip_ratio/low", "clip_ratio/high", "kl", "policy_loss", "entropy_coef",
                     "vespo/phi_seq_mean")

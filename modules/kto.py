@@ -83,6 +83,8 @@ class KTOModule(StatHooks, PolicyModule):
     ``ref_model_name_or_path``, the reference is the base model with the adapters disabled: no second copy in memory.
     """
 
+    takes_images = True  # rows with images: every forward reads them (tests/vision)
+
     method_name = "KTO"
     logged_stats = STATS
     uses_reference_model = True

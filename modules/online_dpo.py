@@ -166,7 +166,7 @@ class OnlineDPOModule(SamplingModule):
     """
 
     method_name = "Online DPO"
-    takes_image_prompts = True  # prompts with images: sampled and scored with them (check_image_prompts)
+    takes_images = True  # prompts with images: sampled and scored with them (check_image_prompts)
     uses_reference_model = True
     knob_equivalents = {"max_new_tokens": "max_completion_length", "reward_model_path": "reward_funcs (a RewardModel)"}
     progress_stats = ("loss", "reward/mean")  # with a judge: ("loss", "win_rate")

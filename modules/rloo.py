@@ -60,7 +60,7 @@ class RLOOModule(CriticFreeModule):
     is taken from each completion's reward before the baselines."""
 
     method_name = "RLOO"
-    takes_image_prompts = True  # prompts with images: sampled and scored with them (check_image_prompts)
+    takes_images = True  # prompts with images: sampled and scored with them (check_image_prompts)
     uses_reference_model = True
     group_needs = "a completion's baseline is the mean reward of the other completions of its prompt"
     method_stats = ("clip_ratio", "clip_ratio/low", "clip_ratio/high", "kl")

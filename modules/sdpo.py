@@ -67,7 +67,7 @@ class SDPOModule(GRPOModule):
     """
 
     method_name = "SDPO"
-    takes_image_prompts = False  # its teacher prompts are rebuilt from text: no image prompts
+    takes_images = False  # its teacher prompts are rebuilt from text: no image prompts
     method_stats = (*GRPOModule.method_stats, "distillation_loss", *REPROMPT_STATS)
 
     def check_knob_combinations(self) -> None:

@@ -60,6 +60,8 @@ class SFTModule(PolicyModule):
     are ``SFTDataModule``'s.
     """
 
+    takes_images = True  # rows with images: every forward reads them (tests/vision)
+
     method_name = "SFT"
 
     def compose(self) -> None:

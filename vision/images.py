@@ -13,6 +13,11 @@ from typing import Any
 IMAGE_COLUMNS = ("images", "image")
 
 
+def image_column(columns: Any) -> str | None:
+    """The data's image column (``images`` before ``image``), None when it has neither."""
+    return next((c for c in IMAGE_COLUMNS if c in columns), None)
+
+
 def row_image_values(row: dict[str, Any]) -> list[Any]:
     """The raw image values of a row (``images`` list or ``image`` single; ``[]`` when it has neither or None)."""
     if row.get("images") is not None:

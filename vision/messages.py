@@ -51,3 +51,17 @@ def as_content_parts(messages: Any, num_images: int) -> Any:
         messages = _insert_images(messages, num_images)
     return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
             for m in messages]
+
+
+def text_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with each content-part list joined to one string (``<image>`` for an image part), so the
+    checks of text conversations (roles, empty turns, tool calls) apply to image conversations too."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join("<image>" if isinstance(p, dict) and p.get("type") == "image"
+                              else str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
+            message = {**message, "content": content}
+        out.append(message)
+    return out

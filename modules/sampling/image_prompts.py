@@ -27,7 +27,7 @@ UNMEASURED_WITH_IMAGES = {
 def check_image_prompts(module: Any) -> None:
     """Refuse, at setup, a method or a knob that is not exact with image prompts (module docstring)."""
     name = type(module).__name__
-    if not getattr(module, "takes_image_prompts", False):
+    if not getattr(module, "takes_images", False):
         raise ValueError(f"{name} does not train on prompts with images (the data's 'images'/'image' column): "
                          "GRPOModule, RLOOModule and OnlineDPOModule do; or drop the image column.")
     hp = module.hparams

@@ -27,7 +27,6 @@ class SamplingModule(PolicyModule):
     """A method that samples completions from its models (its sampling knobs: ``SamplingKnobs``, ``VLLMKnobs``)."""
 
     progress_stats: tuple[str, ...] = ()  # the statistics shown in the progress bar
-    takes_image_prompts = False  # whether the method trains on prompts with images (check_image_prompts)
     vllm_gpu_memory_utilization_default = 0.3  # TRL's for the method (GRPOConfig, DistillationConfig)
     train_stats: torch.nn.ModuleDict
     eval_stats: torch.nn.ModuleDict

@@ -78,6 +78,9 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
     """Loads the policy and owns what every post-training method shares (its knobs: ``knob_groups``)."""
 
     uses_reference_model = False  # methods that keep a reference model (DPO, KTO, GRPO, RLOO, PPO) set this
+    # whether the method is measured exact on rows with images (every forward reads them); the others refuse such
+    # data at setup (refuse_unmeasured_images)
+    takes_images = False
     # the method's proper name ("Online DPO"): the model card and the fit-time notes say it (None: the class name)
     method_name: str | None = None
     # switch knob -> the knobs that act only when it is on: the model card leaves them out when it is off
@@ -178,7 +181,22 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         """Before every trainer entry (fit, validate, test, predict): the run's side effects outside the module's own
         model (``ScopedSideEffects``), undone by ``teardown`` or, when the run raises, by
         ``UndoSideEffectsOnError``."""
+        self.refuse_unmeasured_images()
         self.side_effects.apply(self)
+
+    def refuse_unmeasured_images(self) -> None:
+        """Data with images (a vision-language model's ``images``/``image`` column, ``has_images`` of the datamodule)
+        reaching a method not measured with them is refused before any compute, naming the methods that take them."""
+        datamodule = getattr(getattr(self, "_trainer", None), "datamodule", None)
+        if self.takes_images or not getattr(datamodule, "has_images", False):
+            return
+        import lightalign
+
+        takers = sorted(name for name in getattr(lightalign, "__all__", ()) if name.endswith("Module")
+                        and getattr(getattr(lightalign, name), "takes_images", False))
+        raise ValueError(f"{type(self).__name__} is not measured on rows with images (the data's 'images'/'image' "
+                         f"column for a vision-language model): its forwards would not read them. Methods that "
+                         f"train with images: {', '.join(takers)}; or drop the image column.")
 
     def teardown(self, stage: str) -> None:
         self.undo_side_effects()

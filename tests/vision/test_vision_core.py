@@ -130,3 +130,24 @@ def test_model_inputs_reach_the_vlm_forward(qwen2_vl):
         changed = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         **model_inputs({**batch, "image_inputs": other})).logits
     assert (changed[0, -1] - ours[0, -1]).abs().max() > 1e-4
+
+
+def test_methods_not_measured_with_images_refuse_image_data_at_setup(tiny_dir):
+    """Image rows reaching a method whose forwards do not read them (ORPO, TPO, reward modelling, PPO ...) are
+    refused at setup naming the methods that take them (``PolicyModule.refuse_unmeasured_images``); text data and
+    the measured methods pass. Mutation: ``takes_images = True`` on ``PolicyModule`` -> ORPO is not refused."""
+    from types import SimpleNamespace
+
+    from lightalign import DPOModule, ORPOModule, PPOModule, RewardModule, TPOModule
+
+    for cls in (ORPOModule, TPOModule, RewardModule, PPOModule):
+        module = cls.__new__(cls)
+        module._trainer = SimpleNamespace(datamodule=SimpleNamespace(has_images=True))
+        with pytest.raises(ValueError, match=rf"{cls.__name__} is not measured on rows with images.*DPOModule.*"
+                                             r"GRPOModule.*SFTModule"):
+            module.refuse_unmeasured_images()
+        module._trainer = SimpleNamespace(datamodule=SimpleNamespace(has_images=False))
+        module.refuse_unmeasured_images()
+    module = DPOModule.__new__(DPOModule)
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(has_images=True))
+    module.refuse_unmeasured_images()

@@ -230,10 +230,10 @@ def test_backends_other_than_generate_and_unmeasured_layouts_are_refused(setup):
                       backend="static", eos=[0], pad_token_id=0, max_new_tokens=2, prompt_inputs={"pixel_values": 1})
     for knob, value in (("use_vllm", True), ("prompt_sharing", True), ("padding_free", True), ("max_staleness", 2),
                         ("tools", ["m.f"]), ("environment_factory", "m.Env")):
-        module = SimpleNamespace(takes_image_prompts=True, hparams={knob: value, "use_vllm": knob == "use_vllm"})
+        module = SimpleNamespace(takes_images=True, hparams={knob: value, "use_vllm": knob == "use_vllm"})
         with pytest.raises(ValueError, match=re.escape(f"{knob}={value!r} is not available with prompts that have")):
             check_image_prompts(module)
-    check_image_prompts(SimpleNamespace(takes_image_prompts=True, hparams={"max_staleness": 0, "tools": None}))
+    check_image_prompts(SimpleNamespace(takes_images=True, hparams={"max_staleness": 0, "tools": None}))
     with pytest.raises(ValueError, match="SimpleNamespace does not train on prompts with images"):
         check_image_prompts(SimpleNamespace(hparams={}))
 
