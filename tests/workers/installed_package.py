@@ -198,7 +198,7 @@ def fork_cli(args: list[str], cwd: Path, log: Path) -> int:
     """``lightalign *args`` run in a child forked from this process, which imported the installed package and its
     libraries once (``check_installed_copy``) and has trained nothing yet: the child does what the console script
     does (``sys.argv`` the script's, ``lightalign.cli.main``'s status as its exit status), its output in ``log``.
-    Returns the child's pid (``os.waitpid``): forked, a config's run costs its fit, not another import of torch,
+    Returns the child's pid (``run_forked`` waits for it): forked, a config's run costs its fit, not another import of torch,
     Lightning and transformers."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -226,7 +226,7 @@ def fork_cli(args: list[str], cwd: Path, log: Path) -> int:
         os._exit(status)
 
 
-def run_forked(runs: list[tuple[list[str], Path]], logs: Path, at_once: int = 2) -> list[str]:
+def run_forked(runs: list[tuple[list[str], Path]], logs: Path, at_once: int = 2) -> list[tuple[str, float]]:
     """Each ``(args, cwd)`` of ``runs`` through ``fork_cli``, ``at_once`` children at a time (one torch thread each);
     any non-zero exit raises with the end of that child's output. Returns each run's output and CPU seconds, in
     order."""
