@@ -3,14 +3,12 @@
 resumes, exit 1, no traceback (``lightalign.process_death``).
 
 The process is killed from inside the run at a known optimizer step (``helpers.kill_at_step``), so nothing depends
-on timing. Each run is a subprocess of its own with tests/ on PYTHONPATH (the kill callback is named by a second
-``--config``).
+on timing. Each run is a console-script process with tests/ on PYTHONPATH (the kill callback is named by a second
+``--config``), forked from the tests' console server (``console_script.run`` with ``tests_env()``).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +17,12 @@ from helpers import console_script
 from helpers.kill_at_step import kill_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
-LIGHTALIGN = Path(sys.executable).with_name("lightalign")  # the venv's console script
 RESUME = "The checkpoints written so far are intact: the same command with --ckpt_path last continues the run."
 
 
 def lightalign(repo: Path, *args: str, status: int) -> str:
     """The console script with tests/ importable (the kill callbacks); its output, the exit status checked."""
-    env = console_script.tests_env()
-    proc = subprocess.run([str(LIGHTALIGN), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    proc = console_script.run(repo, *args, env=console_script.tests_env())
     out = proc.stdout + proc.stderr
     assert proc.returncode == status, f"exit {proc.returncode} (expected {status})\n{out[-6000:]}"
     return out

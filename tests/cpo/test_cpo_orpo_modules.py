@@ -154,3 +154,26 @@ def test_knob_checks(tiny_dir):
         ORPOModule(str(tiny_dir), from_config=True, beta=-0.1)
     with pytest.warns(UserWarning, match="label_smoothing=0.1 is ignored by loss_type='hinge'"):
         CPOModule(str(tiny_dir), from_config=True, loss_type="hinge", label_smoothing=0.1)
+
+
+def test_orpo_adds_nothing_a_checkpoint_holds_to_what_cpo_resumes(tiny_dir):
+    """ORPO's exact resume under DDP is CPO's (tests/training/test_resume.py's ``cpo`` case runs their shared base
+    ``ReferenceFreePairModule`` through a SIGKILL and a resume): what ORPO defines of its own is its loss
+    (``pair_loss``), its statistics' names and the prompt scoring switch, no hook a fit or a checkpoint passes
+    through (every other method is CPO's own function) and no parameter or buffer beyond the policy's. An ORPO
+    that keeps state of its own (a buffer, a checkpoint hook) fails here: it would need a resume case of its own."""
+    own = {name for name, value in vars(ORPOModule).items() if callable(value) and name != "__init__"}
+    assert own == {"pair_loss"}, own
+    assert ORPOModule.__init__.__code__ is CPOModule.__init__.__code__  # the knob constructor takes_knobs makes
+
+    def owner(cls, name):  # the class whose body defines ``name`` for ``cls``
+        return next(k for k in cls.__mro__ if name in vars(k))
+
+    skipped = {"pair_loss", "check_knob_combinations", "__init__"}
+    differ = [n for n in dir(ORPOModule) if n not in skipped and callable(getattr(ORPOModule, n))
+              and owner(ORPOModule, n) is not owner(CPOModule, n)]
+    assert not differ, differ
+    orpo, cpo = ORPOModule(str(tiny_dir), from_config=True), CPOModule(str(tiny_dir), from_config=True)
+    orpo.configure_model()
+    cpo.configure_model()
+    assert orpo.state_dict().keys() == cpo.state_dict().keys() == {f"model.{k}" for k in orpo.model.state_dict()}

@@ -14,7 +14,8 @@ child's output, so a warning a user would see is still in the output the tests c
 
 Calls with another environment (a variable removed or added: ``HF_HUB_OFFLINE`` and the like are read at import
 time; W&B's ``WANDB_*`` are the exception, read only when a run starts) run the real script as an ordinary subprocess, as does ``run(..., real=True)``; tests/cli/test_console.py checks
-that both ways give the same status and output. ``start(repo, *args)`` forks a call without waiting for it, in a
+that both ways give the same status and output. ``PYTHONPATH`` entries added in front of the standard ones (what
+``tests_env()`` adds: tests/) are no other environment: such a call is forked too, the entries put on ``sys.path``. ``start(repo, *args)`` forks a call without waiting for it, in a
 session of its own (a test that kills a run mid-way: ``os.killpg(started.pid, signal.SIGKILL)``, then
 ``started.wait()``).
 """
@@ -164,6 +165,7 @@ os.environ.clear(); os.environ.update(request["env"])
 script = request["script"]
 sys.argv = request["argv"][1:] if script else request["argv"]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+sys.path[1:1] = request["path"]  # PYTHONPATH entries the call puts before the server's, where the interpreter would
 del json, os, importlib, gc, time, request, preamble, captured, proto_in, proto_out, dropped
 if script:
     import runpy
@@ -217,7 +219,7 @@ class ConsoleServer:
             self.calls += 1
             out, err = f"{self.dir}/{self.calls}.out", f"{self.dir}/{self.calls}.err"
             request = {"argv": argv, "script": script, "cwd": cwd, "env": env, "stdout": out, "stderr": err,
-                       "session": session}
+                       "session": session, "path": _path_prefix(env) or []}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             return Started(self, argv, json.loads(self._line(60))["pid"], out, err)
@@ -288,9 +290,27 @@ _SERVER: ConsoleServer | None = None
 _READ_AFTER_IMPORT = ("WANDB_",)
 
 
+def _path_prefix(env: dict[str, str]) -> list[str] | None:
+    """The entries ``env``'s ``PYTHONPATH`` puts before the standard environment's (``tests_env``: tests/), or None
+    when it is not the standard one with entries in front. No preloaded library reads ``PYTHONPATH``: a child forked
+    for such a call puts the entries on ``sys.path`` after the script's folder, as the interpreter does at start."""
+    base, value = standard_env().get("PYTHONPATH", ""), env.get("PYTHONPATH", "")
+    entries, tail = value.split(os.pathsep), base.split(os.pathsep) if base else []
+    if not value or value == base or entries[len(entries) - len(tail):] != tail:
+        return None
+    prefix = entries[:len(entries) - len(tail)]
+    return prefix if all(prefix) else None
+
+
 def _as_imported(env: dict[str, str]) -> dict[str, str]:
-    """``env`` as the preloaded libraries see it at import: without the variables only read later."""
-    return {k: v for k, v in env.items() if not k.startswith(_READ_AFTER_IMPORT)}
+    """``env`` as the preloaded libraries see it at import: without the variables only read later, and with the
+    standard ``PYTHONPATH`` where ``env``'s only adds entries in front of it (``_path_prefix``)."""
+    seen = {k: v for k, v in env.items() if not k.startswith(_READ_AFTER_IMPORT)}
+    if _path_prefix(env):
+        seen.pop("PYTHONPATH")
+        if "PYTHONPATH" in standard_env():
+            seen["PYTHONPATH"] = standard_env()["PYTHONPATH"]
+    return seen
 
 
 def _server_for(env: dict[str, str]) -> ConsoleServer | None:

@@ -10,23 +10,27 @@ its wheel (no editable install), in a working directory outside the repository: 
    Python API on a tiny Qwen2 model this script builds (2 layers, hidden 32) from the shipped tokenizer, on the
    shipped example data read from the installed package: SFT, DPO, CPO, ORPO, TPO, KTO, reward, GRPO, RLOO, PPO,
    A2PO, SDFT, SDPO, online DPO, distillation, GOLD, iterative SFT; ``lightalign.Trainer`` writes its run folder; an untrained module exports.
-3. The console script: ``lightalign fit --help``; ``lightalign examples DIR``, then from DIR the shipped offline
-   configs: one per data module and every config that reads another's export (``TRAINED``) two steps each, exiting 0;
-   every other ``*_tiny``/``*_quickstart`` config parsed by the installed CLI (``--print_config``: its classes and
-   knobs resolve in the installed package) with every file it names present in DIR. Each of those trains through
-   the console script in the repository's own tests; here what can go wrong is only what the wheel ships.
+3. The console script: ``lightalign examples DIR`` (the installed script, a process of its own); then, each in a
+   child forked from this process once it imported the installed package (``fork_cli``: the script's ``main`` and
+   ``sys.argv``, its exit status; no second import of torch, Lightning and transformers per run), ``lightalign fit
+   --help`` and from DIR the shipped offline configs: one per data module and every config that reads another's
+   export (``TRAINED``) two steps each, exiting 0; every other ``*_tiny``/``*_quickstart`` config parsed by the
+   installed CLI (``--print_config``: its classes and knobs resolve in the installed package) with every file it
+   names present in DIR. Each of those trains through the console script in the repository's own tests; here what
+   can go wrong is only what the wheel ships. The console checks run before the methods train, so the children
+   start from a process that has imported and trained nothing.
 
 Prints one ``ok: ...`` line per check; any failure raises (exit status 1 with the traceback).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 import os
 import pkgutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -190,34 +194,85 @@ def check_configs_parse(examples: Path, configs: list[str]) -> None:
         os.chdir(here)
 
 
+def fork_cli(args: list[str], cwd: Path, log: Path) -> int:
+    """``lightalign *args`` run in a child forked from this process, which imported the installed package and its
+    libraries once (``check_installed_copy``) and has trained nothing yet: the child does what the console script
+    does (``sys.argv`` the script's, ``lightalign.cli.main``'s status as its exit status), its output in ``log``.
+    Returns the child's pid (``run_forked`` waits for it): forked, a config's run costs its fit, not another import of torch,
+    Lightning and transformers."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.chdir(cwd)
+        sys.argv = [str(Path(sys.executable).with_name("lightalign")), *args]
+        from lightalign.cli import main as cli_main
+
+        try:
+            status = cli_main()
+        except SystemExit as stop:  # --help, and LightningCLI's own exits
+            status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def run_forked(runs: list[tuple[list[str], Path]], logs: Path, at_once: int = 2) -> list[tuple[str, float]]:
+    """Each ``(args, cwd)`` of ``runs`` through ``fork_cli``, ``at_once`` children at a time (one torch thread each);
+    any non-zero exit raises with the end of that child's output. Returns each run's output and CPU seconds, in
+    order."""
+    logs.mkdir(parents=True, exist_ok=True)
+    todo, running, done = list(enumerate(runs)), {}, {}
+    while todo or running:
+        while todo and len(running) < at_once:
+            i, (args, cwd) = todo.pop(0)
+            running[fork_cli(args, cwd, logs / f"{i}.log")] = i
+        pid, status, usage = os.wait4(-1, 0)
+        i = running.pop(pid)
+        out = (logs / f"{i}.log").read_text()
+        code = os.waitstatus_to_exitcode(status)
+        assert code == 0, f"lightalign {' '.join(runs[i][0])} exited {code}:\n{out[-4000:]}"
+        done[i] = out, usage.ru_utime + usage.ru_stime
+    return [done[i] for i in range(len(runs))]
+
+
 def check_console(work: Path) -> None:
+    """The console script itself once (``lightalign examples DIR``, a process of its own); then ``fit --help`` and
+    the shipped configs (``TRAINED``: two steps each, in two waves, teachers first) through ``fork_cli``, and the
+    other configs parsed (``check_configs_parse``)."""
     script = Path(sys.executable).with_name("lightalign")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-
-    def run(*args: str, cwd: Path) -> str:
-        done = subprocess.run([str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-        out = done.stdout + done.stderr
-        assert done.returncode == 0, f"lightalign {' '.join(args)} exited {done.returncode}:\n{out[-4000:]}"
-        return out
-
-    assert "--model.help" in run("fit", "--help", cwd=work)
-    print("ok: lightalign fit --help")
     examples = work / "lightalign-examples"
-    assert "configs/quickstart.yaml" in run("examples", str(examples), cwd=work)
+    done = subprocess.run([str(script), "examples", str(examples)], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "configs/quickstart.yaml" in done.stdout + done.stderr, done.stderr[-4000:]
+    print("ok: lightalign examples (the installed console script)")
+    import gc
+
+    gc.collect()
+    gc.freeze()  # what this process imported stays shared with the children: their collector does not copy it
+    ((help_text, _),) = run_forked([(["fit", "--help"], work)], work / "logs" / "help")
+    assert "--model.help" in help_text
+    print("ok: lightalign fit --help")
     two = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--plot.enabled", "false"]
     shipped = sorted(p.name for p in (examples / "configs").glob("*.yaml")
                      if p.stem.endswith(("_tiny", "_quickstart")) or p.stem.startswith("tools_"))
     assert set(TRAINED[0] + TRAINED[1]) <= {*shipped, "quickstart.yaml"}, "a config of TRAINED is not shipped"
-
-    def fit(config: str) -> str:
-        run("fit", "--config", f"configs/{config}", *two, cwd=examples)
-        return f"ok: lightalign fit --config configs/{config} (2 steps, from `lightalign examples`)"
-
-    # two processes at a time (one torch thread each): the teachers, then the configs that read their exports
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        for configs in TRAINED:
-            for line in pool.map(fit, configs):
-                print(line)
+    for wave, configs in enumerate(TRAINED):  # the teachers, then the configs that read their exports
+        runs = run_forked([(["fit", "--config", f"configs/{config}", *two], examples) for config in configs],
+                          work / "logs" / f"wave{wave}")
+        for config, (_, cpu) in zip(configs, runs):
+            print(f"ok: lightalign fit --config configs/{config} (2 steps, from `lightalign examples`; {cpu:.1f} s "
+                  "of CPU)")
     parsed = [c for c in shipped if c not in TRAINED[0] + TRAINED[1]]
     check_configs_parse(examples, parsed)
     print(f"ok: {len(parsed)} more shipped configs parse in the installed CLI and name only shipped files: "
@@ -229,9 +284,9 @@ def main(work: Path, repo: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     package = check_installed_copy(repo)
     check_public_names()
+    check_console(work)  # first: its children are forked from a process that has imported, not yet trained
     model = build_tiny_model(package, work / "tiny")
     check_methods(package, model, work)
-    check_console(work)
     print("ok: all")
 
 
