@@ -27,6 +27,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("LIGHTALIGN_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"lightalign-test-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
 
+# Device-tuned constants (modules/training/device_tuning.py) take the table's values on any CPU and measure nothing:
+# tests pin the code paths of those values (helpers/tuning.py set_tuned), and no test process pays the first-use
+# micro-measurements. tests/training/test_device_tuning.py sets the measuring mode itself, with stand-in measurements.
+os.environ.setdefault("LIGHTALIGN_TUNING", "table")
+
 # Inductor's on-disk cache (torch.compile: the static backend's decode step) is not keyed on the kernels torch was
 # restricted to: a kernel cached by a run on the machine's AVX-512 crashed (SIGSEGV) a run under
 # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (make test-portable). Such a run gets a cache of its own.

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import lightalign.modules.adaptations.probe_layouts as pl
+from lightalign.modules.training.cache_folder import cache_root
 
 PROBE_VERSION = 3  # bump when what the probe measures changes: old verdicts are then not reused
 TOLERANCE = 1e-4  # nats per token (float32)
@@ -69,10 +70,7 @@ class Verdict:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("LIGHTALIGN_CACHE_DIR")
-    if root is None:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lightalign")
-    return Path(root) / "probes"
+    return cache_root() / "probes"
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:

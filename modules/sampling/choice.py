@@ -21,9 +21,9 @@ from lightalign.modules.training.device_tuning import tuned
 
 
 def default_backend(device_type: str) -> str:
-    """The default when ``generation_backend`` is unset: measured per device type (``tuned``'s
-    ``generation_backend`` entry: ``compact`` on the project's CPU, measured on the reasoning workload,
-    docs/performance.md); ``generate`` where nothing was measured."""
+    """The default when ``generation_backend`` is unset: ``tuned``'s ``generation_backend`` entry (``compact``,
+    measured on the reasoning workload on the project's CPU, docs/performance.md) where it applies on this machine
+    (recorded for its machine key); ``generate`` elsewhere."""
     return tuned("generation_backend", device_type)
 
 

@@ -14,8 +14,9 @@ a standard ``DynamicCache`` and the model's own attention (sdpa / eager, 2-D pad
    keys and values) are gathered (``index_select`` on the batch dimension) and decoding continues on those only. A
    finished row not yet gathered out gets ``pad_token_id``, as in ``generate``.
 
-Two CPU speed-ups that change no token, used by default only where they were measured (the CPU:
-``compact_grow_cache`` and ``compact_prepack_linears`` in ``tuned``'s table, beside ``compact_fraction``):
+Two CPU speed-ups that change no token, used by default only where they apply (``compact_grow_cache`` on any CPU,
+``compact_prepack_linears`` where a first-use measurement on this machine says it gains: ``tuned``'s table, beside
+``compact_fraction``):
 - the cache's plain layers get room for the whole completion once the prompt is in (``grow_in_place``): a decode
   step writes its keys and values in place instead of ``torch.cat``-copying every layer's cache (bitwise the same
   tokens and log-probs; tests);

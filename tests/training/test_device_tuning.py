@@ -1,11 +1,14 @@
 """modules/training/device_tuning.py: the constants measured on the project's CPU, in one table that names what each
 tunes, how it was measured and where it applies; the code reads them for the device it runs on, so on the CPU every
-value is the one used before the table (bit-identical numerics) and elsewhere the untuned behaviour."""
+value is the one used before the table (bit-identical numerics) and elsewhere the untuned behaviour. The tests run with
+LIGHTALIGN_TUNING=table (conftest: the table's values on any CPU, nothing measured); the tests after the readers
+decide the constants as a user's run does, on the machine key, with stand-in measurements."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -134,3 +137,159 @@ def test_packed_linears_read_the_rows_hint_from_the_table(monkeypatch):
     with packed_linear.packed_linears(model):
         pass
     assert hints == [32, 8]
+
+
+# ------------------------------------------------------------------ the machine that runs (LIGHTALIGN_TUNING=measure)
+UNRECORDED = {"generation_backend", "compact_fraction", "distill_padding_free"}  # decided by whole benchmarks
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """The default mode with a fresh cache and stand-in measurements (constructed verdicts, calls counted): no test
+    asserts what a timing on this machine came out as."""
+    from lightalign.modules.training import device_tuning, tuning_measurements
+
+    monkeypatch.setenv("LIGHTALIGN_TUNING", "measure")
+    monkeypatch.setenv("LIGHTALIGN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(device_tuning, "_files", {})
+    monkeypatch.setattr(device_tuning, "measured_here", set())
+    calls, verdicts = [], {"prepack": False, "split_packed": True, "split_segments": True}
+    monkeypatch.setattr(tuning_measurements, "MEASUREMENTS",
+                        {name: (lambda table, name=name: calls.append(name) or verdicts[name]) for name in verdicts})
+    return calls, verdicts
+
+
+def new_process(monkeypatch):
+    """What a new process sees: nothing read or measured yet in memory, the disk cache kept."""
+    from lightalign.modules.training import device_tuning
+
+    monkeypatch.setattr(device_tuning, "_files", {})
+    monkeypatch.setattr(device_tuning, "measured_here", set())
+
+
+def test_every_entry_says_how_it_applies_on_a_cpu_other_than_the_one_measured():
+    from lightalign.modules.training.tuning_measurements import MEASUREMENTS
+
+    for name, entry in TABLE.items():
+        assert entry.key is None and "were not recorded" in entry.machine, name  # the project's ISA: unknown
+        assert not (entry.holds and entry.measure), name
+        assert entry.measure is None or entry.measure in MEASUREMENTS, name
+    assert {name for name, entry in TABLE.items() if not entry.holds and not entry.measure} == UNRECORDED
+
+
+def test_a_machine_key_that_differs_gives_the_neutral_value_unless_a_verdict_is_recorded(measuring, monkeypatch):
+    """Mutation: resolve ignoring the recorded key (the value on every CPU, as before) -> 'compact' on the other key,
+    fails; record not read -> the last assertion fails."""
+    from lightalign.modules.training import device_tuning
+    from lightalign.modules.training.machine_key import machine_key
+
+    here = machine_key()
+    elsewhere = {**here, "cpu_capability": "AVX512" if here["cpu_capability"] != "AVX512" else "AVX2"}
+    for key, expected in ((elsewhere, "generate"), (None, "generate"), (here, "compact")):
+        set_key = replace(TABLE["generation_backend"], key=key)
+        monkeypatch.setitem(device_tuning.TABLE, "generation_backend", set_key)
+        assert device_tuning.resolve("generation_backend", "cpu")[0] == expected, key
+    monkeypatch.setitem(device_tuning.TABLE, "generation_backend", replace(set_key, key=elsewhere))
+    device_tuning.record("generation_backend", "compact")  # e.g. after bench/grpo.py on this machine
+    new_process(monkeypatch)
+    assert device_tuning.resolve("generation_backend", "cpu") == ("compact", "recorded")
+    assert measuring[0] == []  # nothing measured for it
+
+
+def test_the_first_use_measurement_is_cached_and_reused(measuring, monkeypatch):
+    """One measurement per verdict and machine, read back from disk by the next process, and not reused on another
+    machine key. Mutations: the verdict not written (or not read) -> measured again; the cache file not keyed by
+    the machine -> the other key reuses 'prepack: False'."""
+    from lightalign.modules.training import device_tuning
+    from lightalign.modules.training.machine_key import machine_key
+
+    calls, verdicts = measuring
+    assert tuned("compact_prepack_linears", "cpu") is False  # the stand-in says packing is slower here: neutral
+    assert tuned("compact_prepack_min_mib", "cpu") is None  # the same verdict, not measured twice
+    assert tuned("split_packed_sequences", "cpu") is True
+    assert calls == ["prepack", "split_packed"]
+    new_process(monkeypatch)
+    assert device_tuning.resolve("compact_prepack_linears", "cpu") == (False, "cached")
+    assert device_tuning.resolve("split_packed_sequences", torch.device("cpu")) == (True, "cached")
+    assert calls == ["prepack", "split_packed"]
+    other = {**machine_key(), "threads": machine_key()["threads"] + 1}
+    monkeypatch.setattr(device_tuning, "machine_key", lambda: other)
+    verdicts["prepack"] = True
+    assert device_tuning.resolve("compact_prepack_linears", "cpu") == (True, "measured")
+    assert calls == ["prepack", "split_packed", "prepack"]
+
+
+def test_a_first_use_under_no_grad_measures_with_gradients(measuring, monkeypatch):
+    """The first reader may be a sampling loop (no_grad) or a forward under autocast; the split measurements time a
+    backward. Mutation: inference_mode(False) and enable_grad dropped from _measured -> the stand-in sees gradients
+    off, fails."""
+    from lightalign.modules.training import tuning_measurements
+
+    seen = []
+    monkeypatch.setitem(tuning_measurements.MEASUREMENTS, "split_segments",
+                        lambda table: seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"))) or True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert tuned("min_saved_scores_per_call", "cpu") == 32768
+    assert seen == [(True, False)]
+
+
+def test_the_fit_start_clause_says_whether_the_tuned_constants_apply_here(measuring, monkeypatch):
+    """Mutation: a cached verdict reported as measured now (or the reverse) -> the second clause fails; the untuned
+    names left out -> the first fails."""
+    from lightalign.modules.training.device_tuning import tuning_note
+
+    first = tuning_note("cpu")
+    assert first == ("tuned constants: 4 hold on any CPU; 4 measured here at first use (compact_prepack_linears, "
+                     "compact_prepack_min_mib slower here: untuned); untuned defaults for generation_backend, "
+                     "compact_fraction, distill_padding_free: this CPU differs from the one measured")
+    new_process(monkeypatch)
+    assert "4 cached from a first-use measurement (compact_prepack_linears" in tuning_note("cpu")
+    assert tuning_note("cuda:0") == "tuned constants: untuned defaults (none measured on cuda)"
+    monkeypatch.setenv("LIGHTALIGN_TUNING", "neutral")
+    assert tuning_note("cpu") == "tuned constants: untuned defaults (LIGHTALIGN_TUNING=neutral)"
+    assert all(tuned(name, "cpu") == entry.neutral for name, entry in TABLE.items())
+    monkeypatch.setenv("LIGHTALIGN_TUNING", "fast")
+    with pytest.raises(ValueError, match="LIGHTALIGN_TUNING='fast' is not one of measure, table, neutral"):
+        tuned("compact_fraction", "cpu")
+
+
+def test_the_verdict_is_the_median_of_alternating_repeats_on_constructed_timings(monkeypatch):
+    """tuned_wins on a stand-in clock: the tuned side takes 1 s except one 9 s outlier, the neutral side 2 s.
+    Mutation: the mean instead of the median -> the outlier makes the tuned side lose."""
+    from lightalign.modules.training import tuning_measurements as tm
+
+    clock = [0.0]
+    monkeypatch.setattr(tm.time, "perf_counter", lambda: clock[0])
+    tuned_times = iter([1.0, 9.0, 1.0, 1.0, 1.0, 1.0])  # warm-up, then 5 timed
+
+    def tuned_side():
+        clock[0] += next(tuned_times)
+
+    def neutral_side():
+        clock[0] += 2.0
+
+    assert tm.tuned_wins(tuned_side, neutral_side, repeats=5) == (True, 1.0, 2.0)
+
+
+def test_prepacking_counts_its_reorder_once_per_rollout(monkeypatch):
+    """Constructed timings: packed calls 30 ms against 40 ms plain per sample of 16 tokens, and a reorder of 0.2 s
+    (0.0125 s per 16 of a rollout's 256 tokens) -> packing loses; a reorder of 0.1 s -> it wins. Mutation: the
+    reorder left out -> the first case wins, fails."""
+    from lightalign.modules.sampling import packed_linear
+    from lightalign.modules.training import tuning_measurements as tm
+
+    if not packed_linear.available():
+        pytest.skip("oneDNN is not built in")
+    monkeypatch.setattr(tm, "tuned_wins", lambda packed, plain, repeats: (True, 0.030, 0.040))
+    for reorder, wins in ((0.2, False), (0.1, True)):
+        monkeypatch.setattr(tm, "_seconds", lambda run, reorder=reorder: reorder)
+        assert tm.prepack(TABLE) is wins
+
+
+def test_the_real_measurements_run_and_give_a_verdict():
+    """Each measurement runs here (about a second in all on an idle core); its outcome is this machine's and is not
+    asserted."""
+    from lightalign.modules.training.tuning_measurements import MEASUREMENTS
+
+    for name, measure in MEASUREMENTS.items():
+        assert measure(TABLE) in (True, False), name

@@ -79,7 +79,8 @@ def test_a_run_prints_what_a_user_acts_on_and_not_the_libraries_chatter(odd_run_
     run, out = odd_run_and_output
     assert {name: text for name, text in NOISE.items() if text in out} == {}
     for kept in ("Seed set to 42", "GPU available: False, used: False", "step 3/3 | train/loss", f"Hugging Face model written to {run / 'hf_model'}", "lightalign run summary",
-                 "lightalign adaptations: model qwen2", "Using `precision='bf16-mixed'` instead", "config.yaml records trainer.precision bf16-mixed"):
+                 "lightalign adaptations: model qwen2", "Using `precision='bf16-mixed'` instead", "config.yaml records trainer.precision bf16-mixed",
+                 "tuned constants: the table (LIGHTALIGN_TUNING=table)"):
         assert kept in out, kept
     assert len(out.splitlines()) < 60, out
 
