@@ -5,6 +5,7 @@ the fit-start line names the precision and the CPU's native bf16."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,18 @@ def test_bf16_steps_on_new_shapes_keep_a_bounded_cache(tiny_dir):
     assert bounded < 0.75 * unbounded, (bounded / MiB, unbounded / MiB)
 
 
+def test_the_bound_is_set_on_the_cpu_only_and_a_users_value_wins(monkeypatch):
+    """Mutation: bound_onednn_caches overwriting a set variable -> the user's 7 is lost."""
+    from lightalign.modules.training.cpu_bf16 import CACHE_VARIABLES, bound_onednn_caches
+
+    for name in CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert bound_onednn_caches(torch.device("cuda")) == {}
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    assert bound_onednn_caches(torch.device("cpu")) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "32"}
+    assert [os.environ[name] for name in CACHE_VARIABLES] == ["32", "7"]
+
+
 @pytest.mark.parametrize("precision, flags, device, expected", [
     ("bf16-mixed", frozenset({"avx512_bf16", "amx_bf16"}), "cpu",
      "precision bf16-mixed (CPU AVX512, native bf16: AVX-512 BF16 + AMX-BF16; oneDNN caches "),
@@ -52,9 +65,15 @@ def test_the_precision_clause_names_the_precision_and_native_bf16(precision, fla
     assert note.startswith(expected) and (device == "cpu" or note == expected), note
 
 
-def test_the_fit_start_line_says_the_precision(tiny_dir, data_dir, caplog):
-    """The real line of a bf16 CPU fit (the console's logger is Lightning's: rank_zero_info)."""
+def test_the_fit_start_line_says_the_precision(tiny_dir, data_dir, caplog, monkeypatch):
+    """The real line of a bf16 CPU fit (the console's logger is Lightning's: rank_zero_info). Mutation:
+    check_model_layout without precision_note -> no such clause."""
     import logging
+
+    from lightalign.modules.training.cpu_bf16 import CACHE_VARIABLES
+
+    for name in CACHE_VARIABLES:  # the fit's setup sets them: taken back after the test
+        monkeypatch.delenv(name, raising=False)
 
     import lightning as L
 
