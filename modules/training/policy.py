@@ -209,7 +209,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
             notes.append(self.dropout_report.describe() + self.check_train_determinism())
         notes += [n for n in (aux_note, activation_offload_note(knobs.compute.activation_offloading, self.device)) if n]
         notes += self.fit_start_notes()
-        notes.append(precision_note(self.trainer.precision, self.device))
+        if self._trainer is not None:  # the precision is the trainer's (a bare check at construction has none)
+            notes.append(precision_note(self.trainer.precision, self.device))
         sync = knobs.reference_sync if "reference_sync" in knobs else None
         if sync is not None and sync.sync_ref_model:
             notes.append(f"reference synced every {sync.ref_model_sync_steps} steps (alpha {sync.ref_model_mixup_alpha})")
