@@ -141,6 +141,19 @@ TABLE: dict[str, Tuned] = {
                  "~140 tokens (modules/adaptations/attention.py's note; no benchmark figure of the split alone)",
         read_by="modules/adaptations/layouts.py (split_packed_attention)",
         measure="split_packed"),
+    "onednn_primitive_cache_capacity": Tuned(
+        value=32, neutral=None, device="cpu",
+        tunes="bf16 runs: the capacity of oneDNN's and ideep's primitive caches (ONEDNN_PRIMITIVE_CACHE_CAPACITY, "
+              "LRU_CACHE_CAPACITY) where the environment sets neither (None: the libraries' 1024 each)",
+        measured="SFT, small model, chat rows, batch 8, max_length 256, padding-free, 40 steps, 1 thread, on an AMX "
+                 "CPU (2026-11-29): peak RSS 1,745 MiB at the default 1024 (still growing, fp32 1,252), 1,474 at 128, "
+                 "1,362 at 64, 1,285-1,297 at 32 (flat after step 4); 787 primitives built at 32 and 64 against 569 at "
+                 "1024 (8.1 s against 4.9 s of building in 40 steps); docs/performance.md 'bf16 on CPU'",
+        read_by="modules/training/cpu_bf16.py (bound_onednn_caches, at setup of a bf16 CPU run)",
+        machine=MEASURED_ON.replace("float32, 2 threads", "bf16 (AVX-512 BF16, AMX), 1 thread"),
+        holds="a bound on memory, not a timing: a primitive rebuilt after eviction is the same kernel for the same "
+              "shape, so results are unchanged on any CPU, and only a CPU whose bf16 products go through oneDNN keeps "
+              "primitives at all"),
     "retain_freed_cpu_memory_bytes": Tuned(
         value=1 << 30, neutral=None, device="cpu",
         tunes="retain_cpu_memory: glibc's mmap and trim thresholds while a PolicyModule runs on this device "

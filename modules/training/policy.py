@@ -218,6 +218,7 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         from lightalign.modules.adaptations import check_run
 
         from lightalign.modules.training.activation_offload import activation_offload_note
+        from lightalign.modules.training.cpu_bf16 import precision_note
         from lightalign.modules.losses.router_aux import attach_router_aux_loss
         from lightalign.modules.training.device_tuning import tuning_note
 
@@ -233,6 +234,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         notes += [n for n in (aux_note, activation_offload_note(knobs.compute.activation_offloading, self.device)) if n]
         notes += self.fit_start_notes()
         notes.append(tuning_note(self.device))  # whether the device-tuned constants apply on this machine, and how
+        if self._trainer is not None:  # the precision is the trainer's (a bare check at construction has none)
+            notes.append(precision_note(self.trainer.precision, self.device))
         sync = knobs.reference_sync if "reference_sync" in knobs else None
         if sync is not None and sync.sync_ref_model:
             notes.append(f"reference synced every {sync.ref_model_sync_steps} steps (alpha {sync.ref_model_mixup_alpha})")

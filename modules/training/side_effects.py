@@ -3,6 +3,8 @@ run raises, by ``UndoSideEffectsOnError``):
 
 * the allocator setting of ``retain_cpu_memory`` (glibc's mmap and trim thresholds), on the device type where its
   threshold was measured (``tuned``'s table) and only there;
+* on a bf16 CPU run, the bound on oneDNN's primitive caches (``bound_onednn_caches``: environment variables read
+  once per process, so this one is not undone);
 * a model the user passed as ``model``: its own MLP forwards (``restore_mlp_forward``) and attention implementation
   are given back at teardown, and the module's adaptations applied again at the next ``setup``.
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightalign.modules.training.cpu_bf16 import bound_onednn_caches, computes_in_bf16
 from lightalign.modules.training.device_tuning import tuned
 
 
@@ -37,7 +40,10 @@ class ScopedSideEffects:
     def apply(self, module: Any) -> None:
         if self.user_model_restored:
             self.readapt_user_model(module)
-        limit = tuned("retain_freed_cpu_memory_bytes", module.trainer.strategy.root_device)
+        device = module.trainer.strategy.root_device
+        if computes_in_bf16(module.trainer.precision):
+            bound_onednn_caches(device)
+        limit = tuned("retain_freed_cpu_memory_bytes", device)
         if module.knobs.cpu_memory.retain_cpu_memory and limit is not None and not self.holds_cpu_memory:
             from lightalign.modules.training.acceleration import retain_freed_cpu_memory
 

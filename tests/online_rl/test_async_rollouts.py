@@ -194,6 +194,17 @@ def test_a_policy_whose_forward_is_more_than_its_class_and_weights_is_refused_wi
         quiet_trainer(max_steps=2, callbacks=[Hooked()]).fit(module, prompt_data())
 
 
+def test_a_policy_under_bf16_autocast_is_refused_naming_the_precision(grpo_module, quiet_trainer, prompt_data):
+    """The sampling process computes in float32; under bf16-mixed the policy's log-probs differ from it by the
+    precision alone (measured: the same forward with autocast off matches), and the message says so and names
+    the setting. Mutation: check_copy without the autocast-off measurement -> the hook message, no match."""
+    module = grpo_module(reward_funcs=[varied_reward], max_staleness=1, generation_batch_size=8)
+    with pytest.raises(SamplerProcessError, match=r"under precision bf16-mixed \(autocast to bfloat16\) and the "
+                                                  r"sampling process in its weights' float32: .* differ by "
+                                                  r"\d\.\d+e-\d+ .*precision: 32-true"):
+        quiet_trainer(max_steps=1, precision="bf16-mixed").fit(module, prompt_data())
+
+
 @pytest.mark.parametrize("knobs, message", [
     (dict(max_staleness=1, steps_per_generation=2), r"max_staleness=1 is less than the 2 optimizer steps one rollout"),
     (dict(async_sampler_threads=1), r"async_sampler_threads .* only with max_staleness > 0"),

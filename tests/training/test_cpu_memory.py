@@ -179,7 +179,7 @@ def test_applied_only_on_the_device_type_it_was_measured_on(libc, tiny_dir, devi
     from lightalign import SFTModule
 
     module = SFTModule(str(tiny_dir), from_config=True)
-    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), precision="32-true")
     module.setup("fit")
     module.setup("fit")  # a second setup does not take a second hold
     assert libc.calls == expected

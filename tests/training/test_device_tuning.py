@@ -29,6 +29,7 @@ BEFORE = {
     "min_saved_scores_per_call": 32768,
     "split_packed_sequences": True,
     "retain_freed_cpu_memory_bytes": 1 << 30,
+    "onednn_primitive_cache_capacity": 32,  # (new for issue #52: before it bf16 runs kept the libraries' 1024)
 }
 
 

@@ -93,9 +93,10 @@ class AheadSampler(RolloutsAhead):
 
     # ------------------------------------------------------------------------------------- the process
     def start(self, model: torch.nn.Module, tokenizer: Any, backend: str, sampling: dict[str, Any],
-              probe: dict[str, Any]) -> None:
+              probe: dict[str, Any], precision: str = "32-true") -> None:
         """Start the sampling process on a copy of ``model``'s weights and measure that the copy computes what the
-        policy computes on ``probe`` (a prompt batch): refused otherwise, naming the difference."""
+        policy computes on ``probe`` (a prompt batch) under the trainer's ``precision``: refused otherwise, naming the
+        difference."""
         context = multiprocessing.get_context("spawn")
         self.slots = [sampling_weights(model) for _ in range(self.depth)]
         base = base_model(model)
@@ -112,24 +113,44 @@ class AheadSampler(RolloutsAhead):
         reply = self._next_reply(START_TIMEOUT, "start")
         if reply.kind != "ready":
             raise SamplerProcessError(f"The sampling process did not start:\n{reply.error}")
-        self.check_copy(model, probe)
+        self.check_copy(model, probe, precision)
 
     @torch.no_grad()
-    def check_copy(self, model: torch.nn.Module, probe: dict[str, Any]) -> None:
+    def check_copy(self, model: torch.nn.Module, probe: dict[str, Any], precision: str = "32-true") -> None:
         """The sampling copy's log-probs on the probe prompts equal the policy's (eval mode): a model whose forward
-        depends on more than its class, config and weights (a hook, a patched method) is refused here."""
+        depends on more than its class, config and weights (a hook, a patched method) is refused here. The sampling
+        process computes in its weights' dtype; a policy under autocast (``precision`` ``bf16-mixed``,
+        ``16-mixed``) computes in another, and when the policy's forward without autocast matches the copy, the
+        refusal names the precision as the difference, with both measured gaps."""
         ids, mask = probe["prompt_input_ids"].cpu(), probe["prompt_attention_mask"].cpu()
         self.requests.put(Probe(ids, mask))
         reply = self._next_reply(START_TIMEOUT, "exactness probe")
-        was_training = model.training
-        model.eval()
-        try:
-            device = next(model.parameters()).device
-            mine = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
-        finally:
-            model.train(was_training)
         real = mask.bool()
-        gap = float((mine.cpu()[real] - reply.rollout["logps"][real]).abs().max())
+        device = next(model.parameters()).device
+        autocast = torch.is_autocast_enabled(device.type)
+
+        def gap_of_policy(autocast_off: bool = False) -> float:
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.autocast(device.type, enabled=False) if autocast_off else contextlib.nullcontext():
+                    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            finally:
+                model.train(was_training)
+            mine = torch.log_softmax(logits.float(), -1)
+            return float((mine.cpu()[real] - reply.rollout["logps"][real]).abs().max())
+
+        gap = gap_of_policy()
+        if not gap <= COPY_TOLERANCE and autocast and (plain := gap_of_policy(autocast_off=True)) <= COPY_TOLERANCE:
+            self.close()
+            dtype = str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
+            raise SamplerProcessError(
+                f"max_staleness > 0: the policy computes under precision {precision} (autocast to {dtype}) and the "
+                f"sampling process in its weights' {str(next(model.parameters()).dtype).removeprefix('torch.')}: "
+                f"their log-probs differ by {gap:.2e} (max over the first prompts; tolerance {COPY_TOLERANCE:g}; "
+                f"{plain:.2e} with the policy's autocast off, so the precision is the whole difference). Set the "
+                "trainer's precision: 32-true to sample ahead, or max_staleness: 0 to sample in the policy's "
+                "precision.")
         if not gap <= COPY_TOLERANCE:
             self.close()
             raise SamplerProcessError(

@@ -235,7 +235,8 @@ class OffPolicyRollouts:
             torch.set_num_threads(trainer_threads)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer crosses into a new process
             self.ahead.start(module.model, module.tokenizer, module.sampling_backend(),
-                             module.sampling.sampling_kwargs(), probe=probe)
+                             module.sampling.sampling_kwargs(), probe=probe,
+                             precision=str(module.trainer.precision))
         return self.ahead
 
     def close(self) -> None:
