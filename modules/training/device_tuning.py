@@ -59,7 +59,10 @@ TABLE: dict[str, Tuned] = {
         measured="bench/grpo.py --shape reasoning --threads 2 --steps 8 --warmup 2 --repeats 2 (small model, idle, "
                  "2026-11-24): compact 3.02-3.19 completions/s against generate 1.94 on the whole GRPO step; "
                  "docs/performance.md 'The reasoning workload at 2 threads, idle'",
-        read_by="modules/sampling/choice.py (the default backend)"),
+        read_by="modules/sampling/choice.py (the default backend)",
+        holds="counted, not timed: compact samples the same tokens as generate (tests/sampling) and runs each decode "
+              "step on the rows still generating only, so it never does more matrix work than generate; its one "
+              "kernel-dependent part, prepacked linears, is decided on this machine ('prepack' measurement)"),
     "compact_fraction": Tuned(
         value=0.25, neutral=0.0, device="cpu",
         tunes="compact backend: the share of live rows that must have finished before they are gathered out "
@@ -105,7 +108,10 @@ TABLE: dict[str, Tuned] = {
         measured="bench/distill.py --steps 10-20 --repeats 2, tiny student / small teacher, 2 threads, idle "
                  "(2026-11-26, session 18): english rows 2.67 -> 4.37 steps/s (1.64x), arithmetic rows 6.06 -> 7.31 "
                  "(1.21x); docs/distill.md 'Speed and memory against TRL'",
-        read_by="modules/distill.py (DistillModule.resolve_padding_free)"),
+        read_by="modules/distill.py (DistillModule.resolve_padding_free)",
+        holds="counted, not timed: a padding-free row computes no padding tokens through either model, the same "
+              "numbers where both run it exactly (the layout probe decides that); how its attention is split is "
+              "decided on this machine ('split_packed' measurement)"),
     "packed_linear_rows_hint": Tuned(
         value=32, neutral=None, device="cpu",
         tunes="the batch size oneDNN's prepacked weight layout is chosen for",

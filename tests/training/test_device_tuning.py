@@ -141,7 +141,7 @@ def test_packed_linears_read_the_rows_hint_from_the_table(monkeypatch):
 
 
 # ------------------------------------------------------------------ the machine that runs (LIGHTALIGN_TUNING=measure)
-UNRECORDED = {"generation_backend", "compact_fraction", "distill_padding_free"}  # decided by whole benchmarks
+UNRECORDED = {"compact_fraction"}  # decided by a whole benchmark
 
 
 @pytest.fixture
@@ -179,21 +179,21 @@ def test_every_entry_says_how_it_applies_on_a_cpu_other_than_the_one_measured():
 
 
 def test_a_machine_key_that_differs_gives_the_neutral_value_unless_a_verdict_is_recorded(measuring, monkeypatch):
-    """Mutation: resolve ignoring the recorded key (the value on every CPU, as before) -> 'compact' on the other key,
+    """Mutation: resolve ignoring the recorded key (the value on every CPU, as before) -> 0.25 on the other key,
     fails; record not read -> the last assertion fails."""
     from lightalign.modules.training import device_tuning
     from lightalign.modules.training.machine_key import machine_key
 
     here = machine_key()
     elsewhere = {**here, "cpu_capability": "AVX512" if here["cpu_capability"] != "AVX512" else "AVX2"}
-    for key, expected in ((elsewhere, "generate"), (None, "generate"), (here, "compact")):
-        set_key = replace(TABLE["generation_backend"], key=key)
-        monkeypatch.setitem(device_tuning.TABLE, "generation_backend", set_key)
-        assert device_tuning.resolve("generation_backend", "cpu")[0] == expected, key
-    monkeypatch.setitem(device_tuning.TABLE, "generation_backend", replace(set_key, key=elsewhere))
-    device_tuning.record("generation_backend", "compact")  # e.g. after bench/grpo.py on this machine
+    for key, expected in ((elsewhere, 0.0), (None, 0.0), (here, 0.25)):
+        set_key = replace(TABLE["compact_fraction"], key=key)
+        monkeypatch.setitem(device_tuning.TABLE, "compact_fraction", set_key)
+        assert device_tuning.resolve("compact_fraction", "cpu")[0] == expected, key
+    monkeypatch.setitem(device_tuning.TABLE, "compact_fraction", replace(set_key, key=elsewhere))
+    device_tuning.record("compact_fraction", 0.25)  # e.g. after bench/generation.py on this machine
     new_process(monkeypatch)
-    assert device_tuning.resolve("generation_backend", "cpu") == ("compact", "recorded")
+    assert device_tuning.resolve("compact_fraction", "cpu") == (0.25, "recorded")
     assert measuring[0] == []  # nothing measured for it
 
 
@@ -240,9 +240,9 @@ def test_the_fit_start_clause_says_whether_the_tuned_constants_apply_here(measur
     from lightalign.modules.training.device_tuning import tuning_note
 
     first = tuning_note("cpu")
-    assert first == ("tuned constants: 4 hold on any CPU; 4 measured here at first use (compact_prepack_linears, "
-                     "compact_prepack_min_mib slower here: untuned); untuned defaults for generation_backend, "
-                     "compact_fraction, distill_padding_free: this CPU differs from the one measured")
+    assert first == ("tuned constants: 7 hold on any CPU; 4 measured here at first use (compact_prepack_linears, "
+                     "compact_prepack_min_mib slower here: untuned); untuned defaults for compact_fraction: this CPU "
+                     "differs from the one measured")
     new_process(monkeypatch)
     assert "4 cached from a first-use measurement (compact_prepack_linears" in tuning_note("cpu")
     assert tuning_note("cuda:0") == "tuned constants: untuned defaults (none measured on cuda)"
