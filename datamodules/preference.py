@@ -444,19 +444,11 @@ class PreferenceDataModule(TokenizedDataModule):
 
     def image_rows(self, raw: Dataset, label: str) -> ImageRows | None:
         """For data with an image column and a vision-language model: what checks and tokenizes its rows
-        (``ImageRows``); the layouts not measured exact with images are refused here, naming the knob."""
+        (``ImageRows``). A layout other than padded pairs with images is refused at the module's setup, measured on the
+        model (``PolicyModule.refuse_unmeasured_images``)."""
         check_text_model(raw, self.processor, label, self._tokenizer_arg)
         if self.processor is None or image_column(raw.column_names) is None:
             return None
-        for knob, on, why in (
-                ("prompt_sharing", self.prompt_sharing, "its [prompt, chosen, rejected] segments pass 1-D "
-                 "position_ids, and a multimodal-rotary model (Qwen-VL's mRoPE from image_grid_thw) then gives other "
-                 "log-probs than each pair alone (docs/vlm.md, 'DPO and KTO')"),
-                ("padding_free", self.padding_free, "its one row of back-to-back sequences passes 1-D position_ids, "
-                 "which a multimodal-rotary model (Qwen-VL) must not get")):
-            if on:
-                raise ValueError(f"{knob}=True with image rows: {why}. Set {knob}: false for vision-language "
-                                 "preference data (the padded chosen-then-rejected rows, measured exact).")
         return ImageRows(self.processor, self.image_layout, self.image_base_dir)
 
     def validate(self, raw: Dataset, tokenizer: Any, label: str, implicit: bool) -> None:

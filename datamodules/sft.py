@@ -212,8 +212,8 @@ class SFTDataModule(TokenizedDataModule):
 
     def check_image_data(self, raw: Dataset, label: str) -> bool:
         """Whether the split holds images (an ``images``/``image`` column); refuses image data the run cannot train
-        exactly: a text-only model, ``packing``/``padding_free`` (1-D positions where the model needs its own
-        multimodal ones: not measured exact), ``truncation_mode='keep_end'`` (it would cut the image tokens at the
+        exactly: a text-only model, ``packing``/``padding_free`` (``refuse_image_layout``: the difference measured on the
+        model, or what is not built), ``truncation_mode='keep_end'`` (it would cut the image tokens at the
         start, as TRL refuses), ``group_by_length`` (lengths are known only once the images are processed)."""
         from lightalign.vision.images import image_column
 
@@ -227,9 +227,12 @@ class SFTDataModule(TokenizedDataModule):
             raise DataFormatError(f"The {label} data has an image column '{column}', and '{self._tokenizer_arg}' is a "
                                   "text-only model (no image processor): use a vision-language model, or drop the "
                                   f"'{column}' column.")
-        for knob, value, fix in (("packing", self.packing, "packing=False"),
-                                 ("padding_free", self.padding_free and not self.packing, "padding_free=False"),
-                                 ("group_by_length", self.group_by_length, "group_by_length=False"),
+        if self.packing or self.padding_free:  # measured on the model: the difference, or what is not built
+            from lightalign.modules.adaptations.vision_probe import refuse_image_layout
+
+            refuse_image_layout(self._tokenizer_arg, "packed" if self.packing else "padding_free", self.processor,
+                                "SFTDataModule's collator does not build padding-free rows with images")
+        for knob, value, fix in (("group_by_length", self.group_by_length, "group_by_length=False"),
                                  ("truncation_mode", self.truncation_mode == "keep_end" and self.max_length,
                                   "truncation_mode='keep_start' or max_length=None")):
             if value:

@@ -261,6 +261,19 @@ def check_vision_layout(model_or_name: Any, layout: str, processor=None,
     return verdict
 
 
+def refuse_image_layout(model_or_name: Any, layout: str, processor, not_built: str) -> None:
+    """Refuse image rows in a layout lightalign does not build with images: with the measured difference when the
+    model cannot run the layout exactly with images (``check_vision_layout``), else saying it measured exact on this
+    model and what is missing (``not_built``)."""
+    verdict = check_vision_layout(model_or_name, layout, processor)
+    model_class, config, _ = _resolve(model_or_name, processor, None)
+    knob, alternative = _KNOBS[layout]
+    raise LayoutRefused(
+        f"{knob} with image rows: {model_class.__name__} (model_type '{getattr(config, 'model_type', '?')}') runs the "
+        f"{layout} layout exactly with images, as measured on a shrunk copy ({verdict.describe()}), but {not_built}. "
+        f"Set {alternative} for image rows.")
+
+
 def likely_cause(processor, layout: str, verdict: VisionVerdict) -> str:
     """What explains a refused packed or shared layout (only an explanation: the measurement decided)."""
     from lightalign.vision.processor import measure_key_layout

@@ -16,8 +16,6 @@ from typing import Any
 # knob -> (the value that refuses it, what to set instead); read from the module's hyper-parameters when it has them
 UNMEASURED_WITH_IMAGES = {
     "use_vllm": (True, "use_vllm: false (the generate backend samples with the images)"),
-    "prompt_sharing": (True, "prompt_sharing: false (padded rows)"),
-    "padding_free": (True, "padding_free: false (padded rows)"),
     "max_staleness": ("> 0", "max_staleness: 0 (sampling in the training process)"),
     "tools": ("set", "no tools (single-turn rollouts)"),
     "environment_factory": ("set", "no environment_factory (single-turn rollouts)"),

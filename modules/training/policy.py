@@ -186,9 +186,23 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
 
     def refuse_unmeasured_images(self) -> None:
         """Data with images (a vision-language model's ``images``/``image`` column, ``has_images`` of the datamodule)
-        reaching a method not measured with them is refused before any compute, naming the methods that take them."""
+        reaching a method not measured with them is refused before any compute, naming the methods that take them;
+        for a method that takes them, a batch layout other than padded rows is refused with what its measurement on
+        the model found (``refuse_image_layout``)."""
         datamodule = getattr(getattr(self, "_trainer", None), "datamodule", None)
-        if self.takes_images or not getattr(datamodule, "has_images", False):
+        if not getattr(datamodule, "has_images", False):
+            return
+        if self.takes_images:
+            from lightalign.modules.adaptations.support import PADDED_LAYOUTS
+
+            layout, _ = self.batch_layout()
+            if layout not in PADDED_LAYOUTS:  # measured on the model: its difference, or what is not built
+                from lightalign.modules.adaptations.vision_probe import refuse_image_layout
+
+                target = next(m for m in (getattr(self, "model", None), self.knobs.model.model,
+                                          self.model_name_or_path) if m is not None)
+                refuse_image_layout(target, layout, getattr(datamodule, "processor", None),
+                                    f"{type(self).__name__} does not build {layout} rows with images")
             return
         import lightalign
 

@@ -149,5 +149,36 @@ def test_methods_not_measured_with_images_refuse_image_data_at_setup(tiny_dir):
         module._trainer = SimpleNamespace(datamodule=SimpleNamespace(has_images=False))
         module.refuse_unmeasured_images()
     module = DPOModule.__new__(DPOModule)
-    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(has_images=True))
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(has_images=False))
     module.refuse_unmeasured_images()
+
+
+@pytest.mark.parametrize("folder, layout, found", [
+    ("tiny-qwen2-vl", "dpo_shared", r"data.prompt_sharing .*cannot run exactly with images on "
+                                    r"Qwen2VLForConditionalGeneration.*differ .* by up to .* nats"),
+    ("tiny-llava", "padding_free", r"with image rows: LlavaForConditionalGeneration \(model_type 'llava'\) runs the "
+                                   r"padding_free layout exactly with images.*but Stand does not build padding_free "
+                                   r"rows with images"),
+])
+def test_a_layout_other_than_padded_rows_is_refused_with_its_measurement(repo, folder, layout, found):
+    """A method that takes images refuses a non-padded layout at setup with what the probe measured on the user's
+    model (``refuse_image_layout``): the difference where the model cannot run it, else that it is not built.
+    Mutation: ``refuse_unmeasured_images`` returning for every method that takes images -> nothing is refused."""
+    from types import SimpleNamespace
+
+    from lightalign import DPOModule
+    from lightalign.modules.adaptations import LayoutRefused
+
+    class Stand(DPOModule):
+        def batch_layout(self):
+            return self.layout, None
+
+    name = str(repo / "assets/models" / folder)
+    module = Stand.__new__(Stand)
+    module.layout, module.model, module.model_name_or_path = "dpo_classic", None, name
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(has_images=True, processor=load_processor(name)))
+    module.knobs = SimpleNamespace(model=SimpleNamespace(model=None))
+    module.refuse_unmeasured_images()  # padded pairs: measured exact, taken
+    module.layout = layout
+    with pytest.raises(LayoutRefused, match=found):
+        module.refuse_unmeasured_images()

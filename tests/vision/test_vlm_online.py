@@ -209,9 +209,9 @@ def test_a_rollout_with_images_checkpoints_for_a_weights_only_load(setup, tmp_pa
 
 def test_backends_other_than_generate_and_unmeasured_layouts_are_refused(setup):
     """Prompts with images sample only on ``generate``: another asked backend is refused naming it, the knob and
-    ``generate``; the default picks ``generate`` and says why; ``share_prefill``, ``prompt_sharing``,
-    ``padding_free``, vLLM, sampling ahead and tools are refused naming the knob, as is a method that does not take
-    image prompts. Mutation: ``choose_sampler`` ignoring ``images`` -> compact is chosen, not refused."""
+    ``generate``; the default picks ``generate`` and says why; ``share_prefill``, vLLM, sampling ahead and tools are
+    refused naming the knob, as is a method that does not take image prompts (``prompt_sharing`` and ``padding_free``:
+    measured on the model at setup, tests/vision/test_vision_core.py). Mutation: ``choose_sampler`` ignoring ``images`` -> compact is chosen, not refused."""
     from lightalign.modules.sampling.choice import choose_sampler
     from lightalign.modules.sampling.config import SamplingConfig
     from lightalign.modules.sampling.image_prompts import check_image_prompts
@@ -228,8 +228,7 @@ def test_backends_other_than_generate_and_unmeasured_layouts_are_refused(setup):
     with pytest.raises(ValueError, match="backend 'static'.*generate"):
         sample_groups(setup.model, setup.batch["prompt_input_ids"], setup.batch["prompt_attention_mask"], 2,
                       backend="static", eos=[0], pad_token_id=0, max_new_tokens=2, prompt_inputs={"pixel_values": 1})
-    for knob, value in (("use_vllm", True), ("prompt_sharing", True), ("padding_free", True), ("max_staleness", 2),
-                        ("tools", ["m.f"]), ("environment_factory", "m.Env")):
+    for knob, value in (("use_vllm", True), ("max_staleness", 2), ("tools", ["m.f"]), ("environment_factory", "m.Env")):
         module = SimpleNamespace(takes_images=True, hparams={knob: value, "use_vllm": knob == "use_vllm"})
         with pytest.raises(ValueError, match=re.escape(f"{knob}={value!r} is not available with prompts that have")):
             check_image_prompts(module)

@@ -208,11 +208,6 @@ def test_bad_rows_and_unmeasured_layouts_are_refused_at_setup(tmp_path, processo
     with pytest.raises(DataFormatError, match=r"row 0: its prompt has \d+ tokens with its images' tokens expanded"):
         _pair_data(_write(tmp_path / "long", [good]), processor, max_prompt_length=20)
     path = _write(tmp_path / "ok", [good])
-    for knob, kw in (("prompt_sharing", {"prompt_sharing": True}),
-                     ("padding_free", {"prompt_sharing": False, "padding_free": True})):
-        dm = PreferenceDataModule(str(path), processor, batch_size=1, **kw)
-        with pytest.raises(ValueError, match=f"{knob}=True with image rows.*Set {knob}: false"):
-            dm.setup("fit")
     with pytest.raises(DataFormatError, match="'images' column with images.*is a text model"):
         PreferenceDataModule(str(path), str(repo / "assets/models/tiny"), prompt_sharing=False).setup("fit")
     kto = [{"prompt": _user("q"), "completion": [{"role": "assistant", "content": "a"}], "label": True,

@@ -182,8 +182,16 @@ def test_bad_rows_are_refused_at_setup_naming_the_row(repo, tmp_path):
     path = _write(tmp_path, [good])
     with pytest.raises(DataFormatError, match=r"image column 'images', and '.*assets/models/tiny' is a text-only"):
         SFTDataModule(str(path), str(repo / "assets/models/tiny")).setup("fit")
-    for knob, value in (("packing", True), ("padding_free", True), ("group_by_length", True),
-                        ("truncation_mode", "keep_end")):
+    from lightalign.modules.adaptations import LayoutRefused
+
+    for knob in ("packing", "padding_free"):  # measured on the model (refuse_image_layout): Qwen's 1-D positions
+        with pytest.raises(LayoutRefused, match=rf"data.{knob} .*cannot run exactly with images on "
+                                                r"Qwen2VLForConditionalGeneration.*nats.*Set data.padding_free: false"
+                                                if knob == "padding_free" else
+                                                r"data.packing \(SFTDataModule\) cannot run exactly with images on "
+                                                r"Qwen2VLForConditionalGeneration.*nats.*Set data.packing: false"):
+            _datamodule(repo, path, **{knob: True})
+    for knob, value in (("group_by_length", True), ("truncation_mode", "keep_end")):
         with pytest.raises(DataFormatError, match=f"{knob} is not supported for SFT data with images"):
             _datamodule(repo, path, **{knob: value})
 
