@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -88,24 +89,27 @@ def freeze_vision(model: torch.nn.Module, knobs: VisionModelKnobs) -> list[str]:
 
 
 def excluding_frozen(peft_config: Any, model: torch.nn.Module, knobs: VisionModelKnobs) -> Any:
-    """``peft_config`` with every module of the frozen parts in ``exclude_modules`` (no adapters there)."""
+    """``peft_config`` whose ``exclude_modules`` also covers every module of the frozen parts (no adapters there):
+    one regular expression (peft full-matches it against each module name), the user's own exclusions kept in it."""
     if not knobs.any:
         return peft_config
     roots = frozen_modules(model, knobs)
     _, projectors = vision_parts(model)
-    keep = [] if knobs.freeze_multi_modal_projector else projectors
-    names = [n for n, _ in model.named_modules() if n and _under(n, roots) and not _under(n, keep)]
+    keep = [] if knobs.freeze_multi_modal_projector else [p for p in projectors if _under(p, roots)]
+    alternation = lambda names: "(?:" + "|".join(re.escape(n) for n in names) + ")"  # noqa: E731
+    ours = (f"(?!{alternation(keep)}(?:\\.|$))" if keep else "") + alternation(roots) + "(?:\\..*)?"
     given = peft_config.get("exclude_modules") if isinstance(peft_config, dict) else getattr(
         peft_config, "exclude_modules", None)
     if isinstance(given, str):
-        raise ValueError("peft_config.exclude_modules is a regular expression, and freeze_vision_tower / "
-                         "freeze_multi_modal_projector add the frozen modules to it as names: give exclude_modules "
-                         "as a list of module names.")
-    merged = sorted(set(given or []) | set(names))
+        pattern = f"(?:{given})|(?:{ours})"
+    elif given:  # peft's list form: a module whose name is, or ends with ".", one of them
+        pattern = f"(?:.*\\.)?{alternation(given)}|(?:{ours})"
+    else:
+        pattern = ours
     if isinstance(peft_config, dict):
-        return {**peft_config, "exclude_modules": merged}
+        return {**peft_config, "exclude_modules": pattern}
     out = copy.copy(peft_config)
-    out.exclude_modules = merged
+    out.exclude_modules = pattern
     return out
 
 
