@@ -145,7 +145,30 @@ class RolloutBuffer:
         return sum(self.chunks[i]["completion_mask"].sum() for i in range(start, start + accumulate))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffer": None if self.chunks is None else [to_cpu(mb) for mb in self.chunks], "buffer_pos": self.pos}
+        """The micro-batches on the CPU, in plain containers (a prompt's images as ``image_state``), so a checkpoint
+        loads with ``torch.load(weights_only=True)``, and the position."""
+        chunks = None if self.chunks is None else [
+            {k: image_state(v) if hasattr(v, "images_per_row") else v for k, v in to_cpu(mb).items()}
+            for mb in self.chunks]
+        return {"buffer": chunks, "buffer_pos": self.pos}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.chunks, self.pos = state.get("buffer"), state.get("buffer_pos", 0)
+        chunks = state.get("buffer")
+        self.chunks = None if chunks is None else [
+            {k: image_inputs_of(v) if isinstance(v, dict) and "image_rows" in v else v for k, v in mb.items()}
+            for mb in chunks]
+        self.pos = state.get("buffer_pos", 0)
+
+
+def image_state(images: Any) -> dict[str, Any]:
+    """A rollout's ``ImageInputs`` as plain containers of tensors and strings (``image_inputs_of`` rebuilds it)."""
+    return {"image_rows": [dict(row) for row in images.rows], "image_layout": dataclasses.asdict(images.layout)}
+
+
+def image_inputs_of(state: dict[str, Any]) -> Any:
+    """The ``ImageInputs`` an ``image_state`` holds."""
+    from lightalign.vision import ImageInputs
+    from lightalign.vision.processor import ImageKeyLayout
+
+    layout = ImageKeyLayout(**{k: tuple(v) for k, v in state["image_layout"].items()})
+    return ImageInputs(tuple(state["image_rows"]), layout)

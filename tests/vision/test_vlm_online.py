@@ -182,6 +182,31 @@ def test_reward_functions_receive_the_rows_images(setup):
     assert total.tolist() == pytest.approx(expect) and expect[0] != expect[2]
 
 
+def test_a_rollout_with_images_checkpoints_for_a_weights_only_load(setup, tmp_path):
+    """The rollout buffer's micro-batches, images included, load back with ``torch.load(weights_only=True)`` (what
+    a resumed run reads) and split in the rollout's row order. Mutation: ``RolloutBuffer.state_dict`` keeping the
+    ``ImageInputs`` object -> the weights-only load refuses it."""
+    from lightalign.modules.rollout.buffer import RolloutBuffer, split_rollout
+
+    mb = _scripted_rollout(setup.batch)
+    chunks = split_rollout(mb, mb["completion_mask"].sum(-1), 2, 2, whole_groups=False)
+    for chunk in chunks:  # the images follow their rows through the shuffle
+        rows = chunk["prompt_image_inputs"].rows
+        for i, ids in enumerate(chunk["prompt_ids"]):
+            j = next(j for j in range(6) if torch.equal(mb["prompt_ids"][j], ids))
+            assert rows[i].keys() == mb["prompt_image_inputs"].rows[j].keys()
+            assert all(torch.equal(rows[i][k], mb["prompt_image_inputs"].rows[j][k]) for k in rows[i])
+    buffer = RolloutBuffer()
+    buffer.fill(chunks)
+    torch.save(buffer.state_dict(), tmp_path / "state.pt")
+    restored = RolloutBuffer()
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    for before, after in zip(chunks, restored.chunks):
+        assert after["prompt_image_inputs"].layout == before["prompt_image_inputs"].layout
+        assert torch.equal(after["prompt_image_inputs"].tensors()["pixel_values"],
+                           before["prompt_image_inputs"].tensors()["pixel_values"])
+
+
 def test_backends_other_than_generate_and_unmeasured_layouts_are_refused(setup):
     """Prompts with images sample only on ``generate``: another asked backend is refused naming it, the knob and
     ``generate``; the default picks ``generate`` and says why; ``share_prefill``, ``prompt_sharing``,
