@@ -5,7 +5,8 @@
 * ``recompute_mlp_activation``: gated SiLU MLPs that keep one activation tensor less;
 * ``check_layout``: refuses a layout (or generation backend) a model does not run exactly, as measured by the
   probe (``measure``) on a shrunk copy of the model (``probe_model``, ``layout_logps``; verdicts cached on disk),
-  called at fit start by every module.
+  called at fit start by every module; ``check_vision_layout`` does the same with images in the rows (a
+  vision-language model's probe fed its processor's rows, ``vision_probe``).
 
 ``adapt_model`` applies the adaptations a ``PolicyModule`` asks for and returns an ``AdaptationReport``; its
 ``describe()`` is the fit-start line, and its ``as_dict()`` goes into the saved run config.
@@ -28,9 +29,10 @@ from lightalign.modules.adaptations.support import (
     check_layout,
     model_traits,
 )
+from lightalign.modules.adaptations.vision_probe import check_vision_layout
 
 __all__ = ["LAYOUTS", "AdaptationReport", "LayoutRefused", "ModelTraits", "adapt_model", "check_layout", "check_run",
-           "model_traits"]
+           "check_vision_layout", "model_traits"]
 
 
 @dataclass

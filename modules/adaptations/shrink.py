@@ -31,6 +31,8 @@ from functools import reduce
 
 import torch
 
+from lightalign.modules.adaptations.shrink_vision import shrink_vision, vision_keys
+
 PROBE_LENGTH = 48  # the longest probe sequence, tokens
 PROBE_THRESHOLD = 12  # where a binding token-count threshold is put in the probe
 _FAR = 2 * PROBE_LENGTH  # where a threshold that does not bind is put
@@ -76,9 +78,14 @@ def shrink_config(config, max_tokens: int | None, model_class=None):
         facts: dict = {"model_type": config.model_type, "config_class": type(config).__name__,
                        "attn_implementation": config._attn_implementation}
         d = config.to_dict()
-        tables = list(_tables(config, d))
+        towers = vision_keys(config, d)  # shrunk on their own (shrink_vision): widths, depth, outputs
+        tables = [(p, t) for p, t in _tables(config, d) if not p.startswith(tuple(f"{k}." for k in towers))]
         text = _text_dict(config, d)
+        hidden = next((text[k] for k in ("hidden_size", "n_embd", "d_model") if _is_int(text.get(k))), None)
         _shrink_sizes([t for _, t in tables], text, facts, heads, head_dim)
+        for k in towers:
+            new_hidden = next((text[k] for k in ("hidden_size", "n_embd", "d_model") if _is_int(text.get(k))), None)
+            shrink_vision(d[k], d, (hidden, new_hidden), facts, k)
         _place_thresholds(tables, next(p for p, t in tables if t is text), max_tokens, facts)
         shrunk = _reduce_layers(config, _rebuild(config, d), d, model_class, facts)
         model = _structure(model_class, shrunk) if model_class is not None else None
@@ -342,7 +349,7 @@ def _layer_rows(config, table: dict, n: int, model_class, lists: list[str], indi
     per-layer overrides, list-valued properties) and the structure of its modules (None: not buildable here)."""
     model = _structure(model_class, config) if model_class is not None else None
     lists_n = [(name, m) for name, m in (model.named_modules() if model else [])
-               if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+               if isinstance(m, torch.nn.ModuleList) and len(m) == n and not re.search("vision|visual", name)]  # towers: shrink_vision
     layers = [m for name, m in lists_n if not any(name.startswith(other + ".") for other, _ in lists_n)]
     if not layers:
         return None

@@ -157,3 +157,26 @@ def test_probe_model_is_seeded_without_touching_the_global_rng():
     assert torch.equal(torch.random.get_rng_state(), state)
     weights = [m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c)]
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
+
+
+def test_vision_language_config_shrinks_with_its_tower():
+    """A Qwen2.5-VL-3B-sized config: the tower's token and position settings (patch, merge, temporal patch, pixel
+    window) and its kinds of blocks (full-attention indexes, in order) are kept, its output width follows the
+    shrunk language model, mRoPE sections still split the rotary half, and the probe builds small."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, intermediate_size=11008,
+                num_hidden_layers=36, rope_parameters=dict(rope_type="default", mrope_section=[16, 24, 24],
+                                                           rope_theta=1e6))
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(out_hidden_size=2048))
+    shrunk, facts = shrink_config(config, None, model_class=Qwen2_5_VLForConditionalGeneration)
+    v, t = shrunk.vision_config, shrunk.text_config
+    for key in ("patch_size", "spatial_merge_size", "temporal_patch_size", "window_size", "in_channels"):
+        assert getattr(v, key) == getattr(config.vision_config, key), key
+    assert v.depth < config.vision_config.depth and len(v.fullatt_block_indexes) == 4
+    assert v.fullatt_block_indexes[-1] == v.depth - 1  # the last block is a full-attention one, as in the real tower
+    assert v.out_hidden_size == t.hidden_size < 2048 and v.hidden_size < config.vision_config.hidden_size
+    head_dim = t.hidden_size // t.num_attention_heads
+    assert 2 * sum(t.rope_parameters["mrope_section"]) == head_dim
+    model = probe_model(Qwen2_5_VLForConditionalGeneration, shrunk)
+    assert sum(p.numel() for p in model.parameters()) < 3_000_000
