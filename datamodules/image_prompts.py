@@ -55,7 +55,7 @@ def prepare_image_prompts(raw: Dataset, processor: Any, layout: Any, *, label: s
     column = image_column(raw.column_names)
     refs, texts, ids = [], [], []
     conversational = isinstance(raw[0]["prompt"], list)
-    for i, row in iter_rows(raw, ["prompt", column], numbers):
+    for i, row in iter_rows(raw, ["prompt", *([column] if column else [])], numbers):
         where = f"{label} row {i}"
         with about_row(i):
             try:
@@ -99,10 +99,10 @@ class ImagePromptCollator:
     """``PromptCollator``'s batch for rows with images (see the module docstring): ``prompt_input_ids`` /
     ``prompt_attention_mask`` left-padded, ``prompt_image_inputs`` (``ImageInputs``, batch row order), each
     token-aligned extra as ``prompt_<key>`` (left-padded with 0), ``prompts`` as in the data, and ``columns`` with
-    the images as PIL images under ``column``. ``left_pad``: ``PromptCollator``'s padding of prompt ids
-    (``prompt.left_pad``), so both collators pad alike."""
+    the images as PIL images under ``column`` (the data's image column; None: it has none). ``left_pad``:
+    ``PromptCollator``'s padding of prompt ids (``prompt.left_pad``), so both collators pad alike."""
 
-    def __init__(self, processor: Any, layout: Any, column: str, left_pad: Callable) -> None:
+    def __init__(self, processor: Any, layout: Any, column: str | None, left_pad: Callable) -> None:
         self.processor, self.layout, self.column, self.left_pad = processor, layout, column, left_pad
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -126,7 +126,8 @@ class ImagePromptCollator:
             batch[f"prompt_{key}"] = left_pad([e[1].get(key, [0] * len(e[0])) for e in encoded], 0)[0]
         extra = [k for k in rows[0] if k not in ("prompt", *PREPARED_COLUMNS)]
         columns = {k: [r[k] for r in rows] for k in extra}
-        columns[self.column] = images if self.column == "images" else [i[0] if i else None for i in images]
+        if self.column is not None:  # the data's image column, as TRL hands it to reward functions
+            columns[self.column] = images if self.column == "images" else [i[0] if i else None for i in images]
         batch["prompts"] = [chat_messages(r["prompt"]) if isinstance(r["prompt"], list) else r["prompt"] for r in rows]
         batch["columns"] = columns
         return batch

@@ -128,7 +128,7 @@ class PromptDataModule(TokenizedDataModule):
         if self.processor is not None:  # a vision-language model: each row through the processor (its images)
             from lightalign.datamodules.image_prompts import ImagePromptCollator
 
-            return ImagePromptCollator(self.processor, self.image_layout, self.image_column or "images", left_pad)
+            return ImagePromptCollator(self.processor, self.image_layout, self.image_column, left_pad)
         return PromptCollator(self.tokenizer.pad_token_id)
 
     @property

@@ -270,6 +270,19 @@ def test_bad_image_rows_are_refused_naming_the_row(repo, tmp_path):
         data.setup("fit")
 
 
+def test_text_prompts_for_a_vision_language_model_carry_no_images(repo, tmp_path):
+    """Prompts without an image column, for a vision-language model: the rows prepare, no image is announced, and
+    the batch has no image rows (sampling and forwards take the text path)."""
+    from lightalign import PromptDataModule
+    from lightalign.datamodules.image_prompts import has_image_rows
+
+    rows = [{"prompt": [{"role": "user", "content": "Say yes."}], "answer": "yes"}]
+    data = PromptDataModule(str(_write(tmp_path, rows)), tokenizer=str(repo / VLM))
+    data.setup("fit")
+    batch = data.collate_fn()([data.train_dataset[0]])
+    assert not data.has_images and not has_image_rows(batch) and batch["columns"] == {"answer": ["yes"]}
+
+
 def _fit(repo, tmp_path, config, *args):
     out = console_script.run(repo, "fit", "--config", str(repo / "configs" / config),
                              "--trainer.logger.init_args.save_dir", str(tmp_path), *args,
