@@ -348,8 +348,8 @@ def _layer_rows(config, table: dict, n: int, model_class, lists: list[str], indi
     """One string per layer, equal for layers of one kind: per-layer config values (``lists``, ``indices``,
     per-layer overrides, list-valued properties) and the structure of its modules (None: not buildable here)."""
     model = _structure(model_class, config) if model_class is not None else None
-    lists_n = [(name, m) for name, m in (model.named_modules() if model else [])
-               if isinstance(m, torch.nn.ModuleList) and len(m) == n and not re.search("vision|visual", name)]  # towers: shrink_vision
+    lists_n = [(name, m) for name, m in (model.named_modules() if model else [])  # (vision towers: shrink_vision)
+               if isinstance(m, torch.nn.ModuleList) and len(m) == n and not re.search("vision|visual", name)]
     layers = [m for name, m in lists_n if not any(name.startswith(other + ".") for other, _ in lists_n)]
     if not layers:
         return None

@@ -34,8 +34,7 @@ def _closest_divisor(n: int, target: int, ok=lambda d: True) -> int:
 def shrink_vision(v: dict, top: dict, text_hidden: tuple[int, int], facts: dict, name: str) -> None:
     """Shrink the vision table ``v`` in place; ``top``: the whole config's table (``vision_feature_layer``);
     ``text_hidden``: the language model's (old, new) hidden size."""
-    width_key = next((k for k in _WIDTHS if isinstance(v.get(k), int) and v[k] != text_hidden[0] or
-                      k == "hidden_size" and isinstance(v.get(k), int)), None)
+    width_key = next((k for k in _WIDTHS if isinstance(v.get(k), int)), None)  # embed_dim first (Qwen2-VL)
     heads_key = next((k for k in _HEADS if isinstance(v.get(k), int)), None)
     before = {k: v[k] for k in (*_WIDTHS, *_HEADS, *_DEPTHS, *_MLP) if isinstance(v.get(k), int)}
     if width_key is not None and heads_key is not None and v[width_key] % v[heads_key] == 0:

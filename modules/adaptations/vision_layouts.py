@@ -160,8 +160,12 @@ def _merged_images(seqs: list[ImageSequence], layout: ImageKeyLayout) -> dict[st
     rows = [s.images for s in seqs if s.images]
     if not rows:
         return {}
-    merged: dict[str, torch.Tensor] = {k: torch.cat([r[k] for r in rows if k in r], 0) for k in layout.image_keys if any(k in r for r in rows)}
-    merged |= {k: torch.cat([r[k] for r in rows if k in r], 1) for k in layout.row_keys if any(k in r for r in rows)}
+    merged: dict[str, torch.Tensor] = {}
+    for keys, dim in ((layout.image_keys, 0), (layout.row_keys, 1)):
+        for k in keys:
+            parts = [r[k] for r in rows if k in r]
+            if parts:
+                merged[k] = torch.cat(parts, dim)
     return merged
 
 
