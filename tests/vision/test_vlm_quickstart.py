@@ -20,9 +20,9 @@ def _metrics(run):
 def test_vlm_quickstart_sft_then_grpo_from_its_export(repo, tmp_path):
     """SFT (2 steps, validated before and after) exports a model with its processor that loads as a vision-language
     model; GRPO (1 step) starts from that export (``--model.model_name_or_path``, as the config's comment says) and
-    samples with the images; both draw their curves. Mutations: the SFT export without the processor
-    (``save_processor`` skipped) -> the GRPO run finds no image processor and fails; GRPO's rollout without the
-    prompts' images -> the forward refuses the image placeholders and the run fails."""
+    samples with the images; both draw their curves. Mutations: the SFT export saving the tokenizer instead of the
+    processor (``HFExport._tokenizer``) -> the export has no image processor and does not load; GRPO's rollout
+    without the prompts' images (``assemble_rollout``) -> the forward refuses the image placeholders, the run fails."""
     env = console_script.standard_env()
     sft = console_script.run(repo, "fit", "--config", str(repo / "configs/vlm_quickstart_sft.yaml"),
                              "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_steps", "2",
