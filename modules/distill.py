@@ -11,6 +11,12 @@ knobs, the ``Sampling`` component choosing each model's sampler or, with ``use_v
 samplers, the logged statistics: ``sampling/``), the reference
 component's loading, freezing and placement of a separate frozen model (``Reference``) and its vocabulary check
 (``check_same_vocabulary``), the RNG state of ``PolicyModule``'s checkpoints.
+
+Prompts with images (a vision-language student and teacher of one processor, TRL's ``GKDTrainer`` given a processor):
+the prompt batch carries each row's images (``ImagePromptCollator``), the student's and the teacher's samples are
+drawn on the ``generate`` backend with them, and both forwards read them (``completion_logits`` adds the rows' image
+inputs; an mRoPE model computes its own positions). The rows stay padded: the padding-free packing is not measured
+exact with images (``check_image_prompts`` refuses ``padding_free: true``; unset, it resolves to padded rows).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 from lightalign.datamodules.distill_rows import data_columns, right_pad, tokenize_completions
 from lightalign.datamodules.formats import DataFormatError
+from lightalign.datamodules.image_prompts import prompt_image_entries
 from lightalign.knobs import KnobGroup, knob, takes_knobs
 from lightalign.modules.losses.distill import (DISTILL_LOSS_TYPES, DistillLossKnobs, generalized_jsd_loss,
                                                on_policy_distillation_advantages, on_policy_distillation_loss)
@@ -96,6 +103,7 @@ class DistillModule(SamplingModule):
     progress_stats = ("loss", "divergence")
     summary_stats = {"divergence": "min"}  # the run summary's lines beyond the shared ones (RunSummary)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"teacher"}
+    takes_image_prompts = True  # prompts with images: both models sample and score with them (check_image_prompts)
     teacher: torch.nn.Module | None = None
 
     def check_knob_combinations(self) -> None:
@@ -189,6 +197,8 @@ class DistillModule(SamplingModule):
         asked = self.hparams.padding_free
         if asked is not None:
             return bool(asked), "padding_free (asked)" if asked else "padded rows (padding_free: false)"
+        if self.sampling.images:  # padding_free: true is refused at setup with images (check_image_prompts)
+            return False, "padded rows: the prompts have images (padding_free is not measured exact with them)"
         return default_padding_free(self.model, self.teacher_eval(), self.device, super().batch_layout()[1])
 
     def fit_start_notes(self) -> list[str]:
@@ -247,7 +257,7 @@ class DistillModule(SamplingModule):
                                        **({"return_logprobs": True} if engine else {}))
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *(("sampling_logps",) if engine
                                                                                     else ()))
-        return {k: rollout[k] for k in keys}
+        return {**{k: rollout[k] for k in keys}, **prompt_image_entries(rollout)}
 
     def data_completions(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         completions = batch["columns"].get("completion")
@@ -258,7 +268,8 @@ class DistillModule(SamplingModule):
         completion_ids, completion_mask = right_pad(ids, self.tokenizer.pad_token_id, self.device)
         return {"prompt_ids": batch["prompt_input_ids"].to(self.device),
                 "prompt_mask": batch["prompt_attention_mask"].to(self.device),
-                "completion_ids": completion_ids, "completion_mask": completion_mask}
+                "completion_ids": completion_ids, "completion_mask": completion_mask,
+                **prompt_image_entries(batch)}  # the prompts' images, for both forwards
 
     def completions(self, batch: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
         """The padded rows of a batch: its prompts and the completions ``source`` wrote."""

@@ -27,7 +27,7 @@ def check_image_prompts(module: Any) -> None:
     name = type(module).__name__
     if not getattr(module, "takes_images", False):
         raise ValueError(f"{name} does not train on prompts with images (the data's 'images'/'image' column): "
-                         "GRPOModule, RLOOModule and OnlineDPOModule do; or drop the image column.")
+                         "GRPOModule, RLOOModule, OnlineDPOModule and DistillModule do; or drop the image column.")
     hp = module.hparams
     for knob, (value, instead) in UNMEASURED_WITH_IMAGES.items():
         given = hp.get(knob)

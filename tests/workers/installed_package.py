@@ -148,9 +148,9 @@ def check_methods(package: Path, model: Path, work: Path) -> None:
 # The configs trained two steps from the installed package: the teachers, then one per data module (SFT: the
 # quickstart; pairs, triples, unpaired rows, prompts) and every config that reads a teacher's export (distillation,
 # GOLD's other tokenizer, the tool policy).
-TRAINED = (("quickstart.yaml", "tools_sft.yaml"),
+TRAINED = (("quickstart.yaml", "tools_sft.yaml", "vlm_quickstart_sft.yaml"),
            ("dpo_tiny.yaml", "tpo_tiny.yaml", "kto_tiny.yaml", "grpo_quickstart.yaml", "distill_quickstart.yaml",
-            "gold_quickstart.yaml", "tools_grpo.yaml"))
+            "gold_quickstart.yaml", "tools_grpo.yaml", "vlm_quickstart_grpo.yaml", "vlm_distill_tiny.yaml"))
 # What a config's value names when it is a shipped file or folder (relative to the folder `lightalign examples` fills)
 SHIPPED_PREFIXES = ("assets/", "examples/", "configs/", "runs/")
 
