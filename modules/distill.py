@@ -103,7 +103,7 @@ class DistillModule(SamplingModule):
     progress_stats = ("loss", "divergence")
     summary_stats = {"divergence": "min"}  # the run summary's lines beyond the shared ones (RunSummary)
     _unregistered_attributes = SamplingModule._unregistered_attributes | {"teacher"}
-    takes_image_prompts = True  # prompts with images: both models sample and score with them (check_image_prompts)
+    takes_images = True  # prompts with images: both models sample and score with them (check_image_prompts)
     teacher: torch.nn.Module | None = None
 
     def check_knob_combinations(self) -> None:

@@ -66,7 +66,7 @@ class GOLDModule(DistillModule):
     """
 
     method_name = "GOLD (cross-tokenizer distillation)"
-    takes_image_prompts = False  # ULD's teacher re-tokenises the prompts' text: no image prompts (check_image_prompts)
+    takes_images = False  # ULD's teacher re-tokenises the prompts' text: no image prompts (check_image_prompts)
     teacher_tokenizer: Any = None
     matched: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -117,7 +117,8 @@ def test_distill_loss_with_images_equals_each_row_alone(repo, tmp_path):
 
 
 def test_padding_free_is_refused_with_image_prompts(repo, tmp_path):
-    """``padding_free: true`` with image prompts is refused at setup naming the knob."""
+    """``padding_free: true`` with image prompts is refused at setup naming the knob and what the probe measured on
+    the model (``refuse_image_layout``: Qwen's 1-D positions)."""
     from lightalign import DistillModule, PromptDataModule
 
     path = tmp_path / "rows.jsonl"
@@ -127,7 +128,8 @@ def test_padding_free_is_refused_with_image_prompts(repo, tmp_path):
                            lmbda=0.0, padding_free=True)
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match="padding_free=True is not available with prompts that have images"):
+    with pytest.raises(ValueError, match=r"model.padding_free .*cannot run exactly with images on "
+                                         r"Qwen2VLForConditionalGeneration.*nats.*Set model.padding_free: false"):
         trainer.fit(module, data)
 
 
