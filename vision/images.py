@@ -35,8 +35,18 @@ def row_images(row: dict[str, Any], *, where: str, base_dir: str | Path | None =
                        base_dir=base_dir) for i, value in enumerate(row_image_values(row))]
 
 
+def require_pillow() -> None:
+    """Images are read with Pillow, the ``vision`` extra: its absence is said before any row is read."""
+    import importlib.util
+
+    if importlib.util.find_spec("PIL") is None:
+        raise ImportError("Images (a vision-language model, an 'images'/'image' column) need Pillow: "
+                          "pip install 'lightalign[vision]'.")
+
+
 def load_image(value: Any, *, where: str, base_dir: str | Path | None = None):
     """One image value -> an RGB ``PIL.Image.Image`` (decoded now, so a broken file fails here, not in a forward)."""
+    require_pillow()
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(value, Image.Image):

@@ -60,6 +60,9 @@ def load_processor(name_or_path: str, processor_kwargs: dict[str, Any] | None = 
     from transformers import AutoProcessor
 
     from lightalign.hub import _check_local_folder, _hub_kwargs
+    from lightalign.vision.images import require_pillow
+
+    require_pillow()  # transformers' own error names torchvision first, which is not what lightalign needs
 
     _check_local_folder(name_or_path, "Processor")
     kwargs = {**_hub_kwargs(name_or_path), **(processor_kwargs or {})}

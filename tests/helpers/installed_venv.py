@@ -27,13 +27,13 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 
-def wheel_requirements(wheel: Path) -> list[Requirement]:
-    """The wheel's ``Requires-Dist`` that apply without extras on this interpreter."""
+def wheel_requirements(wheel: Path, extras: tuple[str, ...] = ()) -> list[Requirement]:
+    """The wheel's ``Requires-Dist`` that apply on this interpreter without extras or with ``extras``."""
     with zipfile.ZipFile(wheel) as zf:
         name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         meta = Parser().parsestr(zf.read(name).decode())
     return [r for r in map(Requirement, meta.get_all("Requires-Dist") or [])
-            if r.marker is None or r.marker.evaluate({"extra": ""})]
+            if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in ("", *extras))]
 
 
 def dependency_closure(requirements: list[Requirement]) -> list[metadata.Distribution]:
@@ -57,13 +57,13 @@ def dependency_closure(requirements: list[Requirement]) -> list[metadata.Distrib
     return list(seen.values())
 
 
-def make_venv(wheel: Path, venv: Path) -> Path:
-    """The venv (see the module docstring); returns its python."""
+def make_venv(wheel: Path, venv: Path, extras: tuple[str, ...] = ()) -> Path:
+    """The venv (see the module docstring), with the dependencies of ``extras`` too; returns its python."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    for dist in dependency_closure(wheel_requirements(wheel)) + [metadata.distribution("pip")]:
+    for dist in dependency_closure(wheel_requirements(wheel, extras)) + [metadata.distribution("pip")]:
         root = Path(dist.locate_file(""))
         for top in sorted({Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}):
             if not (site / top).exists() and (root / top).exists():

@@ -89,7 +89,8 @@ def test_sdist_holds_what_the_wheel_is_built_from(dists):
 @pytest.mark.slow
 @pytest.mark.multiprocess  # about fifteen processes: among the longest tests, collected first
 def test_installed_wheel_imports_trains_and_runs_the_shipped_configs(dists, tmp_path):
-    python = make_venv(dists["wheel"], tmp_path / "venv")  # the wheel + its core dependencies, pinned versions
+    # the wheel + its core dependencies and the vision extra's (Pillow: the VLM configs), pinned versions
+    python = make_venv(dists["wheel"], tmp_path / "venv", extras=("vision",))
     work = tmp_path / "work"
     work.mkdir()
     env = console_script.standard_env(OMP_NUM_THREADS="1")

@@ -182,3 +182,15 @@ def test_a_layout_other_than_padded_rows_is_refused_with_its_measurement(repo, f
     module.layout = layout
     with pytest.raises(LayoutRefused, match=found):
         module.refuse_unmeasured_images()
+
+
+def test_without_pillow_the_vision_extra_is_named_before_any_row_is_read(monkeypatch, tmp_path):
+    """Mutation: ``require_pillow`` doing nothing -> transformers' error (torchvision first) or PIL's ImportError."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a))
+    with pytest.raises(ImportError, match=r"need Pillow: pip install 'lightalign\[vision\]'"):
+        load_image("a.png", where="row 0", base_dir=tmp_path)
+    with pytest.raises(ImportError, match=r"lightalign\[vision\]"):
+        load_processor(str(tmp_path))

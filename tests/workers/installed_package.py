@@ -265,7 +265,7 @@ def check_console(work: Path) -> None:
     print("ok: lightalign fit --help")
     two = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--plot.enabled", "false"]
     shipped = sorted(p.name for p in (examples / "configs").glob("*.yaml")
-                     if p.stem.endswith(("_tiny", "_quickstart")) or p.stem.startswith("tools_"))
+                     if p.stem.endswith(("_tiny", "_quickstart")) or p.stem.startswith(("tools_", "vlm_quickstart_")))
     assert set(TRAINED[0] + TRAINED[1]) <= {*shipped, "quickstart.yaml"}, "a config of TRAINED is not shipped"
     for wave, configs in enumerate(TRAINED):  # the teachers, then the configs that read their exports
         runs = run_forked([(["fit", "--config", f"configs/{config}", *two], examples) for config in configs],
