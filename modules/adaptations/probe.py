@@ -89,27 +89,40 @@ def _key(model_class: type, config, layout: str, facts: dict) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def _read(key: str) -> Verdict | None:
+def read_cached(name: str) -> dict | None:
+    """A verdict file ``<name>.json`` of the probe's cache (None: absent, unreadable, or ``LIGHTALIGN_PROBE_CACHE=0``)."""
     if os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") == "0":
         return None
     try:
-        data = json.loads((cache_dir() / f"{key}.json").read_text())
-        return Verdict(**{**data, "cached": True})
-    except (OSError, ValueError, TypeError):
+        return json.loads((cache_dir() / f"{name}.json").read_text())
+    except (OSError, ValueError):
         return None
 
 
-def _write(key: str, verdict: Verdict) -> None:
+def write_cached(name: str, data: dict) -> None:
+    """Write a verdict file ``<name>.json`` atomically: a concurrent reader sees the old file or the new one."""
     if os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") == "0":
         return
     folder = cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-            json.dump(asdict(verdict), f)
-        os.replace(f.name, folder / f"{key}.json")  # atomic: a concurrent reader sees the old file or the new one
+            json.dump(data, f)
+        os.replace(f.name, folder / f"{name}.json")
     except OSError:
         pass  # a read-only cache only costs the next run another measurement
+
+
+def _read(key: str) -> Verdict | None:
+    data = read_cached(key)
+    try:
+        return None if data is None else Verdict(**{**data, "cached": True})
+    except TypeError:  # a verdict of another probe version's fields
+        return None
+
+
+def _write(key: str, verdict: Verdict) -> None:
+    write_cached(key, asdict(verdict))
 
 
 def measure(model: torch.nn.Module, layout: str, max_tokens: int | None = None,

@@ -25,8 +25,6 @@ import hashlib
 import inspect
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,7 +32,7 @@ from typing import Any
 import torch
 
 from lightalign.modules.adaptations.probe import (GENERATION_BACKENDS, TOLERANCE, _base, _key, _plain_construction,
-                                                  cache_dir, unit_scale)
+                                                  read_cached, unit_scale, write_cached)
 from lightalign.modules.adaptations.support import _KNOBS, LAYOUTS, LayoutRefused
 
 VISION_PROBE_VERSION = 2
@@ -78,25 +76,15 @@ def _fingerprint(processor) -> str:
 
 
 def _read(key: str) -> VisionVerdict | None:
-    if os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") == "0":
-        return None
+    data = read_cached(f"vision-{key}")
     try:
-        return VisionVerdict(**{**json.loads((cache_dir() / f"vision-{key}.json").read_text()), "cached": True})
-    except (OSError, ValueError, TypeError):
+        return None if data is None else VisionVerdict(**{**data, "cached": True})
+    except TypeError:  # a verdict of another probe version's fields
         return None
 
 
 def _write(key: str, verdict: VisionVerdict) -> None:
-    if os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") == "0":
-        return
-    folder = cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-            json.dump(asdict(verdict), f)
-        os.replace(f.name, folder / f"vision-{key}.json")
-    except OSError:
-        pass  # a read-only cache only costs the next run another measurement
+    write_cached(f"vision-{key}", asdict(verdict))
 
 
 def sampler_takes_images(backend: str) -> bool:
