@@ -115,7 +115,7 @@ def test_a_template_of_no_known_family_is_refused_naming_the_knob(tmp_path, tiny
 MISMATCH_CONFIG = """
 seed_everything: 0
 trainer: {{accelerator: cpu, devices: 1, max_steps: 1, logger: false, enable_checkpointing: false,
-          enable_progress_bar: false, num_sanity_val_steps: 0}}
+          enable_progress_bar: false, num_sanity_val_steps: 0, default_root_dir: {root}}}
 model:
   class_path: lightalign.GRPOModule
   init_args:
@@ -138,7 +138,8 @@ def test_a_response_template_that_does_not_read_the_chat_templates_calls_is_refu
     from lightalign.modules.agent.response_templates import HERMES_TOOL_CALL
 
     config = tmp_path / "mismatch.yaml"
-    config.write_text(MISMATCH_CONFIG.format(template=json.dumps(HERMES_TOOL_CALL), data=prompts_file(tmp_path)))
+    config.write_text(MISMATCH_CONFIG.format(template=json.dumps(HERMES_TOOL_CALL), data=prompts_file(tmp_path),
+                                             root=tmp_path / "runs"))  # the run folder outside the checkout
     proc = console_script.run(repo, "fit", "--config", str(config))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
