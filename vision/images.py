@@ -68,7 +68,8 @@ def load_image(value: Any, *, where: str, base_dir: str | Path | None = None):
             image = Image.open(source)
             image.load()
         except (UnidentifiedImageError, OSError, SyntaxError) as err:
-            raise ValueError(f"{where}: the image '{label}' cannot be opened as an image: {err}") from err
+            raise ValueError(f"{where}: the image '{label}' cannot be opened as an image (a corrupt, truncated or "
+                             f"non-image file): {err}") from err
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
