@@ -29,7 +29,7 @@ from lightalign.datamodules.formats import (CONVERSATIONAL, LANGUAGE_MODELING, D
 from lightalign.vision.images import image_column, load_image, stored_images
 from lightalign.vision.inputs import ImageInputs
 from lightalign.vision.messages import text_view, with_image_parts
-from lightalign.vision.processor import ImageKeyLayout, encode_row
+from lightalign.vision.processor import ImageKeyLayout, encode_row, split_row
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -110,13 +110,6 @@ def image_token_mask(ids: list[int], extras: dict[str, list[int]], processor: An
     return [tok == image_id or any(m[i] for m in marks) for i, tok in enumerate(ids)]
 
 
-def _split(out: Any, layout: ImageKeyLayout, has_images: bool):
-    ids = [int(t) for t in out["input_ids"][0]]
-    extras = {k: [int(t) for t in out[k][0]] for k in layout.token_keys if k in out}
-    tensors = {k: out[k] for k in layout.image_keys + layout.row_keys if k in out} if has_images else {}
-    return ids, extras, tensors
-
-
 def encode_sft_row(row: dict[str, Any], processor: Any, layout: ImageKeyLayout, *, completion_only_loss: bool,
                    assistant_only_loss: bool, max_length: int | None,
                    ) -> tuple[list[int], list[int], dict[str, list[int]], dict[str, torch.Tensor]]:
@@ -130,7 +123,7 @@ def encode_sft_row(row: dict[str, Any], processor: Any, layout: ImageKeyLayout, 
         out = processor.apply_chat_template(
             messages, tools=stored.get("tools"), tokenize=True, return_dict=True, return_tensors="pt",
             return_assistant_tokens_mask=assistant_only_loss, processor_kwargs={"add_special_tokens": False})
-        ids, extras, tensors = _split(out, layout, bool(images))
+        ids, extras, tensors = split_row(out, layout, bool(images))
         mask = [int(m) for m in out["assistant_masks"][0]] if assistant_only_loss else [1] * len(ids)
     elif row["kind"] == TEXT:
         ids, extras, tensors = encode_row(processor, row["text"], images, layout)

@@ -127,7 +127,13 @@ def encode_row(processor: Any, text: str, images: list[Any], layout: ImageKeyLay
     """One row's text (chat template already applied, one placeholder per image) and images through the processor:
     ``(input_ids, token-aligned extras, image tensors)``; the image tokens are expanded in ``input_ids``."""
     out = processor(text=[text], images=[images] if images else None, return_tensors="pt", add_special_tokens=False)
-    ids = out["input_ids"][0].tolist()
-    extras = {k: out[k][0].tolist() for k in layout.token_keys if k in out}
-    tensors = {k: out[k] for k in layout.image_keys + layout.row_keys if k in out} if images else {}
+    return split_row(out, layout, bool(images))
+
+
+def split_row(out: Any, layout: ImageKeyLayout, has_images: bool,
+              ) -> tuple[list[int], dict[str, list[int]], dict[str, torch.Tensor]]:
+    """A one-row processor output -> ``(input_ids, token-aligned extras, image tensors)`` (``{}`` without images)."""
+    ids = [int(t) for t in out["input_ids"][0]]
+    extras = {k: [int(t) for t in out[k][0]] for k in layout.token_keys if k in out}
+    tensors = {k: out[k] for k in layout.image_keys + layout.row_keys if k in out} if has_images else {}
     return ids, extras, tensors
