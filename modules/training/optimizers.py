@@ -40,13 +40,22 @@ def schedule_factor(
     raise ValueError(f"Unknown lr_scheduler_type '{schedule}'; use one of linear, cosine, constant, cosine_with_min_lr.")
 
 
+#: Strategies whose gradient clipping ``PolicyModule.configure_gradient_clipping`` does itself.
+CLIPS_ITSELF = ("SingleDeviceStrategy", "DDPStrategy")
+
+
 def fused_adamw_applies(groups: list[dict[str, Any]], trainer: Any = None) -> bool:
     """The fused AdamW kernel (transformers' default ``adamw_torch_fused``): one kernel per step instead of a
     Python loop of per-tensor ops. Used for plain floating-point tensors on CPU or CUDA; not under DeepSpeed
-    (its ZeRO optimizer drives the steps), with sharded (DTensor) parameters, or with Lightning's mixed
-    precision (which refuses gradient clipping for optimizers that unscale gradients themselves)."""
+    (its ZeRO optimizer drives the steps), with sharded (DTensor) parameters, or with fp16 loss scaling (the
+    scaler must unscale gradients before they are clipped). Under ``bf16-mixed`` (no scaler) it is used where
+    ``PolicyModule.configure_gradient_clipping`` clips (``CLIPS_ITSELF``): Lightning's ``MixedPrecision`` refuses
+    clipping for any fused optimizer, a rule about fp16's scaler that bf16 does not have."""
     strategy = type(getattr(trainer, "strategy", None)).__name__ if trainer is not None else ""
-    if "DeepSpeed" in strategy or "mixed" in str(getattr(trainer, "precision", "")):
+    precision = str(getattr(trainer, "precision", ""))
+    if "DeepSpeed" in strategy or precision == "16-mixed":
+        return False
+    if precision == "bf16-mixed" and strategy not in CLIPS_ITSELF:
         return False
     params = [p for g in groups for p in g["params"]]
     return bool(params) and all(

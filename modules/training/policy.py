@@ -28,6 +28,7 @@ from lightalign.modules.training.eval_metrics import EvalMetrics, EvalMetricsKno
 from lightalign.modules.training.export import export_hf
 from lightalign.modules.training.model_building import ComputeKnobs, ModelBuilding, ModelKnobs
 from lightalign.modules.training.optimization import Optimization, OptimizationKnobs
+from lightalign.modules.training.optimizers import CLIPS_ITSELF
 from lightalign.modules.training.side_effects import ScopedSideEffects
 from lightalign.modules.training.vision_model import VisionModelKnobs, check_vision_model
 
@@ -349,17 +350,24 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         """Norm clipping from the per-tensor norms the non-finite guard just computed (one pass over the gradients
         instead of two), exactly ``torch.nn.utils.clip_grad_norm_``'s arithmetic; the multiply is skipped when the
         norm is under the limit (a factor of 1 changes nothing). Sharded strategies, fp16 loss scaling and value
-        clipping go through Lightning as usual."""
+        clipping go through Lightning as usual; under ``bf16-mixed`` (no loss scaler, so nothing to unscale) they
+        take the base precision plugin's clipping, which does not refuse the fused AdamW (``fused_adamw_applies``)."""
         guard = getattr(self, "nonfinite_guard", None)
         cached = guard.take_grad_norms() if guard is not None else None
         strategy = type(self.trainer.strategy).__name__ if self._trainer is not None else ""
-        plain = strategy in ("SingleDeviceStrategy", "DDPStrategy") and "16-mixed" not in str(self.trainer.precision)
+        precision = str(self.trainer.precision) if self._trainer is not None else ""
+        plain = strategy in CLIPS_ITSELF and precision != "16-mixed"
         if (not gradient_clip_val or str(gradient_clip_algorithm or "norm") != "norm" or cached is None
-                or cached[1] is None or not plain):
+                or cached[1] is None or not plain
+                or any(p.grad is not g for p, g in zip((p for p in self.parameters() if p.grad is not None),
+                                                        cached[0]))):
+            if precision == "bf16-mixed" and gradient_clip_val:
+                from lightning.pytorch.plugins.precision import Precision
+
+                return Precision.clip_gradients(self.trainer.precision_plugin, optimizer, gradient_clip_val,
+                                                gradient_clip_algorithm or "norm")
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         grads, norms = cached
-        if any(p.grad is not g for p, g in zip((p for p in self.parameters() if p.grad is not None), grads)):
-            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         total = torch.linalg.vector_norm(norms, 2.0)
         coef = torch.clamp(float(gradient_clip_val) / (total + 1e-6), max=1.0)
         if bool(coef < 1.0):

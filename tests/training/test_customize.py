@@ -123,6 +123,41 @@ def test_precision_on_cpu(tiny_dir, sft_data, quiet_trainer, precision, dtype):
     assert dtypes == {dtype}
 
 
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_bf16_mixed_steps_with_the_fused_adamw_and_still_clips(tiny_dir, sft_data, quiet_trainer, algorithm):
+    """bf16 autocast has no loss scaler, so the fused AdamW is used there too (one kernel instead of a per-tensor
+    loop: on the `small` model ~35 ms a step of 0.8 s here); the gradients it steps on are clipped, by lightalign's
+    cached norms (``norm``) or by the base precision plugin (``value``, which Lightning's ``MixedPrecision`` refuses
+    for a fused optimizer). Mutations: clipping skipped under bf16-mixed -> the bounds fail; ``fused_adamw_applies``
+    refusing bf16-mixed -> not fused."""
+    import lightning as L
+
+    seen = []
+
+    class Watch(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            opt = trainer.optimizers[0]
+            seen.append(all(g["fused"] for g in opt.param_groups))
+
+            def after_step(optimizer, args, kwargs):  # the closure (backward, clipping) ran inside the step
+                grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                seen.append((torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])),
+                             max(g.abs().max() for g in grads)))
+
+            opt.register_step_post_hook(after_step)
+
+    clip = 1e-3  # far under this model's gradient norm (~1-10) and largest entries (~0.1-1): every step clips
+    trainer = quiet_trainer(max_steps=2, precision="bf16-mixed", gradient_clip_val=clip,
+                            gradient_clip_algorithm=algorithm, callbacks=[Watch()])
+    trainer.fit(SFTModule(str(tiny_dir), from_config=True, learning_rate=1e-3), sft_data())
+    assert seen[0] is True and len(seen) == 3, seen
+    for norm, largest in seen[1:]:
+        if algorithm == "norm":
+            assert float(norm) <= clip * (1 + 1e-4), float(norm)
+        else:
+            assert float(largest) <= float(torch.tensor(clip)) and float(norm) > clip, (float(largest), float(norm))
+
+
 def test_neftune_noise_in_train_only_and_restored(tiny_model):
     ids = torch.randint(0, 1024, (2, 10), generator=torch.Generator().manual_seed(0))
     embed = tiny_model.get_input_embeddings()

@@ -167,10 +167,15 @@ def test_default_adamw_is_fused_on_plain_tensors_and_steps_like_the_loop(tiny_di
 def test_fused_adamw_steps_aside_for_mixed_precision_and_deepspeed():
     from types import SimpleNamespace
 
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
     from lightalign.modules.training.optimizers import fused_adamw_applies
 
     groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
     assert fused_adamw_applies(groups, SimpleNamespace(precision="32-true", strategy=object()))
+    assert not fused_adamw_applies(groups, SimpleNamespace(precision="16-mixed", strategy=SingleDeviceStrategy()))
+    # bf16 autocast has no loss scaler: fused where lightalign clips itself, not where Lightning's plugins clip
+    assert fused_adamw_applies(groups, SimpleNamespace(precision="bf16-mixed", strategy=SingleDeviceStrategy()))
     assert not fused_adamw_applies(groups, SimpleNamespace(precision="bf16-mixed", strategy=object()))
 
     class DeepSpeedStrategy:
