@@ -33,8 +33,12 @@ its own implementation at teardown (``PolicyModule.undo_side_effects``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from lightalign.modules.training.device_tuning import TABLE
+from lightalign.modules.training.device_tuning import mode as tuning_mode
 from lightalign.modules.training.device_tuning import tuned
 
 VARLEN_SDPA = "sdpa_varlen"
@@ -98,8 +102,6 @@ def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     * anything else (padded batches, generation with a KV cache, ``torch.compile`` tracing): transformers' own
       ``sdpa`` with the mask transformers built for ``sdpa``.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     for unused in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(unused, None)
     sizes = kwargs.pop("sequence_sizes", None)
@@ -120,18 +122,45 @@ def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
         outputs = []
         for q, k, v in zip(*(t.split(list(sizes), dim=2) for t in (query, key, value))):  # split: cheap backward
             band = _band(q.shape[2], None if window is None else int(window), q.device)
-            outputs.append(sdpa_attention_forward(module, q, k, v, band, dropout=dropout, scaling=scaling,
-                                                  is_causal=band is None, **kwargs)[0])
+            outputs.append(_attend(module, q, k, v, band, dropout=dropout, scaling=scaling,
+                                   is_causal=band is None, **kwargs)[0])
         return torch.cat(outputs, dim=1), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
+    return _attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                   **kwargs)
+
+
+FP32_ATTENTION = "bf16_attention_fp32_max_tokens"
+
+
+@functools.lru_cache(maxsize=8)
+def _fp32_attention_limit(tuning_mode: str, threads: int, entry) -> int | None:
+    """``bf16_attention_fp32_max_tokens`` on this CPU, resolved once per tuning mode, thread count (the machine key's
+    part that changes within a process) and table entry: ``tuned`` reads the machine's verdicts, too slow for every
+    attention call."""
+    return tuned(FP32_ATTENTION, "cpu")
+
+
+def _attend(module, query, key, value, mask, **kwargs):
+    """transformers' ``sdpa`` attention; under the CPU's bf16 autocast, computed in float32 (autocast off, the
+    inputs upcast exactly, a floating mask too) for rows of at most ``bf16_attention_fp32_max_tokens`` keys: torch's
+    bf16 attention backward on the CPU is slower than float32's there (device tuning, measured on this machine),
+    and float32 is the more precise of the two."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+        limit = _fp32_attention_limit(tuning_mode(), torch.get_num_threads(), TABLE[FP32_ATTENTION])
+        if limit is not None and key.shape[2] <= limit:
+            if mask is not None and mask.is_floating_point():
+                mask = mask.float()
+            with torch.autocast("cpu", enabled=False):
+                return sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
 def _per_segment(module, query, key, value, mask, segments, dropout, scaling, kwargs) -> torch.Tensor:
     """Rows of segments under a boolean 4D mask that never crosses a segment edge: each segment attends with its
     own block of the mask. Positions past a row's last edge (padding) get zeros."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     rows = []
     # split (not slicing): its backward is one concatenation, where each slice's backward fills a whole zero tensor
     for r, (q_row, k_row, v_row) in enumerate(zip(*(t.split(1, dim=0) for t in (query, key, value)))):
@@ -140,8 +169,8 @@ def _per_segment(module, query, key, value, mask, segments, dropout, scaling, kw
         tail = query.shape[2] - edges[-1]
         pieces = zip(*(t.split(sizes + [tail], dim=2) for t in (q_row, k_row, v_row)))
         parts = [
-            sdpa_attention_forward(module, q, k, v, mask[r:r + 1, :, s:e, s:e], dropout=dropout, scaling=scaling,
-                                   is_causal=False, **kwargs)[0]
+            _attend(module, q, k, v, mask[r:r + 1, :, s:e, s:e], dropout=dropout, scaling=scaling, is_causal=False,
+                    **kwargs)[0]
             for (q, k, v), s, e in zip(pieces, edges[:-1], edges[1:])
         ]
         if tail:

@@ -147,6 +147,18 @@ TABLE: dict[str, Tuned] = {
                  "~140 tokens (modules/adaptations/attention.py's note; no benchmark figure of the split alone)",
         read_by="modules/adaptations/layouts.py (split_packed_attention)",
         measure="split_packed"),
+    "bf16_attention_fp32_max_tokens": Tuned(
+        value=384, neutral=None, device="cpu",
+        tunes="bf16-mixed runs on the CPU: sdpa_varlen's attention computed in float32 (autocast off, inputs upcast "
+              "exactly) for rows of at most this many keys (None: autocast's bf16 attention)",
+        measured="forward+backward of one causal SDPA call, 8 heads of 64, 1 thread, torch 2.13.0, AMX CPU "
+                 "(2026-11-29), float32 against bf16 ms: 8 rows x 64 tokens 8.7 / 23.0, 8x128 23.1 / 48.5, 4x256 "
+                 "32.9 / 37.6, 2x384 33.2 / 35.0, 2x512 61.7 / 52.8, 1x1024 110 / 91, 1x2048 445 / 366; with AVX2 "
+                 "kernels (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) bf16 is 4.7-9x slower at every "
+                 "length; docs/performance.md 'bf16 attention'",
+        read_by="modules/adaptations/attention.py (_attend)",
+        machine=MEASURED_ON.replace("float32, 2 threads", "bf16 (AVX-512 BF16, AMX), 1 thread"),
+        measure="bf16_attention"),
     "onednn_primitive_cache_capacity": Tuned(
         value=32, neutral=None, device="cpu",
         tunes="bf16 runs: the capacity of oneDNN's and ideep's primitive caches (ONEDNN_PRIMITIVE_CACHE_CAPACITY, "

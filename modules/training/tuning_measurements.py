@@ -121,6 +121,24 @@ def split_segments(table: dict) -> bool:
     return _split_against_masked([150] * 3, causal_pieces=False)
 
 
+def bf16_attention(table: dict) -> bool:
+    """Whether float32 attention beats bf16 attention on short rows (``bf16_attention_fp32_max_tokens``)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(8, 8, 128, 64, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    sides = {dtype: [v.to(dtype).requires_grad_() for v in values] for dtype in (torch.float32, torch.bfloat16)}
+
+    def step(dtype):
+        def run():
+            q, k, v = sides[dtype]
+            sdpa(q, k, v, is_causal=True).float().sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        return run
+
+    return tuned_wins(step(torch.float32), step(torch.bfloat16), repeats=3)[0]
+
+
 # name -> measurement: called with ``device_tuning.TABLE``, returns whether the tuned value wins on this machine
 MEASUREMENTS: dict[str, Callable[[dict], bool]] = {"prepack": prepack, "split_packed": split_packed,
-                                                   "split_segments": split_segments}
+                                                   "split_segments": split_segments, "bf16_attention": bf16_attention}

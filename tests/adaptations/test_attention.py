@@ -264,3 +264,44 @@ def test_packed_sft_on_gpu_runs_flash_attention_and_matches_padded(tiny_dir):
         a = module._logits({k: v.cuda() if torch.is_tensor(v) else v for k, v in packed.items()})
         b = module._logits({k: v.cuda() for k, v in padded.items()})
     torch.testing.assert_close(a[0, :6].float(), b[0, :6].float(), atol=2e-2, rtol=0)
+
+
+def _qkv(length: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, 4, length, 16, generator=gen) for _ in range(2))  # RoPE'd: float32 under autocast
+    v = torch.randn(2, 4, length, 16, generator=gen).to(torch.bfloat16)  # a bf16 projection's output
+    return q, k, v
+
+
+@pytest.mark.parametrize("length", [64, 400])
+def test_bf16_autocast_attends_in_float32_up_to_the_tuned_length(monkeypatch, length):
+    """Under the CPU's bf16 autocast, rows of at most ``bf16_attention_fp32_max_tokens`` keys (the table's 384)
+    attend in float32: exactly transformers' sdpa on the float32 inputs with autocast off (the backward of torch's
+    bf16 CPU attention is 2-3x slower there); longer rows exactly autocast's bf16 attention. Without autocast nothing
+    changes. Mutations: the length test inverted, or the inputs left to autocast -> the 64-token row is not the
+    float32 result; a float mask not upcast -> SDPA refuses the mixed dtypes."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lightalign.modules.adaptations.attention import _attend
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = _qkv(length)
+    mask = torch.zeros(1, 1, length, length).masked_fill(torch.ones(length, length).triu(1).bool(), -1e30)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _attend(module, q, k, v, None, is_causal=True)[0]
+        got_masked = _attend(module, q, k, v, mask.to(torch.bfloat16), is_causal=False)[0]
+        bf16 = sdpa_attention_forward(module, q, k, v, None, is_causal=True)[0]
+    fp32 = sdpa_attention_forward(module, q, k, v.float(), None, is_causal=True)[0]
+    fp32_masked = sdpa_attention_forward(module, q, k, v.float(), mask.to(torch.bfloat16).float(), is_causal=False)[0]
+    assert tuned("bf16_attention_fp32_max_tokens", "cpu") == 384
+    if length <= 384:
+        assert got.dtype == torch.float32 and torch.equal(got, fp32) and torch.equal(got_masked, fp32_masked)
+        assert not torch.equal(got.to(bf16.dtype), bf16)  # the two precisions differ: the test can tell them apart
+    else:
+        assert torch.equal(got, bf16) and got.dtype == torch.bfloat16
+    plain = _attend(module, q, k, v.float(), None, is_causal=True)[0]  # no autocast: transformers' sdpa as is
+    assert torch.equal(plain, fp32)
+    set_tuned(monkeypatch, "bf16_attention_fp32_max_tokens", None)  # untuned: autocast's bf16 at every length
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(_attend(module, q, k, v, None, is_causal=True)[0], bf16)

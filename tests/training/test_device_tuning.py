@@ -30,6 +30,7 @@ BEFORE = {
     "split_packed_sequences": True,
     "retain_freed_cpu_memory_bytes": 1 << 30,
     "onednn_primitive_cache_capacity": 32,  # (new for issue #52: before it bf16 runs kept the libraries' 1024)
+    "bf16_attention_fp32_max_tokens": 384,  # (new for issue #52: before it bf16 runs attended in bf16 at any length)
 }
 
 
@@ -154,7 +155,7 @@ def measuring(monkeypatch, tmp_path):
     monkeypatch.setenv("LIGHTALIGN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(device_tuning, "_files", {})
     monkeypatch.setattr(device_tuning, "measured_here", set())
-    calls, verdicts = [], {"prepack": False, "split_packed": True, "split_segments": True}
+    calls, verdicts = [], {"prepack": False, "split_packed": True, "split_segments": True, "bf16_attention": True}
     monkeypatch.setattr(tuning_measurements, "MEASUREMENTS",
                         {name: (lambda table, name=name: calls.append(name) or verdicts[name]) for name in verdicts})
     return calls, verdicts
@@ -240,11 +241,11 @@ def test_the_fit_start_clause_says_whether_the_tuned_constants_apply_here(measur
     from lightalign.modules.training.device_tuning import tuning_note
 
     first = tuning_note("cpu")
-    assert first == ("tuned constants: 7 hold on any CPU; 4 measured here at first use (compact_prepack_linears, "
+    assert first == ("tuned constants: 7 hold on any CPU; 5 measured here at first use (compact_prepack_linears, "
                      "compact_prepack_min_mib slower here: untuned); untuned defaults for compact_fraction: this CPU "
                      "differs from the one measured")
     new_process(monkeypatch)
-    assert "4 cached from a first-use measurement (compact_prepack_linears" in tuning_note("cpu")
+    assert "5 cached from a first-use measurement (compact_prepack_linears" in tuning_note("cpu")
     assert tuning_note("cuda:0") == "tuned constants: untuned defaults (none measured on cuda)"
     monkeypatch.setenv("LIGHTALIGN_TUNING", "neutral")
     assert tuning_note("cpu") == "tuned constants: untuned defaults (LIGHTALIGN_TUNING=neutral)"
