@@ -97,7 +97,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
         generation_backend=backend or None, learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0)
     data = PromptDataModule(args.prompts, tokenizer=args.model_dir, max_prompt_length=args.max_prompt_length,
                             batch_size=args.batch_size, num_workers=0, seed=args.seed)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=harness.lightning_precision(args.precision), max_steps=meter.last,
                         gradient_clip_val=args.max_grad_norm, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, callbacks=[Clock()])
@@ -128,7 +128,7 @@ def run_trl(args: argparse.Namespace, meter: Meter) -> dict:
         gradient_accumulation_steps=1, max_new_tokens=new_tokens(args, args.setting), temperature=1.0, top_k=0,
         top_p=1.0, beta=[args.beta], loss_type="sigmoid", max_steps=meter.last, learning_rate=args.lr,
         lr_scheduler_type="constant", optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, dataloader_num_workers=0,
+        bf16=harness.trl_bf16(args.precision), fp16=False, gradient_checkpointing=False, use_cpu=True, dataloader_num_workers=0,
         eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10,
         seed=args.seed, disable_dropout=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -145,8 +145,10 @@ def run_one(args: argparse.Namespace) -> dict:
 
 
 def spawn(args: argparse.Namespace, variant: str) -> dict | None:
-    framework, _, setting = variant.partition(":")
-    argv = ["--framework", framework, "--setting", setting, "--workdir", args.workdir]
+    base, precision = harness.split_precision(variant)
+    framework, _, setting = base.partition(":")
+    argv = ["--framework", framework, "--setting", setting, "--precision", precision or "fp32", "--workdir",
+            args.workdir]
     for name in ("model_dir", "prompts", "batch_size", "max_new_tokens", "max_prompt_length", "beta", "steps",
                  "warmup", "threads", "lr", "max_grad_norm", "seed"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -156,7 +158,7 @@ def spawn(args: argparse.Namespace, variant: str) -> dict | None:
 def write_prompts(args: argparse.Namespace) -> list[str]:
     if args.data == "english":
         n = max(256, 2 * args.batch_size * (args.warmup + args.steps))
-        prompts = [r["prompt"] for r in bench_data.rows("prompts", "longtail", n, args.mean_length, args.seed)]
+        prompts = [r["prompt"] for r in bench_data.rows("prompts", args.shape, n, args.mean_length, args.seed)]
     else:
         prompts = [json.loads(line)["prompt"] for line in open(DATA[args.data]) if line.strip()]
     args.prompts = str(Path(args.workdir) / "prompts.jsonl")
@@ -170,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=str(ROOT / "assets" / "models" / "tiny"), help="config + tokenizer")
     parser.add_argument("--data", choices=tuple(DATA), default="arithmetic")
     parser.add_argument("--mean-length", type=int, default=24, help="--data english: mean words per prompt")
+    parser.add_argument("--shape", choices=bench_data.SHAPES, default="longtail",
+                        help="--data english: the length shape of bench/data.py (uniform: the held-out one)")
     parser.add_argument("--variants", nargs="+", default=None, help="framework:setting entries (settings: "
                         f"{', '.join(SETTINGS)}; lightalign's may end in +<sampler>, e.g. lightalign:long+generate; "
                         "default: every setting for both frameworks)")
@@ -192,6 +196,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     check(args)
+    harness.peaks_of(args)
     args.workdir = tempfile.mkdtemp(prefix="bench-online-dpo-")
     try:
         args.model_dir = str(Path(args.workdir) / "model")
@@ -205,13 +210,13 @@ def run(args: argparse.Namespace) -> dict:
         settings = {
             "model": f"{Path(args.model).name} ({n_params / 1e6:.1f}M params, random, seed {args.seed}); reference: "
                      "a frozen copy",
-            "data": (f"english_lines prompts (bench/data.py longtail, mean {args.mean_length} words)"
+            "data": (f"english_lines prompts (bench/data.py {args.shape}, mean {args.mean_length} words)"
                      if args.data == "english" else Path(DATA[args.data]).name)
             + f", plain text, {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens",
             "reward": REWARD, "batch_size": f"{args.batch_size} prompts x 2 completions", "grad_accum": 1,
             "max_new_tokens": f"short 8, long {args.max_new_tokens}", "loss": f"sigmoid, beta {args.beta}",
             "sampling": "temperature 1, top_k 0, top_p 1, KV cache, no vLLM", "variants": args.variants,
-            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused, wd 0",
+            "gradient_checkpointing": False, "optimizer": "torch AdamW fused, wd 0",
             **harness.run_settings(args),
         }
         harness.print_settings("Online DPO benchmark: lightalign OnlineDPOModule vs TRL OnlineDPOTrainer", settings)
@@ -223,7 +228,9 @@ def run(args: argparse.Namespace) -> dict:
             f"  other processes {100 * res['others_cpu_share']:.0f}%  sampler {res['backend']}"))
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
-    return summarise(settings, runs)
+    result = summarise(settings, runs)
+    result["precision_report"] = harness.precision_report(runs, "steps_per_sec", args.peaks)
+    return result
 
 
 def summarise(settings: dict, runs: list[dict]) -> dict:
@@ -232,9 +239,8 @@ def summarise(settings: dict, runs: list[dict]) -> dict:
     summary = {v: {k: harness.median_of(runs, k, variant=v) for k in keys}
                for v in dict.fromkeys(r["variant"] for r in runs)}
     for variant, row in summary.items():
-        setting = variant.partition(":")[2].partition("+")[0]
-        row["vs_trl_same_setting"] = harness.ratio(row["steps_per_sec"],
-                                                   summary.get("trl:" + setting, {}).get("steps_per_sec"))
+        row["vs_trl_same_setting"] = harness.ratio(
+            row["steps_per_sec"], summary.get(harness.trl_same_setting(variant), {}).get("steps_per_sec"))
     return {"settings": settings, "runs": runs, "summary": summary}
 
 
@@ -256,6 +262,7 @@ def main() -> None:
     busy = [r for r in result["runs"] if r["others_cpu_share"] > 0.03]
     if busy:
         print(f"WARNING: {len(busy)} run(s) shared the machine with other processes (>3% of it): figures are skewed.")
+    harness.print_precision_report(result["precision_report"])
     out = args.out or f"online_dpo_{args.data}.json"
     print(f"\nwrote {harness.write_json(out, result).relative_to(ROOT)}")
 
