@@ -22,7 +22,7 @@ samples every batch), `seq_kd` (lmbda 0 + seq_kd: the teacher samples every batc
 optimizer step (no gradient accumulation), `--max-new-tokens` (lightalign's `max_completion_length`), beta 0.5,
 temperature 1.0 (TRL's GKDTrainer compares the distributions at temperature 1 whatever its `temperature`, while
 DistillModule divides both by it: at 1 both compute the same loss), sampling at temperature 1 with top_k 0 / top_p 1,
-KV cache, no vLLM, fp32, no gradient checkpointing (TRL's SFTConfig turns it on by default: turned off), torch AdamW
+KV cache, no vLLM, --precisions, no gradient checkpointing (TRL's SFTConfig turns it on by default: turned off), torch AdamW
 (TRL's fused default), weight decay 0, constant learning rate, grad clip 1.0, dropout off (both defaults), 2 threads,
 no eval, checkpoints or loggers. Prompts are kept whole on both sides (`max_prompt_length` / TRL `max_length` are set
 above the longest row). lightalign samples with its device default (`generation_backend` unset; the backend is
@@ -43,6 +43,14 @@ loss`) and must agree to float precision (TRL's forward passes no `position_ids`
 start at its padding while lightalign counts them from its first real token; with rotary position embeddings, as
 these Qwen2 models have, a constant shift of a row's positions changes nothing).
 Results: stdout and bench/results/distill_<data>.json.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical; a `--variants` entry may name its precision
+(`trl:lmbda0@bf16`). Both dtypes' matmul peaks are measured once at the start and printed; each run's efficiency is
+its model FLOP/s over the peak of its own dtype. The closing report lists every variant
+(`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at the same
+precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory ratios.
 """
 
 from __future__ import annotations

@@ -16,6 +16,14 @@ counts the pairs of the --steps optimizer steps after --warmup steps, timed from
 Results: a table on stdout and JSON in bench/results/dpo.json (medians over --repeats). MFU: the model FLOPs of
 the timed window's pairs (bench/harness.py's formula; see `window_flops`) per second; bench/suite.py divides it by
 the measured matmul peak.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical. Both dtypes' matmul peaks are measured once at the start
+and printed; each run's efficiency is its model FLOP/s over the peak of its own dtype. The closing report lists every
+variant (`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at
+the same precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory
+ratios.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ that both frameworks load. Prompts: examples/data/arithmetic_prompts.jsonl; rewa
 signature, used as is by both). One rollout of G = --generation-batch completions (--num-generations per prompt) is
 one optimizer step on both sides: lightalign gets `generation_batch_size=G`, `accumulate_grad_batches=A`; TRL gets
 `per_device_train_batch_size=G/A`, `gradient_accumulation_steps=A` and the default `steps_per_generation` (= A, so
-`generation_batch_size` = G). `generate` with the KV cache (no vLLM), fp32, no gradient checkpointing, beta 0 (no
+`generation_batch_size` = G). `generate` with the KV cache (no vLLM), --precisions, no gradient checkpointing, beta 0 (no
 reference), dapo, constant learning rate, clip 1.0, torch AdamW, 2 threads, no eval, checkpoints or loggers.
 
 Each framework runs in its own process (peak RSS = its ru_maxrss), alternating, --repeats times (medians reported).
@@ -35,6 +35,15 @@ EOS included: completions may stop early). Two threads on two shared cores colla
 run waits for a quiet machine, measures the CPU share other processes took during its window (/proc/stat) and is
 retried above --max-contention (kept and marked after --retries). Results: stdout and bench/results/grpo.json.
 MFU: completions/s x the model FLOPs of one completion (`completion_flops`), over the measured matmul peak.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical; a `--variants` entry may name its precision
+(`lightalign:compact@bf16`); `+async<N>` (max_staleness > 0) is refused under bf16-mixed by design and skipped with a
+note. Both dtypes' matmul peaks are measured once at the start and printed; each run's efficiency is its model FLOP/s
+over the peak of its own dtype. The closing report lists every variant (`framework:setting@precision`: figure,
+efficiency, peak RSS and PSS), each lightalign variant against TRL at the same precision, and best vs best (each
+side's fastest variant over all precisions) with that pair's peak memory ratios.
 """
 
 from __future__ import annotations
@@ -329,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-contention", type=float, default=0.03,
-                        help="a run during which other processes used more of the machine is retried")
+                        help="a run during which other processes used more of the machine is retried; a negative "
+                             "value neither waits nor retries")
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--out", default="grpo.json", help="file name under bench/results/")
@@ -360,6 +370,8 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     check(args)
+    if args.max_contention is not None and args.max_contention < 0:  # negative: neither wait nor retry
+        args.max_contention = None
     harness.peaks_of(args)
     args.variants = harness.drop_refused(harness.expand_precisions(args.variants, args.precisions))
     args.workdir = tempfile.mkdtemp(prefix="bench-grpo-")

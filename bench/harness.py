@@ -5,8 +5,13 @@
 * frameworks alternate between repeats (``alternate``) and figures are medians (``median_of``);
 * on a shared machine a run waits for a quiet machine first (``wait_for_quiet``) and reports the CPU share other
   processes took during its timed window (``machine_busy_seconds``);
-* the physical limit: ``measure_matmul_flops`` times a large fp32 ``torch.mm``, and ``train_flops`` /
-  ``mfu`` turn a throughput into model FLOPs utilisation against it.
+* the physical limit: ``measure_matmul_flops`` times a large ``torch.mm`` (fp32, or bf16: ``measure_peaks`` gives one
+  per precision), and ``train_flops`` / ``mfu`` turn a throughput into model FLOPs utilisation against it;
+  ``efficiency`` divides by the peak of the run's own precision;
+* precision is a dimension of every variant: ``framework:setting[+suffix...][@fp32|@bf16]`` (``parse_variant``; no
+  ``@``: each of ``--precisions``, ``expand_precisions``), lightalign ``bf16-mixed`` / ``32-true``, TRL ``bf16=True``
+  / ``False``; ``precision_report`` gives every variant's figure, efficiency and peak memory, the lightalign / TRL
+  pairs at the same precision, and best vs best over all precisions.
 
 MFU formula (model FLOPs, i.e. the work the model needs, not what a framework happens to compute):
 
@@ -181,12 +186,14 @@ def child_env(threads: int) -> dict[str, str]:
 def spawn(script: str | Path, argv: Sequence[str], threads: int, label: str) -> dict | None:
     """Run ``script --one argv...`` in a fresh interpreter; return its ``RESULT`` dict, or None (error printed)."""
     cmd = [sys.executable, str(script), "--one", *map(str, argv)]
+    start = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(threads))
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         print(f"{label}: failed (exit {out.returncode})\n{out.stderr[-3000:]}", flush=True)
         return None
-    return json.loads(line[len("RESULT "):])
+    # the process's whole wall time (start-up, loading, warm-up, timed steps): what a sweep's length is made of
+    return {**json.loads(line[len("RESULT "):]), "run_wall_seconds": time.perf_counter() - start}
 
 
 def measured_run(args: Any, meter: Any, train: Any) -> dict:

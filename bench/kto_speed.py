@@ -12,7 +12,7 @@ frameworks load. Data: unpaired rows generated at run time (bench/data.py, kind 
 every batch holds both kinds), or --data. Both sides: the `kto` loss (the KL estimate: every row also runs its
 prompt with another row's completion, without gradients, on the policy and on the reference), TRL's sequential
 order (lightalign `shuffle: false`; KTOConfig's default `train_sampling_strategy="sequential"`), batch of
---batch-size rows, no accumulation, max_length on both sides, fp32, torch AdamW fused, constant lr, clip 1.0.
+--batch-size rows, no accumulation, max_length on both sides, --precisions, torch AdamW fused, constant lr, clip 1.0.
 TRL's side at its best CPU settings (gradient checkpointing off, as lightalign; `--trl-config defaults` keeps
 KTOConfig's default `gradient_checkpointing=True`). Two modes: `online` (the frozen reference forwards every batch)
 and `precomputed` (`precompute_ref_log_probs=True`: one reference pass before training at the training batch size,
@@ -21,6 +21,14 @@ alternating; rows/s counts the rows of the --steps optimizer steps after --warmu
 end by a callback. Contention: each run waits for a quiet machine first (--max-contention) and reports the share of
 the machine other processes took during its timed window; a negative --max-contention does not wait (the figures
 are then contended and labelled so). Results: stdout and bench/results/kto.json (medians over --repeats).
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical. Both dtypes' matmul peaks are measured once at the start
+and printed; each run's efficiency is its model FLOP/s over the peak of its own dtype. The closing report lists every
+variant (`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at
+the same precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory
+ratios.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ the prompts and the decoded completions.
 Settings (`--variants`, `framework:setting`): `short` (8 new tokens per completion, the demo's) and `long`
 (`--max-new-tokens`, 32). Common: `--batch-size` prompts per optimizer step (two completions each, no gradient
 accumulation), loss sigmoid, beta 0.1, sampling at temperature 1 with top_k 0 / top_p 1 and a KV cache, no vLLM,
-fp32, no gradient checkpointing, torch AdamW (TRL: its fused default), weight decay 0, constant learning rate, grad
+--precisions, no gradient checkpointing, torch AdamW (TRL: its fused default), weight decay 0, constant learning rate, grad
 clip 1.0, dropout off (both defaults), 2 threads, no eval, checkpoints or loggers. lightalign samples with its device
 default (`generation_backend` unset; the sampler is reported) or the backend of a `+<backend>` suffix
 (`lightalign:long+generate`); TRL with `generate`. A random model rarely writes EOS, so completions run to the
@@ -29,6 +29,14 @@ interleaved (lightalign, TRL, ...; reversed on odd repeats), --repeats times; me
 --warmup+1 .. --warmup+--steps are timed. The losses are not compared here (each side samples its own completions):
 the DPO loss is checked against TRL on identical tensors in tests/ (dpo_loss).
 Results: stdout and bench/results/online_dpo_<data>.json.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical; a `--variants` entry may name its precision
+(`trl:long@bf16`). Both dtypes' matmul peaks are measured once at the start and printed; each run's efficiency is its
+model FLOP/s over the peak of its own dtype. The closing report lists every variant (`framework:setting@precision`:
+figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at the same precision, and best vs best
+(each side's fastest variant over all precisions) with that pair's peak memory ratios.
 """
 
 from __future__ import annotations
@@ -62,8 +70,9 @@ class Meter(harness.StepWindow):
         super().__init__(warmup, steps)
         self.batches: list[dict] = []  # one per optimizer step
 
-    def batch(self, completions: int, completion_tokens: int) -> None:
-        self.batches.append({"completions": completions, "completion_tokens": completion_tokens})
+    def batch(self, completions: int, completion_tokens: int, lengths: list[int]) -> None:
+        """One optimizer step's completions, their tokens, and each sequence's real length (prompt + completion)."""
+        self.batches.append({"completions": completions, "completion_tokens": completion_tokens, "lengths": lengths})
 
     def summary(self) -> dict:
         timed = self.timed(self.batches)
@@ -71,6 +80,7 @@ class Meter(harness.StepWindow):
         return {"steps_per_sec": len(timed) / seconds, "completion_tokens_per_sec": tokens / seconds,
                 "seconds": seconds, "steps_per_cpu_sec": len(timed) / self.cpu,
                 "mean_completion_length": tokens / sum(b["completions"] for b in timed),
+                "lengths": [n for b in timed for n in b["lengths"]],
                 "others_cpu_share": self.window.others_cpu_share}
 
 
@@ -87,7 +97,8 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
 
     class TimedOnlineDPOModule(OnlineDPOModule):
         def pair_loss(self, rollout, stats):
-            meter.batch(int(rollout["completion_ids"].shape[0]), int(rollout["completion_mask"].sum()))
+            meter.batch(int(rollout["completion_ids"].shape[0]), int(rollout["completion_mask"].sum()),
+                        (rollout["prompt_mask"].sum(-1) + rollout["completion_mask"].sum(-1)).tolist())
             return super().pair_loss(rollout, stats)
 
     L.seed_everything(args.seed, verbose=False)
@@ -120,7 +131,8 @@ def run_trl(args: argparse.Namespace, meter: Meter) -> dict:
     class TimedOnlineDPOTrainer(OnlineDPOTrainer):
         def _forward(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, *rest):
             if model is self.model or getattr(model, "module", None) is self.model:  # the policy's forward
-                meter.batch(int(completion_ids.shape[0]), int(completion_mask.sum()))
+                meter.batch(int(completion_ids.shape[0]), int(completion_mask.sum()),
+                            (prompt_mask.sum(-1) + completion_mask.sum(-1)).tolist())
             return super()._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *rest)
 
     config = OnlineDPOConfig(
@@ -153,6 +165,15 @@ def spawn(args: argparse.Namespace, variant: str) -> dict | None:
                  "warmup", "threads", "lr", "max_grad_norm", "seed"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return harness.spawn(__file__, argv, args.threads, f"online_dpo {variant}")
+
+
+def window_flops(args: argparse.Namespace, lengths: list[int]) -> float:
+    """Model FLOPs of a run's timed window (bench/harness.py's formula on each sequence's real length): per sequence
+    its sampling (one forward over prompt + completion with the KV cache), the policy's forward + backward and the
+    frozen reference's forward. The same count for both frameworks: the work the method needs."""
+    shape = harness.model_shape(args.model_dir)
+    forward = harness.forward_flops(args.n_params, shape["layers"], shape["hidden"], lengths)
+    return 2 * forward + harness.train_flops(args.n_params, shape["layers"], shape["hidden"], lengths)
 
 
 def write_prompts(args: argparse.Namespace) -> list[str]:
@@ -200,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
     args.workdir = tempfile.mkdtemp(prefix="bench-online-dpo-")
     try:
         args.model_dir = str(Path(args.workdir) / "model")
-        n_params = harness.build_model(args.model, Path(args.model_dir), args.seed)
+        args.n_params = n_params = harness.build_model(args.model, Path(args.model_dir), args.seed)
         prompts = write_prompts(args)
         tok = AutoTokenizer.from_pretrained(args.model_dir)
         lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
@@ -226,6 +247,8 @@ def run(args: argparse.Namespace) -> dict:
             f"{res['mean_completion_length']:5.1f}  peak RSS {res['peak_rss_mb']:5.0f} MB "
             f"(PSS {res['peak_pss_mb']:5.0f})"
             f"  other processes {100 * res['others_cpu_share']:.0f}%  sampler {res['backend']}"))
+        for res in runs:
+            res["model_flops_per_sec"] = window_flops(args, res.pop("lengths")) / res["seconds"]
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     result = summarise(settings, runs)

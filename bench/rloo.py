@@ -16,7 +16,7 @@ optimizer step on both sides. lightalign gets `generation_batch_size=G` and `acc
 its `generation_batch_size` is G). `num_iterations` 1, `beta` (default 0.05, TRL's; the KL goes into the reward on
 both sides, so both run a reference forward over every rollout, and both keep the sampling policy's log-probs for it),
 `normalize_advantages` off, `epsilon` 0.2, `generate` with the KV cache (no vLLM), temperature 1, top_p 1, top_k 0,
-fp32, no gradient checkpointing, constant learning rate, clip 1.0, torch AdamW, no eval, checkpoints or loggers.
+--precisions, no gradient checkpointing, constant learning rate, clip 1.0, torch AdamW, no eval, checkpoints or loggers.
 With `--beta 0` lightalign skips the old-policy forward (on-policy, the ratio is 1 by definition) while TRL still
 runs it: that is a difference of the implementations, measured as such. `--prompt-sharing on` trains each group's
 prompt once on lightalign's side (RLOOModule's `prompt_sharing`, as in bench/grpo.py; TRL has no such layout).
@@ -26,6 +26,14 @@ callback times optimizer steps --warmup+1 .. --warmup+--steps: completions/s = c
 that window per second; also the generation and reward shares of the window and the mean completion length.
 Contention: as bench/grpo.py (wait for a quiet machine, measure the other processes' CPU share in the window, retry
 above --max-contention). Results: stdout and bench/results/rloo.json.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical. Both dtypes' matmul peaks are measured once at the start
+and printed; each run's efficiency is its model FLOP/s over the peak of its own dtype. The closing report lists every
+variant (`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at
+the same precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory
+ratios.
 """
 
 from __future__ import annotations

@@ -16,6 +16,14 @@ micro-batches (bench/harness.py's gemm_floor_seconds, timed once in the parent p
 run is measured against the same timings) over the run's wall time: how close a run comes to the machine's own
 limit on that work. Each (framework, variant) runs in its own process, frameworks alternating; figures are
 medians over --repeats. Results: a table and bench/results/sft.json (--out to change).
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical. Both dtypes' matmul peaks are measured once at the start
+and printed; each run's efficiency is its model FLOP/s over the peak of its own dtype. The closing report lists every
+variant (`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at
+the same precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory
+ratios.
 """
 
 from __future__ import annotations

@@ -1,20 +1,32 @@
-"""The benchmark suite: SFT, DPO, GRPO, KTO and RLOO, lightalign vs TRL, over models x data shapes, in one command.
+"""The benchmark suite: SFT, DPO, GRPO, KTO, RLOO, online DPO and distillation, lightalign vs TRL, over models x data
+shapes x precisions, in one command.
 
     python bench/suite.py                                   # the real run (quiet machine, ~hours on 2 cores)
     python bench/suite.py --quick --models tiny             # smoke run: tiny settings, proves the plumbing
     python bench/suite.py --models small --shapes longtail  # the rows the targets are read from
+    python bench/suite.py --precisions fp32                 # fp32 only (default: fp32 and bf16 on native-bf16 CPUs)
+    taskset -c 1 python bench/suite.py --sweep --threads 1  # the precision sweep (bench/sweep_precision.sh)
     python bench/suite.py --plot-only bench/results/suite.json   # redraw the chart (needs only matplotlib)
 
 Needs the benchmark extra (`pip install -e '.[bench]'`: TRL + matplotlib; `make bench` builds a separate venv).
-First the machine's fp32 matmul peak is measured (harness.measure_matmul_flops); then for each model and data
-shape (bench/data.py) it runs bench/sft.py (padding / padding_free / packing / group_by_length), bench/dpo.py
-(online / precomputed reference, lightalign prompt_sharing on / off, TRL at its best CPU settings and at its
-DPOConfig defaults), bench/grpo.py (lightalign prompt_sharing off alternating with TRL, then on), bench/kto_speed.py
-(online / precomputed reference) and bench/rloo.py, each run in its own process, frameworks alternating, medians over
---repeats.
-One table closes the run (per row: the figure of each side, the ratio, MFU = model FLOP/s over the matmul peak,
-peak RSS), followed by the issue's targets; JSON goes to bench/results/suite.json and a bar chart of the ratios
-to bench/results/suite.png.
+First the machine's matmul peaks are measured, one per precision's dtype (harness.measure_peaks: fp32 and bf16
+`torch.mm`), once for the whole suite and printed; then for each model and data shape (bench/data.py) it runs
+bench/sft.py (padding / padding_free / packing / group_by_length), bench/dpo.py (online / precomputed reference,
+lightalign prompt_sharing on / off, TRL at its best CPU settings and at its DPOConfig defaults), bench/grpo.py
+(prompt_sharing off alternating with TRL, then on, marked `+prompt_sharing`), bench/kto_speed.py (online /
+precomputed reference), bench/rloo.py, bench/online_dpo.py and bench/distill.py (both on `--data english` of the
+shape), each variant in each of --precisions (lightalign bf16-mixed / 32-true, TRL bf16=True / False), each run in
+its own process, frameworks alternating, medians over --repeats.
+Per method the script's report is printed (every variant with its figure, efficiency = model FLOP/s over the matmul
+peak of the run's own dtype, peak RSS and PSS; each lightalign variant against TRL at the same precision; best vs
+best over all precisions with that pair's peak memory ratios); one table of all of them closes the run, followed by
+the issue's targets; JSON goes to bench/results/suite.json (--sweep: suite_precision.json) and a bar chart of the
+ratios to the same name, .png.
+
+`--sweep` is the precision sweep's preset (SWEEP: per method its --steps and every TRL variant; the `small` model,
+the `uniform` shape, 2 repeats, no waiting for a quiet machine: pin it to a core nothing else runs on). `uniform` is
+the held-out shape: every tuning measurement of docs/performance.md ran on `longtail` (or the shipped arithmetic /
+chat data), none on `uniform`.
 """
 
 from __future__ import annotations
@@ -53,18 +65,20 @@ QUICK = {
     "distill": ["--steps", "1", "--warmup", "1", "--batch-size", "2", "--max-new-tokens", "8", "--mean-length", "12",
                 "--variants", "lightalign:lmbda0", "trl:lmbda0"],
 }
-# --sweep: the precision sweep (bench/sweep_precision.sh) on the held-out `uniform` shape; per method its --steps,
-# chosen from short timed runs to fit the whole sweep in about 40 minutes at one thread, and every TRL variant of
-# docs/performance.md (its fastest CPU variant and its plain one).
+# --sweep: the precision sweep (bench/sweep_precision.sh) on the held-out `uniform` shape, sized for about 40 minutes
+# at one thread (2 repeats x 2 precisions x 2 frameworks; a run is ~15 s of start-up and loading plus its steps): per
+# method its --steps and TRL's fastest CPU variant with its plain one where they differ (SFT group_by_length and
+# padding, DPO best and DPOConfig defaults, GRPO generate and continuous batching); lightalign's fastest variant.
 SWEEP = {
-    "sft": ["--steps", "6", "--warmup", "2", "--variants", "padding", "padding_free", "packing", "group_by_length"],
-    "dpo": ["--steps", "4", "--warmup", "2", "--modes", "online", "precomputed"],
-    "grpo": ["--steps", "2", "--warmup", "1", "--retries", "0", "--variants", "lightalign:compact", "trl:generate",
-             "trl:continuous"],
-    "kto": ["--steps", "4", "--warmup", "2"],
+    "sft": ["--steps", "2", "--warmup", "1", "--variants", "padding", "padding_free", "group_by_length"],
+    "dpo": ["--steps", "2", "--warmup", "1", "--modes", "online", "--prompt-sharing", "on", "--trl-config", "best",
+            "defaults"],
+    "grpo": ["--steps", "2", "--warmup", "1", "--retries", "0", "--prompt-sharing", "off", "--variants",
+             "lightalign:compact", "trl:generate", "trl:continuous"],
+    "kto": ["--steps", "2", "--warmup", "1", "--modes", "online"],
     "rloo": ["--steps", "2", "--warmup", "1", "--retries", "0"],
-    "online_dpo": ["--steps", "4", "--warmup", "1"],
-    "distill": ["--steps", "4", "--warmup", "1"],
+    "online_dpo": ["--steps", "3", "--warmup", "1", "--variants", "lightalign:long", "trl:long"],
+    "distill": ["--steps", "3", "--warmup", "1", "--variants", "lightalign:lmbda0.5", "trl:lmbda0.5"],
 }
 TARGETS = {"sft": 1.3, "dpo": 2.0, "grpo": 2.0, "sft_mfu": 0.5}  # issue #8, small model, long-tailed data
 TARGETED = ("sft", "dpo", "grpo")  # the others (issues #24, #40, ...) have no target: measured, not held to a ratio
@@ -222,6 +236,8 @@ def run_bench(bench: str, argv: list[str], contention: float | None, peaks: dict
         return online_dpo.run(ns(online_dpo, ["--data", "english"]))
     if bench == "distill":
         return distill.run(ns(distill, ["--data", "english"]))
+    if "--prompt-sharing" in argv:  # GRPO in one setting (--sweep: off)
+        return grpo.run(ns(grpo))
     # GRPO: prompt_sharing off with TRL alongside, then on (lightalign only), its variants marked +prompt_sharing
     off = grpo.run(ns(grpo, ["--prompt-sharing", "off"]))
     on_args = ns(grpo, ["--prompt-sharing", "on"])
@@ -256,7 +272,7 @@ def main() -> None:
                 "matmul_peaks": harness.peaks_line(peaks, matmul_n),
                 "efficiency": "model FLOPs / s over the matmul peak of the run's own dtype; model FLOPs = "
                               "6*N*tokens + 12*layers*hidden*seq^2 per sequence trained (a third of it for forward-only "
-                              "passes), see bench/harness.py (online_dpo and distill count none: no efficiency)",
+                              "passes), see bench/harness.py (distill counts none: no efficiency there)",
                 "versions": harness.versions(), "cpu_count": os.cpu_count()}
     harness.print_settings("Benchmark suite: lightalign vs TRL", settings)
     started, rows, reports, details = time.time(), [], [], []

@@ -226,6 +226,12 @@ def test_online_dpo_bench_settings_ratios_and_prompts(tmp_path):
 
     runs = [run("lightalign:short", 4.0), run("lightalign:short", 6.0), run("trl:short", 2.0),
             run("lightalign:long", 1.0), run("trl:long", 0.5), run("lightalign:long+generate", 0.25)]
+    # model FLOPs of the window: per sequence its sampling forward, the policy's forward + backward, the reference's
+    # forward (tiny: 1000 parameters assumed, 2 sequences of 5 and 7 tokens)
+    flops_args = argparse.Namespace(model_dir=str(BENCH.parent / "assets" / "models" / "tiny"), n_params=1000)
+    shape = harness.model_shape(flops_args.model_dir)
+    assert online.window_flops(flops_args, [5, 7]) == pytest.approx(
+        5 / 3 * harness.train_flops(1000, shape["layers"], shape["hidden"], [5, 7]))
     summary = online.summarise({}, runs)["summary"]
     assert summary["lightalign:short"]["steps_per_sec"] == 5.0
     assert summary["lightalign:short"]["vs_trl_same_setting"] == 2.5
@@ -297,7 +303,7 @@ def test_precision_report_efficiency_pairs_and_best_vs_best():
 
     runs = [run("lightalign:a@fp32", 3.0, 5e9, 100.0, 90.0), run("lightalign:a@fp32", 5.0, 5e9, 100.0, 90.0),
             run("lightalign:a@bf16", 6.0, 8e9, 120.0, 100.0), run("trl:a@fp32", 2.0, 2e9, 200.0, 150.0),
-            run("trl:b@fp32", 2.5, 2e9, 210.0, 160.0), run("trl:a@bf16", 8.0, 4e9, 300.0, 200.0),
+            run("trl:b@fp32", 10.0, 2e9, 240.0, 200.0), run("trl:a@bf16", 8.0, 4e9, 300.0, 200.0),
             run("trl:b@bf16", 1.0, 4e9, 300.0, 200.0)]
     report = harness.precision_report(runs, "x", peaks)
     rows = {r["variant"]: r for r in report["variants"]}
@@ -308,26 +314,28 @@ def test_precision_report_efficiency_pairs_and_best_vs_best():
     assert (pairs["lightalign:a@fp32"]["trl_same_setting"], pairs["lightalign:a@fp32"]["vs_trl_same_setting"]) == (
         "trl:a@fp32", 2.0)
     assert (pairs["lightalign:a@fp32"]["trl_fastest"], pairs["lightalign:a@fp32"]["vs_trl_fastest"]) == (
-        "trl:b@fp32", 1.6)
+        "trl:b@fp32", 0.4)
     assert (pairs["lightalign:a@bf16"]["trl_fastest"], pairs["lightalign:a@bf16"]["vs_trl_fastest"]) == (
         "trl:a@bf16", 0.75)
+    # best vs best crosses precisions: lightalign's fastest is bf16, TRL's fp32
     best = report["best_vs_best"]
-    assert (best["lightalign"], best["trl"], best["ratio"]) == ("lightalign:a@bf16", "trl:a@bf16", 0.75)
-    assert (best["peak_rss_ratio"], best["peak_pss_ratio"]) == (0.4, 0.5)
+    assert (best["lightalign"], best["trl"], best["ratio"]) == ("lightalign:a@bf16", "trl:b@fp32", 0.6)
+    assert (best["peak_rss_ratio"], best["peak_pss_ratio"]) == (0.5, 0.5)
 
 
 def test_suite_reads_rows_and_targets_from_the_precision_reports():
     suite = load("suite")
     assert {"online_dpo", "distill"} <= set(suite.BENCHMARKS) and set(suite.SWEEP) == set(suite.BENCHMARKS)
     runs = [{"variant": v, "tokens_per_sec": t, "model_flops_per_sec": t * 1e6, "peak_rss_mb": 1.0,
-             "peak_pss_mb": 1.0} for v, t in (("lightalign:padding_free@fp32", 300.0), ("trl:padding_free@fp32", 200.0),
+             "peak_pss_mb": 1.0} for v, t in (("lightalign:padding_free@bf16", 100.0), ("trl:padding_free@bf16", 400.0),
+                                              ("lightalign:padding_free@fp32", 300.0), ("trl:padding_free@fp32", 200.0),
                                               ("lightalign:padding@bf16", 500.0), ("trl:padding@bf16", 250.0))]
     report = harness.precision_report(runs, "tokens_per_sec", {"fp32": 1e9, "bf16": 4e9})
     rows = suite.rows_of("sft", report, "small", "longtail")
-    assert [(r["variant"], r["unit"], r["figure"]) for r in rows][:1] == [
+    assert [(r["variant"], r["unit"], r["figure"]) for r in rows][2:3] == [
         ("lightalign:padding_free@fp32", "tokens/s", 300.0)]
     checks = {t["target"].split(" >=")[0]: t["value"] for t in suite.targets(
         [{"benchmark": "sft", "model": "small", "shape": "longtail", "report": report}])}
-    assert checks["sft lightalign best / TRL best"] == 2.0  # 500 (bf16) over 250 (TRL's fastest, bf16)
-    assert checks["sft lightalign padding_free / TRL padding_free"] == 1.5  # fp32 pair
+    assert checks["sft lightalign best / TRL best"] == 1.25  # 500 over 400 (each side's fastest, both bf16)
+    assert checks["sft lightalign padding_free / TRL padding_free"] == 1.5  # the fp32 pair, as the target was set
     assert checks["sft lightalign MFU"] == pytest.approx(0.3)  # 300e6 / the fp32 peak
