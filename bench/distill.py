@@ -22,7 +22,7 @@ samples every batch), `seq_kd` (lmbda 0 + seq_kd: the teacher samples every batc
 optimizer step (no gradient accumulation), `--max-new-tokens` (lightalign's `max_completion_length`), beta 0.5,
 temperature 1.0 (TRL's GKDTrainer compares the distributions at temperature 1 whatever its `temperature`, while
 DistillModule divides both by it: at 1 both compute the same loss), sampling at temperature 1 with top_k 0 / top_p 1,
-KV cache, no vLLM, fp32, no gradient checkpointing (TRL's SFTConfig turns it on by default: turned off), torch AdamW
+KV cache, no vLLM, --precisions, no gradient checkpointing (TRL's SFTConfig turns it on by default: turned off), torch AdamW
 (TRL's fused default), weight decay 0, constant learning rate, grad clip 1.0, dropout off (both defaults), 2 threads,
 no eval, checkpoints or loggers. Prompts are kept whole on both sides (`max_prompt_length` / TRL `max_length` are set
 above the longest row). lightalign samples with its device default (`generation_backend` unset; the backend is
@@ -43,6 +43,14 @@ loss`) and must agree to float precision (TRL's forward passes no `position_ids`
 start at its padding while lightalign counts them from its first real token; with rotary position embeddings, as
 these Qwen2 models have, a constant shift of a row's positions changes nothing).
 Results: stdout and bench/results/distill_<data>.json.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical; a `--variants` entry may name its precision
+(`trl:lmbda0@bf16`). Both dtypes' matmul peaks are measured once at the start and printed; each run's efficiency is
+its model FLOP/s over the peak of its own dtype. The closing report lists every variant
+(`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at the same
+precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory ratios.
 """
 
 from __future__ import annotations
@@ -136,7 +144,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
         learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0)
     data = PromptDataModule(args.la_data, tokenizer=args.student_dir, max_prompt_length=args.max_prompt_length,
                             batch_size=args.batch_size, num_workers=0, seed=args.seed)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=harness.lightning_precision(args.precision), max_steps=meter.last,
                         gradient_clip_val=args.max_grad_norm, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, callbacks=[Clock()])
@@ -191,7 +199,7 @@ def run_trl(args: argparse.Namespace, meter: Meter) -> dict:
         gradient_accumulation_steps=1, lmbda=lmbda, seq_kd=seq_kd, beta=args.beta, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_length=args.max_length, max_steps=meter.last,
         learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch_fused", weight_decay=0.0,
-        max_grad_norm=args.max_grad_norm, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+        max_grad_norm=args.max_grad_norm, bf16=harness.trl_bf16(args.precision), fp16=False, gradient_checkpointing=False, use_cpu=True,
         dataloader_num_workers=0, eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
         logging_steps=10, seed=args.seed, disable_dropout=True)
     tokenizer = AutoTokenizer.from_pretrained(args.student_dir)
@@ -211,8 +219,10 @@ def run_one(args: argparse.Namespace) -> dict:
 
 
 def spawn(args: argparse.Namespace, variant: str) -> dict | None:
-    framework, _, setting = variant.partition(":")
-    argv = ["--framework", framework, "--setting", setting, "--workdir", args.workdir]
+    base, precision = harness.split_precision(variant)
+    framework, _, setting = base.partition(":")
+    argv = ["--framework", framework, "--setting", setting, "--precision", precision or "fp32", "--workdir",
+            args.workdir]
     for name in ("student_dir", "teacher_dir", "la_data", "trl_data", "batch_size", "max_new_tokens",
                  "max_prompt_length", "max_length", "beta", "temperature", "steps", "warmup", "threads", "lr",
                  "max_grad_norm", "seed"):
@@ -244,7 +254,7 @@ def write_data(args: argparse.Namespace, tokenizer) -> list[dict]:
     the same conversations: lightalign's prompt/completion message lists and TRL's `messages`."""
     if args.data == "english":
         n = max(256, 2 * args.batch_size * (args.warmup + args.steps))
-        rows = bench_data.rows("sft", "longtail", n, args.mean_length, args.seed)
+        rows = bench_data.rows("sft", args.shape, n, args.mean_length, args.seed)
     else:
         rows = [json.loads(line) for line in open(DATA[args.data]) if line.strip()]
     rows = [{"prompt": r["prompt"], "completion": fit_completion(r["completion"], tokenizer, args.max_new_tokens)}
@@ -266,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--student", default=str(ROOT / "assets" / "models" / "tiny"), help="config + tokenizer")
     parser.add_argument("--data", choices=tuple(DATA), default="arithmetic")
     parser.add_argument("--mean-length", type=int, default=24, help="--data english: mean words per row")
+    parser.add_argument("--shape", choices=bench_data.SHAPES, default="longtail",
+                        help="--data english: the length shape of bench/data.py (uniform: the held-out one)")
     parser.add_argument("--variants", nargs="+", default=None, help="framework:setting entries (settings: "
                         f"{', '.join(SETTINGS)}; lightalign's may end in +<sampler> and/or +padded / "
                         "+padding_free, e.g. lightalign:lmbda1+generate, lightalign:lmbda0+padded; "
@@ -295,6 +307,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     check(args)
+    harness.peaks_of(args)
     args.workdir = tempfile.mkdtemp(prefix="bench-distill-")
     try:
         args.teacher_dir, args.student_dir = (str(Path(args.workdir) / n) for n in ("teacher", "student"))
@@ -316,13 +329,13 @@ def run(args: argparse.Namespace) -> dict:
         settings = {
             "teacher": f"{Path(args.teacher).name} ({n_teacher / 1e6:.1f}M params, random, seed {args.seed})",
             "student": f"{Path(args.student).name} ({n_student / 1e6:.1f}M params, random, seed {args.seed + 1})",
-            "data": (f"english_lines rows (bench/data.py sft longtail, mean {args.mean_length} words)"
+            "data": (f"english_lines rows (bench/data.py sft {args.shape}, mean {args.mean_length} words)"
                      if args.data == "english" else Path(DATA[args.data]).name)
             + f", conversational, {len(rows)} rows, prompts {min(prompt_lens)}-{max(prompt_lens)} tokens",
             "batch_size": args.batch_size, "grad_accum": 1, "max_new_tokens": args.max_new_tokens,
             "beta": args.beta, "temperature": f"{args.temperature} (sampling; TRL's divergence is always at 1)",
             "sampling": "top_k 0, top_p 1, KV cache, no vLLM", "variants": args.variants,
-            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused, wd 0",
+            "gradient_checkpointing": False, "optimizer": "torch AdamW fused, wd 0",
             **harness.run_settings(args),
         }
         harness.print_settings("Distillation benchmark: lightalign DistillModule vs TRL GKDTrainer", settings)
@@ -336,7 +349,9 @@ def run(args: argparse.Namespace) -> dict:
             f"sampler {res['backend']}  attn {res['attn']}"))
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
-    return summarise(settings, runs)
+    result = summarise(settings, runs)
+    result["precision_report"] = harness.precision_report(runs, "steps_per_sec", args.peaks)
+    return result
 
 
 def summarise(settings: dict, runs: list[dict]) -> dict:
@@ -348,7 +363,7 @@ def summarise(settings: dict, runs: list[dict]) -> dict:
     trl = {v: row["steps_per_sec"] for v, row in summary.items() if v.startswith("trl:")}
     fastest = max(trl, key=lambda v: trl[v] or 0, default=None)
     for variant, row in summary.items():
-        same = summary.get("trl:" + variant.partition(":")[2].partition("+")[0], {}).get("steps_per_sec")
+        same = summary.get(harness.trl_same_setting(variant), {}).get("steps_per_sec")
         row["vs_trl_same_setting"] = harness.ratio(row["steps_per_sec"], same)
         row["vs_trl_fastest"] = harness.ratio(row["steps_per_sec"], trl.get(fastest))
     return {"settings": settings, "runs": runs, "summary": summary, "trl_fastest": fastest}
@@ -374,6 +389,7 @@ def main() -> None:
     busy = [r for r in result["runs"] if r["others_cpu_share"] > 0.03]
     if busy:
         print(f"WARNING: {len(busy)} run(s) shared the machine with other processes (>3% of it): figures are skewed.")
+    harness.print_precision_report(result["precision_report"])
     out = args.out or f"distill_{args.data}.json"
     print(f"\nwrote {harness.write_json(out, result).relative_to(ROOT)}")
 

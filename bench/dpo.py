@@ -16,6 +16,14 @@ counts the pairs of the --steps optimizer steps after --warmup steps, timed from
 Results: a table on stdout and JSON in bench/results/dpo.json (medians over --repeats). MFU: the model FLOPs of
 the timed window's pairs (bench/harness.py's formula; see `window_flops`) per second; bench/suite.py divides it by
 the measured matmul peak.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical. Both dtypes' matmul peaks are measured once at the start
+and printed; each run's efficiency is its model FLOP/s over the peak of its own dtype. The closing report lists every
+variant (`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at
+the same precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory
+ratios.
 """
 
 from __future__ import annotations
@@ -98,7 +106,7 @@ def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, wor
     data = PreferenceDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length,
                                 max_prompt_length=None, truncation_mode="keep_start", batch_size=args.batch_size,
                                 num_workers=0, shuffle=False, prompt_sharing=args.prompt_sharing == "on")
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=harness.lightning_precision(args.precision), max_steps=meter.last,
                         accumulate_grad_batches=1, gradient_clip_val=args.max_grad_norm, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
@@ -141,7 +149,7 @@ def run_trl(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: P
         max_steps=meter.last, learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch_fused",
         weight_decay=0.0, max_grad_norm=args.max_grad_norm, beta=args.beta, loss_type=["sigmoid"],
         max_length=args.max_length, truncation_mode="keep_start", precompute_ref_log_probs=precompute,
-        bf16=False, fp16=False, gradient_checkpointing=args.trl_config == "defaults", use_cpu=True,
+        bf16=harness.trl_bf16(args.precision), fp16=False, gradient_checkpointing=args.trl_config == "defaults", use_cpu=True,
         dataloader_num_workers=0,
         train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no", report_to="none",
         disable_tqdm=True, logging_steps=10, seed=args.seed, torch_compile=args.compile == "on",
@@ -162,6 +170,7 @@ def run_one(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"dpo-{args.framework}-{args.mode}-", dir=args.workdir))
     os.environ["HF_DATASETS_CACHE"] = str(workdir / "datasets")  # no dataset/ref-logps cache hit across runs
     meter = Meter(args.warmup, args.steps)
+    pss = harness.PeakPSS()
     run = run_lightalign if args.framework == "lightalign" else run_trl
     extra = run(args, args.mode == "precomputed", meter, workdir)
     if meter.end is None:
@@ -170,7 +179,7 @@ def run_one(args: argparse.Namespace) -> dict:
     return {"framework": args.framework, "mode": args.mode, "pairs_per_sec": meter.pairs / seconds,
             "tokens_per_sec": meter.tokens / seconds, "seconds": seconds, "pairs": meter.pairs,
             "tokens": meter.tokens, "last_loss": meter.loss, "threads": meter.threads,
-            "peak_rss_mb": harness.peak_rss_mb(),
+            "peak_rss_mb": harness.peak_rss_mb(), "peak_pss_mb": pss.stop(), "precision": args.precision,
             "median_step_seconds": statistics.median(meter.step_seconds), "step_seconds": meter.step_seconds,
             "load_avg_1min": os.getloadavg()[0], **extra}
 
@@ -225,8 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TRL's side: `best` = its fastest CPU settings (gradient checkpointing off, like "
                              "lightalign); `defaults` = DPOConfig's own default gradient_checkpointing=True; "
                              "`best_malloc` = `best` with the glibc allocator thresholds lightalign sets on CPU "
-                             "(retain_cpu_memory). Precision stays fp32 on both sides (DPOConfig's bf16 default "
-                             "would change the numerics)")
+                             "(retain_cpu_memory). Precision: --precisions, the same on both sides")
     parser.add_argument("--compile", choices=("off", "on"), default="off",
                         help="torch.compile the model on both sides (lightalign torch_compile=True, TRL "
                              "torch_compile=True; default options); raise --warmup to keep compilation out of the "
@@ -241,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-load", type=float, help="wait before each run until the 1-min load average is below")
     parser.add_argument("--out", default="dpo.json", help="file name under bench/results/")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    harness.add_precision_arguments(parser)
     for hidden in ("--framework", "--mode", "--model-dir", "--workdir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     return parser
@@ -248,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     """Build the model (and data), run every (mode, framework[, prompt sharing]) --repeats times; return the result."""
+    harness.peaks_of(args)
     args.workdir = tempfile.mkdtemp(prefix="bench-dpo-")
     try:
         args.model_dir = str(Path(args.workdir) / "model")
@@ -264,7 +274,8 @@ def run(args: argparse.Namespace) -> dict:
             "data": f"generated preference, shape {args.shape}, mean {args.mean_length} words per side"
             if args.shape else Path(args.data).name, "batch_pairs": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
-            "precision": "fp32", "gradient_checkpointing": "lightalign off; TRL " + " / ".join(
+            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "gradient_checkpointing": "lightalign off; TRL " + " / ".join(
                 {"best": "off (best)", "defaults": "on (DPOConfig default)",
                  "best_malloc": "off (best, + lightalign's retain_cpu_memory allocator setting)"}[c]
                 for c in args.trl_config),
@@ -284,9 +295,10 @@ def run(args: argparse.Namespace) -> dict:
         runs = []
         for r in range(args.repeats):
             for mode in args.modes:
-                jobs = [(fw, variant) for fw in harness.alternate(args.frameworks, r)
+                jobs = [(fw, variant, precision) for precision in args.precisions
+                        for fw in harness.alternate(args.frameworks, r)
                         for variant in (args.prompt_sharing if fw == "lightalign" else args.trl_config)]
-                for framework, variant in jobs:
+                for framework, variant, precision in jobs:
                     sharing, trl_config = (variant, None) if framework == "lightalign" else (None, variant)
                     harness.wait_for_load(args.max_load)
                     harness.wait_for_quiet(args.max_contention)
@@ -298,16 +310,19 @@ def run(args: argparse.Namespace) -> dict:
                             args.max_grad_norm, "--seed", args.seed, "--prompt-sharing", sharing or "on",
                             "--trl-config", trl_config or "best", "--compile", args.compile,
                             "--retain-cpu-memory", args.retain_cpu_memory,
-                            "--recompute-mlp-activation", args.recompute_mlp_activation]
-                    res = harness.spawn(__file__, argv, args.threads, f"dpo {mode} {framework}")
+                            "--recompute-mlp-activation", args.recompute_mlp_activation, "--precision", precision]
+                    name = (f"{framework}:{mode}+" + (f"prompt_sharing_{sharing}" if sharing else trl_config)
+                            + f"@{precision}")
+                    res = harness.spawn(__file__, argv, args.threads, f"dpo {name}")
                     if res is None:
                         continue
                     res.update(load_avg_before=load_before, prompt_sharing=sharing, trl_config=trl_config,
-                               repeat=r + 1,
+                               repeat=r + 1, variant=name, setting=mode,
                                model_flops_per_sec=flops[mode] / res["seconds"])
                     runs.append(res)
                     pre = f"  precompute {res['precompute_seconds']:.1f} s" if res["precompute_seconds"] else ""
-                    tag = f"{framework}" + (f" (prompt_sharing {sharing})" if sharing else f" ({trl_config})")
+                    tag = f"{framework}" + (f" (prompt_sharing {sharing})" if sharing else f" ({trl_config})") + (
+                        f" {precision}")
                     print(f"[{r + 1}/{args.repeats}] {mode} {tag}: {res['pairs_per_sec']:.2f} pairs/s "
                           f"(median step {res['median_step_seconds']:.2f} s)  peak RSS {res['peak_rss_mb']:.0f} MB"
                           f"  last loss {res['last_loss']:.4f}  threads {res['threads']}  "
@@ -319,13 +334,18 @@ def run(args: argparse.Namespace) -> dict:
     for mode in args.modes:
         for sharing in args.prompt_sharing:
             for trl_config in args.trl_config:
-                row = {"mode": mode, "prompt_sharing": sharing, "trl_config": trl_config}
-                for fw, match in (("lightalign", {"prompt_sharing": sharing}), ("trl", {"trl_config": trl_config})):
-                    for k in ("pairs_per_sec", "model_flops_per_sec", "peak_rss_mb", "precompute_seconds"):
-                        row[f"{fw}_{k}"] = harness.median_of(runs, k, framework=fw, mode=mode, **match)
-                row["ratio"] = harness.ratio(row["lightalign_pairs_per_sec"], row["trl_pairs_per_sec"])
-                summary.append(row)
-    return {"settings": settings, "runs": runs, "summary": summary, "n_params": n_params}
+                for precision in args.precisions:
+                    row = {"mode": mode, "prompt_sharing": sharing, "trl_config": trl_config, "precision": precision}
+                    for fw, match in (("lightalign", {"prompt_sharing": sharing}),
+                                      ("trl", {"trl_config": trl_config})):
+                        for k in ("pairs_per_sec", "model_flops_per_sec", "peak_rss_mb", "peak_pss_mb",
+                                  "precompute_seconds"):
+                            row[f"{fw}_{k}"] = harness.median_of(runs, k, framework=fw, mode=mode,
+                                                                 precision=precision, **match)
+                    row["ratio"] = harness.ratio(row["lightalign_pairs_per_sec"], row["trl_pairs_per_sec"])
+                    summary.append(row)
+    return {"settings": settings, "runs": runs, "summary": summary, "n_params": n_params,
+            "precision_report": harness.precision_report(runs, "pairs_per_sec", args.peaks)}
 
 
 def main() -> None:
@@ -336,16 +356,17 @@ def main() -> None:
         harness.emit(run_one(args))
         return
     result = run(args)
-    print("\n| mode | prompt sharing | TRL config | lightalign pairs/s | TRL pairs/s | ratio | lightalign peak RSS MB "
-          "| TRL peak RSS MB | precompute s (lightalign / TRL) |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| mode | prompt sharing | TRL config | precision | lightalign pairs/s | TRL pairs/s | ratio | lightalign peak RSS MB "
+          "| TRL peak RSS MB | precompute s (lightalign / TRL) |\n|---|---|---|---|---|---|---|---|---|---|")
     fmt = harness.fmt
     for row in result["summary"]:
         pre = ("-" if row["mode"] == "online" else
                f"{fmt(row['lightalign_precompute_seconds'], '.1f')} / {fmt(row['trl_precompute_seconds'], '.1f')}")
-        print(f"| {row['mode']} | {row['prompt_sharing']} | {row['trl_config']} "
+        print(f"| {row['mode']} | {row['prompt_sharing']} | {row['trl_config']} | {row['precision']} "
               f"| {fmt(row['lightalign_pairs_per_sec'], '.2f')} "
               f"| {fmt(row['trl_pairs_per_sec'], '.2f')} | {fmt(row['ratio'], '.2f')}x "
               f"| {fmt(row['lightalign_peak_rss_mb'], '.0f')} | {fmt(row['trl_peak_rss_mb'], '.0f')} | {pre} |")
+    harness.print_precision_report(result["precision_report"])
     print(f"\nwrote {harness.write_json(args.out, result).relative_to(ROOT)}")
 
 

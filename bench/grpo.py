@@ -25,7 +25,7 @@ that both frameworks load. Prompts: examples/data/arithmetic_prompts.jsonl; rewa
 signature, used as is by both). One rollout of G = --generation-batch completions (--num-generations per prompt) is
 one optimizer step on both sides: lightalign gets `generation_batch_size=G`, `accumulate_grad_batches=A`; TRL gets
 `per_device_train_batch_size=G/A`, `gradient_accumulation_steps=A` and the default `steps_per_generation` (= A, so
-`generation_batch_size` = G). `generate` with the KV cache (no vLLM), fp32, no gradient checkpointing, beta 0 (no
+`generation_batch_size` = G). `generate` with the KV cache (no vLLM), --precisions, no gradient checkpointing, beta 0 (no
 reference), dapo, constant learning rate, clip 1.0, torch AdamW, 2 threads, no eval, checkpoints or loggers.
 
 Each framework runs in its own process (peak RSS = its ru_maxrss), alternating, --repeats times (medians reported).
@@ -35,6 +35,15 @@ EOS included: completions may stop early). Two threads on two shared cores colla
 run waits for a quiet machine, measures the CPU share other processes took during its window (/proc/stat) and is
 retried above --max-contention (kept and marked after --retries). Results: stdout and bench/results/grpo.json.
 MFU: completions/s x the model FLOPs of one completion (`completion_flops`), over the measured matmul peak.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical; a `--variants` entry may name its precision
+(`lightalign:compact@bf16`); `+async<N>` (max_staleness > 0) is refused under bf16-mixed by design and skipped with a
+note. Both dtypes' matmul peaks are measured once at the start and printed; each run's efficiency is its model FLOP/s
+over the peak of its own dtype. The closing report lists every variant (`framework:setting@precision`: figure,
+efficiency, peak RSS and PSS), each lightalign variant against TRL at the same precision, and best vs best (each
+side's fastest variant over all precisions) with that pair's peak memory ratios.
 """
 
 from __future__ import annotations
@@ -157,7 +166,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter, workdir: Path) -> dic
         generation_backend=backend or None)
     data = PromptDataModule(args.data, tokenizer=args.model_dir, max_prompt_length=args.max_prompt_length,
                             num_workers=0, seed=args.seed)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=harness.lightning_precision(args.precision), max_steps=meter.last,
                         accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.max_grad_norm, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
@@ -204,7 +213,7 @@ def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
         gradient_accumulation_steps=args.grad_accum, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo",
         beta=0.0, max_steps=meter.last, learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch_fused",
-        weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=False, fp16=False, gradient_checkpointing=False,
+        weight_decay=0.0, max_grad_norm=args.max_grad_norm, bf16=harness.trl_bf16(args.precision), fp16=False, gradient_checkpointing=False,
         use_vllm=False, use_cpu=True, dataloader_num_workers=0, eval_strategy="no", save_strategy="no",
         report_to="none", disable_tqdm=True, logging_steps=10, seed=args.seed,
         **trl_generation(args),
@@ -274,14 +283,16 @@ def run_one(args: argparse.Namespace) -> dict:
     pss = harness.PeakPSS()
     extra = (run_lightalign if args.framework == "lightalign" else run_trl)(args, meter, workdir)
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the sampling process, if any
-    return {"framework": args.framework, "variant": f"{args.framework}:{extra['backend']}", **meter.summary(),
+    return {"framework": args.framework, "setting": extra["backend"].split("+")[0], "precision": args.precision,
+            "variant": f"{args.framework}:{extra['backend']}@{args.precision}", **meter.summary(),
             "threads": args.threads, "peak_rss_mb": harness.peak_rss_mb() + children, "peak_pss_mb": pss.stop(),
             **extra}
 
 
 def spawn(args: argparse.Namespace, variant: str) -> dict | None:
-    framework, _, backend = variant.partition(":")
-    argv = ["--framework", framework, "--backend", backend, "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
+    base, precision = harness.split_precision(variant)
+    framework, _, backend = base.partition(":")
+    argv = ["--framework", framework, "--backend", backend, "--precision", precision or "fp32", "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
     for name in ("num_generations", "generation_batch", "grad_accum", "max_completion_length", "max_prompt_length",
                  "steps", "warmup", "threads", "lr", "max_grad_norm", "seed", "prompt_sharing", "eos_bias"):
         if getattr(args, name) is not None:
@@ -327,11 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-contention", type=float, default=0.03,
-                        help="a run during which other processes used more of the machine is retried")
+                        help="a run during which other processes used more of the machine is retried; a negative "
+                             "value neither waits nor retries")
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--out", default="grpo.json", help="file name under bench/results/")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    harness.add_precision_arguments(parser)
     for hidden in ("--framework", "--backend", "--model-dir", "--workdir"):  # set by the parent for its subprocesses
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     return parser
@@ -357,6 +370,10 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     check(args)
+    if args.max_contention is not None and args.max_contention < 0:  # negative: neither wait nor retry
+        args.max_contention = None
+    harness.peaks_of(args)
+    args.variants = harness.drop_refused(harness.expand_precisions(args.variants, args.precisions))
     args.workdir = tempfile.mkdtemp(prefix="bench-grpo-")
     try:
         args.model_dir = str(Path(args.workdir) / "model")
@@ -386,7 +403,8 @@ def run(args: argparse.Namespace) -> dict:
             "sampling": "temperature 1.0, top_p 1.0, top_k 0, KV cache, no vLLM",
             "eos_bias": args.eos_bias, "variants": args.variants,
             "loss": "dapo, beta 0 (no reference), epsilon 0.2, scale_rewards group",
-            "precision": "fp32", "gradient_checkpointing": False, "optimizer": "torch AdamW fused (both defaults), wd 0",
+            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "gradient_checkpointing": False, "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
             "versions": harness.versions(),
@@ -428,10 +446,9 @@ def run(args: argparse.Namespace) -> dict:
             "others_cpu_share", "model_flops_per_sec")
     summary = {v: {k: harness.median_of(runs, k, variant=v) for k in keys}
                for v in dict.fromkeys(r["variant"] for r in runs)}
-    la, tr = (max((row["completions_per_sec"] for v, row in summary.items() if v.startswith(fw + ":")
-                   and row["completions_per_sec"] is not None), default=None) for fw in FRAMEWORKS)
-    return {"settings": settings, "runs": runs, "summary": summary, "ratio": harness.ratio(la, tr),
-            "n_params": n_params}
+    report = harness.precision_report(runs, "completions_per_sec", args.peaks)
+    return {"settings": settings, "runs": runs, "summary": summary,
+            "ratio": (report["best_vs_best"] or {}).get("ratio"), "n_params": n_params, "precision_report": report}
 
 
 def main() -> None:
@@ -453,6 +470,7 @@ def main() -> None:
     contended = sum(r["contended"] for r in result["runs"])
     if contended:
         print(f"WARNING: {contended} run(s) shared the machine with other processes (see above); figures are skewed.")
+    harness.print_precision_report(result["precision_report"])
     print(f"\nwrote {harness.write_json(args.out, result).relative_to(ROOT)}")
 
 

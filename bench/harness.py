@@ -5,8 +5,13 @@
 * frameworks alternate between repeats (``alternate``) and figures are medians (``median_of``);
 * on a shared machine a run waits for a quiet machine first (``wait_for_quiet``) and reports the CPU share other
   processes took during its timed window (``machine_busy_seconds``);
-* the physical limit: ``measure_matmul_flops`` times a large fp32 ``torch.mm``, and ``train_flops`` /
-  ``mfu`` turn a throughput into model FLOPs utilisation against it.
+* the physical limit: ``measure_matmul_flops`` times a large ``torch.mm`` (fp32, or bf16: ``measure_peaks`` gives one
+  per precision), and ``train_flops`` / ``mfu`` turn a throughput into model FLOPs utilisation against it;
+  ``efficiency`` divides by the peak of the run's own precision;
+* precision is a dimension of every variant: ``framework:setting[+suffix...][@fp32|@bf16]`` (``parse_variant``; no
+  ``@``: each of ``--precisions``, ``expand_precisions``), lightalign ``bf16-mixed`` / ``32-true``, TRL ``bf16=True``
+  / ``False``; ``precision_report`` gives every variant's figure, efficiency and peak memory, the lightalign / TRL
+  pairs at the same precision, and best vs best over all precisions.
 
 MFU formula (model FLOPs, i.e. the work the model needs, not what a framework happens to compute):
 
@@ -181,12 +186,14 @@ def child_env(threads: int) -> dict[str, str]:
 def spawn(script: str | Path, argv: Sequence[str], threads: int, label: str) -> dict | None:
     """Run ``script --one argv...`` in a fresh interpreter; return its ``RESULT`` dict, or None (error printed)."""
     cmd = [sys.executable, str(script), "--one", *map(str, argv)]
+    start = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(threads))
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         print(f"{label}: failed (exit {out.returncode})\n{out.stderr[-3000:]}", flush=True)
         return None
-    return json.loads(line[len("RESULT "):])
+    # the process's whole wall time (start-up, loading, warm-up, timed steps): what a sweep's length is made of
+    return {**json.loads(line[len("RESULT "):]), "run_wall_seconds": time.perf_counter() - start}
 
 
 def measured_run(args: Any, meter: Any, train: Any) -> dict:
@@ -199,8 +206,9 @@ def measured_run(args: Any, meter: Any, train: Any) -> dict:
     os.environ["HF_DATASETS_CACHE"] = str(Path(args.workdir) / f"datasets-{os.getpid()}")
     pss = PeakPSS()
     extra = train(args, meter)
-    return {"framework": args.framework, "setting": args.setting, "variant": f"{args.framework}:{args.setting}",
-            **meter.summary(), "threads": args.threads, "peak_rss_mb": peak_rss_mb(), "peak_pss_mb": pss.stop(),
+    precision = getattr(args, "precision", None) or "fp32"
+    return {"framework": args.framework, "setting": args.setting, "precision": precision,
+            "variant": f"{args.framework}:{args.setting}@{precision}", **meter.summary(), "threads": args.threads, "peak_rss_mb": peak_rss_mb(), "peak_pss_mb": pss.stop(),
             **extra}
 
 
@@ -248,13 +256,17 @@ def model_shape(config_dir: str | Path) -> dict:
 # --------------------------------------------------------------------------- FLOPs
 
 
-def measure_matmul_flops(n: int = 4096, threads: int | None = None, repeats: int = 5) -> float:
-    """fp32 FLOP/s of a square ``torch.mm`` of size ``n`` on ``threads`` threads: the best of ``repeats`` timings.
+def measure_matmul_flops(n: int = 4096, threads: int | None = None, repeats: int = 5, dtype: Any = None) -> float:
+    """FLOP/s of a square ``torch.mm`` of size ``n`` in ``dtype`` (default float32) on ``threads`` threads: the best
+    of ``repeats`` timings.
 
     A matmul does 2 * n**3 FLOPs. One untimed warm-up call first. This is the machine's practical peak for the
-    dense fp32 work training is made of, measured in the same run as the benchmarks.
+    dense work of that dtype training is made of, measured in the same run as the benchmarks (bf16 products run
+    on the CPU's bf16 units where it has them: a different peak from float32's).
     """
     import torch
+
+    dtype = torch.float32 if dtype is None else dtype
 
     if n < 64:
         raise ValueError(f"n={n} is too small to measure a peak; use 2048..4096.")
@@ -263,8 +275,8 @@ def measure_matmul_flops(n: int = 4096, threads: int | None = None, repeats: int
         torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(0)
-        a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
-        out = torch.empty(n, n)
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+        out = torch.empty(n, n, dtype=dtype)
         torch.mm(a, b, out=out)
         best = float("inf")
         for _ in range(repeats):
@@ -369,6 +381,203 @@ def sequence_lengths(batch: Any) -> list[int]:
     return [int(batch["input_ids"].shape[-1])] * int(batch["input_ids"].shape[0])
 
 
+# --------------------------------------------------------------------------- precision
+
+PRECISIONS = ("fp32", "bf16")
+LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
+
+
+def split_precision(variant: str) -> tuple[str, str | None]:
+    """``framework:setting[+suffix...][@fp32|@bf16]`` -> (the variant without its precision, the precision or None
+    where it names none)."""
+    base, at, precision = variant.partition("@")
+    if at and precision not in PRECISIONS:
+        raise SystemExit(f"--variants {variant!r}: the precision after @ is one of {list(PRECISIONS)} "
+                         "(no @: every precision of --precisions).")
+    return base, (precision if at else None)
+
+
+def parse_variant(variant: str) -> dict:
+    """The parts of ``framework:setting[+suffix...][@fp32|@bf16]``: framework, setting, suffixes (a list) and
+    precision (fp32 where the variant names none)."""
+    base, precision = split_precision(variant)
+    framework, _, setting = base.partition(":")
+    setting, *suffixes = setting.split("+")
+    return {"framework": framework, "setting": setting, "suffixes": suffixes, "precision": precision or "fp32"}
+
+
+def trl_same_setting(variant: str) -> str:
+    """TRL's variant of the same setting and precision as ``variant``: ``trl:<setting>[@precision]`` (suffixes are
+    lightalign's own; a variant naming no precision gets a name naming none)."""
+    base, precision = split_precision(variant)
+    setting = base.partition(":")[2].partition("+")[0]
+    return f"trl:{setting}" + (f"@{precision}" if precision else "")
+
+
+def default_precisions(flags: frozenset[str] | None = None) -> list[str]:
+    """Both precisions where the CPU computes bf16 natively (``native_bf16``), else fp32 only (emulated bf16 is
+    slower than fp32 there: nothing a user would pick)."""
+    from lightalign.modules.training.cpu_bf16 import native_bf16
+
+    return list(PRECISIONS) if native_bf16(flags) else ["fp32"]
+
+
+def expand_precisions(variants: Sequence[str], precisions: Sequence[str]) -> list[str]:
+    """Each variant without ``@`` once per precision (in ``precisions``' order), one with ``@`` as it is; every
+    name in the result ends in its precision; duplicates dropped, first occurrence kept."""
+    out: list[str] = []
+    for variant in variants:
+        base, precision = split_precision(variant)
+        for p in [precision] if precision else precisions:
+            if f"{base}@{p}" not in out:
+                out.append(f"{base}@{p}")
+    return out
+
+
+def add_precision_arguments(parser: Any) -> None:
+    """``--precisions`` (default: ``default_precisions``) and ``--matmul-n`` (the size of the peak's matmul), plus the
+    hidden ``--precision`` of a child run."""
+    import argparse
+
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=None,
+                        help="precisions of the variants given without @fp32/@bf16 (default: fp32 and bf16 where the "
+                             "CPU has native bf16, else fp32): lightalign precision=bf16-mixed / 32-true, TRL "
+                             "bf16=True / False, everything else identical")
+    parser.add_argument("--matmul-n", type=int, default=4096, help="size of the square matmuls of the peaks")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help=argparse.SUPPRESS)
+
+
+def resolve_precisions(args: Any) -> list[str]:
+    """``args.precisions``, filled with ``default_precisions`` where not given."""
+    if getattr(args, "precisions", None) is None:
+        args.precisions = default_precisions()
+    return args.precisions
+
+
+def lightning_precision(precision: str | None) -> str:
+    """Lightning's ``precision`` of a benchmark precision: ``bf16-mixed`` for bf16, ``32-true`` for fp32."""
+    return LIGHTNING_PRECISION[precision or "fp32"]
+
+
+def trl_bf16(precision: str | None) -> bool:
+    """TRL's ``bf16`` of a benchmark precision (its fastest CPU setting is ``bf16=True, use_cpu=True``)."""
+    return precision == "bf16"
+
+
+def measure_peaks(precisions: Sequence[str], n: int = 4096, threads: int | None = None) -> dict[str, float]:
+    """The matmul peak (``measure_matmul_flops``) of each precision's dtype, FLOP/s by precision name."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return {p: measure_matmul_flops(n=n, threads=threads, dtype=dtypes[p]) for p in precisions}
+
+
+def peaks_of(args: Any) -> dict[str, float]:
+    """``args.peaks`` where a caller (bench/suite.py) measured them, else measured now for ``args.precisions`` on
+    ``args.threads`` threads and printed; stored on ``args``."""
+    if getattr(args, "peaks", None) is None:
+        args.peaks = measure_peaks(resolve_precisions(args), n=args.matmul_n, threads=args.threads)
+        print(peaks_line(args.peaks, args.matmul_n), flush=True)
+    return args.peaks
+
+
+def peaks_line(peaks: dict[str, float], n: int) -> str:
+    return "matmul peak: " + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in peaks.items()) + f" (torch.mm, n={n})"
+
+
+def efficiency(flops_per_sec: float | None, precision: str | None, peaks: dict[str, float] | None) -> float | None:
+    """A run's model FLOP/s over the matmul peak of its own precision's dtype (None without either)."""
+    return mfu(flops_per_sec, (peaks or {}).get(precision or "fp32"))
+
+
+def refused(variant: str) -> str | None:
+    """Why lightalign refuses ``variant`` by design, or None: GRPO/RLOO sampling ahead (``+async<N>``, ``max_staleness``
+    > 0) under bf16-mixed (the sampling process computes in the weights' float32, the policy under bf16 autocast)."""
+    parts = parse_variant(variant)
+    if (parts["framework"] == "lightalign" and parts["precision"] == "bf16"
+            and any(s.startswith("async") and s != "async0" for s in parts["suffixes"])):
+        return "max_staleness > 0 is refused under bf16-mixed by design"
+    return None
+
+
+def drop_refused(variants: Sequence[str]) -> list[str]:
+    """``variants`` without those ``refused`` names, each left out with a printed note."""
+    kept = []
+    for variant in variants:
+        why = refused(variant)
+        if why:
+            print(f"skipping {variant}: {why}", flush=True)
+        else:
+            kept.append(variant)
+    return kept
+
+
+REPORT_KEYS = ("model_flops_per_sec", "peak_rss_mb", "peak_pss_mb")
+
+
+def precision_report(runs: Sequence[dict], figure: str, peaks: dict[str, float] | None) -> dict:
+    """Per variant (``variant`` ends in its precision): the medians of ``figure``, model FLOP/s, peak RSS and PSS,
+    and the efficiency (``efficiency``: against its own precision's peak); each lightalign variant paired with
+    TRL at the same precision (its same setting where TRL ran it, and its fastest variant); and best vs best:
+    lightalign's fastest variant over all precisions against TRL's fastest over all precisions, with the peak
+    memory ratios of that pair."""
+    rows: dict[str, dict] = {}
+    for name in dict.fromkeys(r["variant"] for r in runs):
+        parts = parse_variant(name)
+        row = {"variant": name, **{k: parts[k] for k in ("framework", "setting", "precision")}}
+        for key in (figure, *REPORT_KEYS):
+            row[key] = median_of(runs, key, variant=name)
+        if row[figure] is None:
+            continue
+        row["efficiency"] = efficiency(row["model_flops_per_sec"], parts["precision"], peaks)
+        rows[name] = row
+
+    def fastest(framework: str, **match: Any) -> dict | None:
+        found = [r for r in rows.values() if r["framework"] == framework and all(r[k] == v for k, v in match.items())]
+        return max(found, key=lambda r: r[figure], default=None)
+
+    pairs = []
+    for row in rows.values():
+        if row["framework"] != "lightalign":
+            continue
+        same = fastest("trl", precision=row["precision"], setting=row["setting"])
+        best = fastest("trl", precision=row["precision"])
+        pairs.append({"lightalign": row["variant"], "precision": row["precision"],
+                      "trl_same_setting": same and same["variant"],
+                      "vs_trl_same_setting": same and ratio(row[figure], same[figure]),
+                      "trl_fastest": best and best["variant"],
+                      "vs_trl_fastest": best and ratio(row[figure], best[figure])})
+    la, tr = fastest("lightalign"), fastest("trl")
+    best_vs_best = None if la is None or tr is None else {
+        "lightalign": la["variant"], "trl": tr["variant"], "ratio": ratio(la[figure], tr[figure]),
+        "peak_rss_ratio": ratio(la["peak_rss_mb"], tr["peak_rss_mb"]),
+        "peak_pss_ratio": ratio(la["peak_pss_mb"], tr["peak_pss_mb"])}
+    return {"figure": figure, "peaks_gflops": {p: v / 1e9 for p, v in (peaks or {}).items()},
+            "variants": list(rows.values()), "pairs": pairs, "best_vs_best": best_vs_best}
+
+
+def print_precision_report(report: dict, title: str = "") -> None:
+    """``precision_report`` as three tables: every variant, the pairs at the same precision, best vs best."""
+    figure, pct = report["figure"], lambda v: fmt(None if v is None else 100 * v, ".1f") + ("%" if v else "")
+    print(f"\n{title}every variant ({figure}; efficiency = model FLOP/s over the matmul peak of the run's own "
+          f"dtype: {', '.join(f'{p} {v:.1f} GFLOP/s' for p, v in report['peaks_gflops'].items())})\n"
+          f"| variant | {figure} | efficiency | peak RSS MB | peak PSS MB |\n|---|---|---|---|---|")
+    for r in report["variants"]:
+        print(f"| {r['variant']} | {fmt(r[figure], '.3g')} | {pct(r['efficiency'])} | {fmt(r['peak_rss_mb'], '.0f')} "
+              f"| {fmt(r['peak_pss_mb'], '.0f')} |")
+    if report["pairs"]:
+        print("\n| lightalign variant | TRL same setting, same precision | ratio | TRL fastest, same precision "
+              "| ratio |\n|---|---|---|---|---|")
+        for p in report["pairs"]:
+            print(f"| {p['lightalign']} | {p['trl_same_setting'] or '-'} | {fmt(p['vs_trl_same_setting'], '.2f')} "
+                  f"| {p['trl_fastest'] or '-'} | {fmt(p['vs_trl_fastest'], '.2f')} |")
+    b = report["best_vs_best"]
+    if b:
+        print(f"\nbest vs best (all precisions): {b['lightalign']} / {b['trl']} = {fmt(b['ratio'], '.2f')}x; "
+              f"peak RSS ratio {fmt(b['peak_rss_ratio'], '.2f')}, peak PSS ratio {fmt(b['peak_pss_ratio'], '.2f')}",
+              flush=True)
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -385,16 +594,19 @@ def add_run_arguments(parser: Any) -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    add_precision_arguments(parser)
 
 
 def check_variants(args: Any, settings: Sequence[str], backends: Sequence[str], options: Sequence[str] = ()) -> None:
     """``args.variants`` (``framework:setting``, lightalign's with optional ``+<sampler>`` and ``+<option>``
-    suffixes) checked; None becomes every setting for both frameworks. Also refuses ``--warmup`` < 1 (the clock
-    starts at the end of that step)."""
+    suffixes, each with an optional ``@fp32`` / ``@bf16``) checked; None becomes every setting for both frameworks.
+    Then expanded over ``args.precisions`` (``expand_precisions``), lightalign's variants refused in a precision
+    dropped with a note (``drop_refused``). Also refuses ``--warmup`` < 1 (the clock starts at the end of that
+    step)."""
     if args.variants is None:
         args.variants = [f"{fw}:{s}" for s in settings for fw in FRAMEWORKS]
     for variant in args.variants:
-        framework, _, setting = variant.partition(":")
+        framework, _, setting = split_precision(variant)[0].partition(":")
         setting, *suffixes = setting.split("+")
         if framework not in FRAMEWORKS or setting not in settings:
             raise SystemExit(f"--variants {variant!r}: use framework:setting with a framework of {list(FRAMEWORKS)} "
@@ -406,11 +618,13 @@ def check_variants(args: Any, settings: Sequence[str], backends: Sequence[str], 
                                 else "."))
     if args.warmup < 1:
         raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
+    args.variants = drop_refused(expand_precisions(args.variants, resolve_precisions(args)))
 
 
 def run_settings(args: Any) -> dict:
     """The settings ``add_run_arguments`` set, for ``print_settings`` (constant learning rate)."""
     return {"lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
+            "precisions": f"{' / '.join(args.precisions)} (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats, "versions": versions()}
 
 

@@ -12,7 +12,7 @@ frameworks load. Data: unpaired rows generated at run time (bench/data.py, kind 
 every batch holds both kinds), or --data. Both sides: the `kto` loss (the KL estimate: every row also runs its
 prompt with another row's completion, without gradients, on the policy and on the reference), TRL's sequential
 order (lightalign `shuffle: false`; KTOConfig's default `train_sampling_strategy="sequential"`), batch of
---batch-size rows, no accumulation, max_length on both sides, fp32, torch AdamW fused, constant lr, clip 1.0.
+--batch-size rows, no accumulation, max_length on both sides, --precisions, torch AdamW fused, constant lr, clip 1.0.
 TRL's side at its best CPU settings (gradient checkpointing off, as lightalign; `--trl-config defaults` keeps
 KTOConfig's default `gradient_checkpointing=True`). Two modes: `online` (the frozen reference forwards every batch)
 and `precomputed` (`precompute_ref_log_probs=True`: one reference pass before training at the training batch size,
@@ -21,6 +21,14 @@ alternating; rows/s counts the rows of the --steps optimizer steps after --warmu
 end by a callback. Contention: each run waits for a quiet machine first (--max-contention) and reports the share of
 the machine other processes took during its timed window; a negative --max-contention does not wait (the figures
 are then contended and labelled so). Results: stdout and bench/results/kto.json (medians over --repeats).
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical. Both dtypes' matmul peaks are measured once at the start
+and printed; each run's efficiency is its model FLOP/s over the peak of its own dtype. The closing report lists every
+variant (`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at
+the same precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory
+ratios.
 """
 
 from __future__ import annotations
@@ -71,7 +79,7 @@ def run_lightalign(args: argparse.Namespace, precompute: bool, meter: Meter, wor
     data = UnpairedPreferenceDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length,
                                         batch_size=args.batch_size, val_batch_size=args.batch_size, num_workers=0,
                                         shuffle=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=harness.lightning_precision(args.precision), max_steps=meter.last,
                         accumulate_grad_batches=1, gradient_clip_val=args.max_grad_norm, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
@@ -108,7 +116,7 @@ def run_trl(args: argparse.Namespace, precompute: bool, meter: Meter, workdir: P
         output_dir=str(workdir / "trl_out"), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
         max_steps=meter.last, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=args.max_grad_norm, beta=args.beta,
-        loss_type="kto", max_length=args.max_length, precompute_ref_log_probs=precompute, bf16=False, fp16=False,
+        loss_type="kto", max_length=args.max_length, precompute_ref_log_probs=precompute, bf16=harness.trl_bf16(args.precision), fp16=False,
         gradient_checkpointing=args.trl_config == "defaults", use_cpu=True, dataloader_num_workers=0,
         train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no", report_to="none",
         disable_tqdm=True, logging_steps=10, seed=args.seed,
@@ -130,6 +138,7 @@ def run_one(args: argparse.Namespace) -> dict:
     meter = Meter(args.warmup, args.steps)
     window = harness.Window()
     window.start()
+    pss = harness.PeakPSS()
     run = run_lightalign if args.framework == "lightalign" else run_trl
     extra = run(args, args.mode == "precomputed", meter, workdir)
     window.stop()
@@ -139,7 +148,8 @@ def run_one(args: argparse.Namespace) -> dict:
     return {"framework": args.framework, "mode": args.mode, "rows_per_sec": meter.pairs / seconds,
             "tokens_per_sec": meter.tokens / seconds, "seconds": seconds, "rows": meter.pairs,
             "tokens": meter.tokens, "last_loss": meter.loss, "threads": meter.threads,
-            "peak_rss_mb": harness.peak_rss_mb(), "others_cpu_share": window.others_cpu_share,
+            "peak_rss_mb": harness.peak_rss_mb(), "peak_pss_mb": pss.stop(), "precision": args.precision,
+            "others_cpu_share": window.others_cpu_share,
             "median_step_seconds": statistics.median(meter.step_seconds), **extra}
 
 
@@ -190,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--trl-config", choices=("best", "defaults"), default="best",
                         help="TRL's side: `best` = gradient checkpointing off (as lightalign); `defaults` = "
-                             "KTOConfig's gradient_checkpointing=True. fp32 on both sides either way")
+                             "KTOConfig's gradient_checkpointing=True. Precision: --precisions, the same on both sides")
     parser.add_argument("--recompute-mlp-activation", choices=("on", "off"), default="on",
                         help="lightalign's recompute_mlp_activation (MLP activation memory for some compute; its "
                              "default: on)")
@@ -200,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "negative: do not wait (figures marked contended)")
     parser.add_argument("--out", default="kto.json", help="file name under bench/results/")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    harness.add_precision_arguments(parser)
     for hidden in ("--framework", "--mode", "--model-dir", "--workdir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     return parser
@@ -208,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> dict:
     """Build the model (and data), run every (mode, framework) --repeats times; return the result."""
     contention = None if args.max_contention is None or args.max_contention < 0 else args.max_contention
+    harness.peaks_of(args)
     args.workdir = tempfile.mkdtemp(prefix="bench-kto-")
     try:
         args.model_dir = str(Path(args.workdir) / "model")
@@ -224,7 +236,8 @@ def run(args: argparse.Namespace) -> dict:
             "model": f"{Path(args.model).name}: {n_params / 1e6:.1f}M params, seed {args.seed}, saved once, both load",
             "data": f"generated unpaired rows, shape {args.shape}, mean {args.mean_length} words" if generated
             else Path(args.data).name, "batch_rows": args.batch_size, "grad_accum": 1,
-            "max_length": args.max_length, "loss_type": "kto", "beta": args.beta, "precision": "fp32",
+            "max_length": args.max_length, "loss_type": "kto", "beta": args.beta,
+            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
             "order": "sequential (lightalign shuffle false, TRL train_sampling_strategy sequential)",
             "gradient_checkpointing": "lightalign off; TRL " + ("off (best)" if args.trl_config == "best"
                                                                  else "on (KTOConfig default)"),
@@ -238,7 +251,7 @@ def run(args: argparse.Namespace) -> dict:
         flops = {mode: window_flops(args, mode == "online") for mode in args.modes}
         runs = []
         for r in range(args.repeats):
-            for mode in args.modes:
+            for mode, precision in [(m, p) for m in args.modes for p in args.precisions]:
                 for framework in harness.alternate(args.frameworks, r):
                     harness.wait_for_quiet(contention)
                     argv = ["--framework", framework, "--mode", mode, "--model-dir", args.model_dir, "--workdir",
@@ -246,15 +259,16 @@ def run(args: argparse.Namespace) -> dict:
                             args.max_length, "--steps", args.steps, "--warmup", args.warmup, "--threads",
                             args.threads, "--lr", args.lr, "--beta", args.beta, "--max-grad-norm",
                             args.max_grad_norm, "--seed", args.seed, "--trl-config", args.trl_config,
-                            "--recompute-mlp-activation", args.recompute_mlp_activation]
-                    res = harness.spawn(__file__, argv, args.threads, f"kto {mode} {framework}")
+                            "--recompute-mlp-activation", args.recompute_mlp_activation, "--precision", precision]
+                    name = f"{framework}:{mode}@{precision}"
+                    res = harness.spawn(__file__, argv, args.threads, f"kto {name}")
                     if res is None:
                         continue
-                    res.update(repeat=r + 1, model_flops_per_sec=flops[mode] / res["seconds"],
+                    res.update(repeat=r + 1, variant=name, setting=mode, model_flops_per_sec=flops[mode] / res["seconds"],
                                contended=contention is None or res["others_cpu_share"] > contention)
                     runs.append(res)
                     pre = f"  precompute {res['precompute_seconds']:.1f} s" if res["precompute_seconds"] else ""
-                    print(f"[{r + 1}/{args.repeats}] {mode} {framework}: {res['rows_per_sec']:.2f} rows/s "
+                    print(f"[{r + 1}/{args.repeats}] {name}: {res['rows_per_sec']:.2f} rows/s "
                           f"(median step {res['median_step_seconds']:.2f} s)  peak RSS {res['peak_rss_mb']:.0f} MB"
                           f"  last loss {res['last_loss']:.4f}  threads {res['threads']}  other processes "
                           f"{100 * res['others_cpu_share']:.0f}% of the machine{pre}", flush=True)
@@ -262,14 +276,16 @@ def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
     summary = []
-    for mode in args.modes:
-        row = {"mode": mode}
+    for mode, precision in [(m, p) for m in args.modes for p in args.precisions]:
+        row = {"mode": mode, "precision": precision}
         for fw in FRAMEWORKS:
-            for k in ("rows_per_sec", "model_flops_per_sec", "peak_rss_mb", "precompute_seconds", "others_cpu_share"):
-                row[f"{fw}_{k}"] = harness.median_of(runs, k, framework=fw, mode=mode)
+            for k in ("rows_per_sec", "model_flops_per_sec", "peak_rss_mb", "peak_pss_mb", "precompute_seconds",
+                      "others_cpu_share"):
+                row[f"{fw}_{k}"] = harness.median_of(runs, k, framework=fw, mode=mode, precision=precision)
         row["ratio"] = harness.ratio(row["lightalign_rows_per_sec"], row["trl_rows_per_sec"])
         summary.append(row)
-    return {"settings": settings, "runs": runs, "summary": summary, "n_params": n_params}
+    return {"settings": settings, "runs": runs, "summary": summary, "n_params": n_params,
+            "precision_report": harness.precision_report(runs, "rows_per_sec", args.peaks)}
 
 
 def main() -> None:
@@ -281,17 +297,18 @@ def main() -> None:
         return
     result = run(args)
     fmt = harness.fmt
-    print("\n| mode | lightalign rows/s | TRL rows/s | ratio | lightalign peak RSS MB | TRL peak RSS MB "
-          "| precompute s (lightalign / TRL) |\n|---|---|---|---|---|---|---|")
+    print("\n| mode | precision | lightalign rows/s | TRL rows/s | ratio | lightalign peak RSS MB | TRL peak RSS MB "
+          "| precompute s (lightalign / TRL) |\n|---|---|---|---|---|---|---|---|")
     for row in result["summary"]:
         pre = ("-" if row["mode"] == "online" else
                f"{fmt(row['lightalign_precompute_seconds'], '.1f')} / {fmt(row['trl_precompute_seconds'], '.1f')}")
-        print(f"| {row['mode']} | {fmt(row['lightalign_rows_per_sec'], '.2f')} | {fmt(row['trl_rows_per_sec'], '.2f')} "
+        print(f"| {row['mode']} | {row['precision']} | {fmt(row['lightalign_rows_per_sec'], '.2f')} | {fmt(row['trl_rows_per_sec'], '.2f')} "
               f"| {fmt(row['ratio'], '.2f')}x | {fmt(row['lightalign_peak_rss_mb'], '.0f')} "
               f"| {fmt(row['trl_peak_rss_mb'], '.0f')} | {pre} |")
     contended = sum(r["contended"] for r in result["runs"])
     if contended:
         print(f"WARNING: {contended} run(s) shared the machine with other processes (see above); figures are skewed.")
+    harness.print_precision_report(result["precision_report"])
     print(f"\nwrote {harness.write_json(args.out, result).relative_to(ROOT)}")
 
 

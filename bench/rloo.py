@@ -16,7 +16,7 @@ optimizer step on both sides. lightalign gets `generation_batch_size=G` and `acc
 its `generation_batch_size` is G). `num_iterations` 1, `beta` (default 0.05, TRL's; the KL goes into the reward on
 both sides, so both run a reference forward over every rollout, and both keep the sampling policy's log-probs for it),
 `normalize_advantages` off, `epsilon` 0.2, `generate` with the KV cache (no vLLM), temperature 1, top_p 1, top_k 0,
-fp32, no gradient checkpointing, constant learning rate, clip 1.0, torch AdamW, no eval, checkpoints or loggers.
+--precisions, no gradient checkpointing, constant learning rate, clip 1.0, torch AdamW, no eval, checkpoints or loggers.
 With `--beta 0` lightalign skips the old-policy forward (on-policy, the ratio is 1 by definition) while TRL still
 runs it: that is a difference of the implementations, measured as such. `--prompt-sharing on` trains each group's
 prompt once on lightalign's side (RLOOModule's `prompt_sharing`, as in bench/grpo.py; TRL has no such layout).
@@ -26,6 +26,14 @@ callback times optimizer steps --warmup+1 .. --warmup+--steps: completions/s = c
 that window per second; also the generation and reward shares of the window and the mean completion length.
 Contention: as bench/grpo.py (wait for a quiet machine, measure the other processes' CPU share in the window, retry
 above --max-contention). Results: stdout and bench/results/rloo.json.
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical. Both dtypes' matmul peaks are measured once at the start
+and printed; each run's efficiency is its model FLOP/s over the peak of its own dtype. The closing report lists every
+variant (`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at
+the same precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory
+ratios.
 """
 
 from __future__ import annotations
@@ -45,7 +53,14 @@ import grpo as bench_grpo  # noqa: E402
 import harness  # noqa: E402
 
 ROOT, FRAMEWORKS = harness.ROOT, harness.FRAMEWORKS
-Meter, check = bench_grpo.Meter, bench_grpo.check
+Meter = bench_grpo.Meter
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.warmup < 1:
+        raise SystemExit("--warmup must be >= 1 (the clock starts at the end of optimizer step --warmup).")
+    if args.generation_batch % args.num_generations or args.generation_batch % args.grad_accum:
+        raise SystemExit("--generation-batch must be divisible by --num-generations and by --grad-accum.")
 
 
 def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
@@ -80,7 +95,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
         temperature=1.0, beta=args.beta, normalize_advantages=False, epsilon=0.2, learning_rate=args.lr,
         lr_scheduler_type="constant", prompt_sharing=args.prompt_sharing == "on")
     data = PromptDataModule(args.data, tokenizer=args.model_dir, num_workers=0, seed=args.seed)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=harness.lightning_precision(args.precision), max_steps=meter.last,
                         accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.max_grad_norm, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
@@ -123,7 +138,7 @@ def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
         max_completion_length=args.max_completion_length, temperature=1.0, top_p=1.0, top_k=0, beta=args.beta,
         normalize_advantages=False, epsilon=0.2, num_iterations=1, max_steps=meter.last, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused", weight_decay=0.0,
-        max_grad_norm=args.max_grad_norm, bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False,
+        max_grad_norm=args.max_grad_norm, bf16=harness.trl_bf16(args.precision), fp16=False, gradient_checkpointing=False, use_vllm=False,
         use_cpu=True, dataloader_num_workers=0, eval_strategy="no", save_strategy="no", report_to="none",
         disable_tqdm=True, logging_steps=10, seed=args.seed,
     )
@@ -148,17 +163,21 @@ def run_one(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"rloo-{args.framework}-", dir=args.workdir))
     os.environ["HF_DATASETS_CACHE"] = str(workdir / "datasets")  # no dataset cache hit across runs
     meter = Meter(args.warmup, args.steps)
+    pss = harness.PeakPSS()
     extra = run_lightalign(args, meter) if args.framework == "lightalign" else run_trl(args, meter, workdir)
-    return {"framework": args.framework, **meter.summary(), "threads": torch.get_num_threads(),
-            "peak_rss_mb": harness.peak_rss_mb(), **extra}
+    setting = "default" if args.framework == "lightalign" else "generate"  # lightalign's default sampler; TRL's
+    return {"framework": args.framework, "setting": setting, "precision": args.precision,
+            "variant": f"{args.framework}:{setting}@{args.precision}", **meter.summary(),
+            "threads": torch.get_num_threads(), "peak_rss_mb": harness.peak_rss_mb(), "peak_pss_mb": pss.stop(),
+            **extra}
 
 
-def spawn(args: argparse.Namespace, framework: str) -> dict | None:
-    argv = ["--framework", framework, "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
+def spawn(args: argparse.Namespace, framework: str, precision: str = "fp32") -> dict | None:
+    argv = ["--framework", framework, "--precision", precision, "--model-dir", args.model_dir, "--workdir", args.workdir, "--data", args.data]
     for name in ("num_generations", "generation_batch", "grad_accum", "max_completion_length", "beta", "steps",
                  "warmup", "threads", "lr", "max_grad_norm", "seed", "prompt_sharing"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return harness.spawn(__file__, argv, args.threads, f"rloo {framework}")
+    return harness.spawn(__file__, argv, args.threads, f"rloo {framework}@{precision}")
 
 
 def completion_flops(args: argparse.Namespace, mean_prompt: float, mean_completion: float) -> float:
@@ -201,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--out", default="rloo.json", help="file name under bench/results/")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    harness.add_precision_arguments(parser)
     for hidden in ("--framework", "--model-dir", "--workdir"):  # set by the parent for its subprocesses
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     return parser
@@ -211,6 +231,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     check(args)
+    harness.peaks_of(args)
     contention = None if args.max_contention is None or args.max_contention < 0 else args.max_contention
     args.workdir = tempfile.mkdtemp(prefix="bench-rloo-")
     try:
@@ -238,7 +259,8 @@ def run(args: argparse.Namespace) -> dict:
             "lightalign_prompt_sharing": args.prompt_sharing,
             "sampling": "temperature 1.0, top_p 1.0, top_k 0, generate() with KV cache, no vLLM",
             "loss": f"RLOO, beta {args.beta} (KL in the reward), epsilon 0.2, normalize_advantages off",
-            "precision": "fp32", "gradient_checkpointing": False,
+            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "gradient_checkpointing": False,
             "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
@@ -249,10 +271,11 @@ def run(args: argparse.Namespace) -> dict:
         mean_prompt = statistics.mean(prompt_lens)
         runs = []
         for r in range(args.repeats):
-            for framework in harness.alternate(args.frameworks, r):
+            for framework, precision in [(fw, p) for p in args.precisions
+                                         for fw in harness.alternate(args.frameworks, r)]:
                 for attempt in range(args.retries + 1):  # 2 shared cores: a busy machine skews everything
                     quiet = harness.wait_for_quiet(contention, timeout=900)
-                    res = spawn(args, framework)
+                    res = spawn(args, framework, precision)
                     if res is None or contention is None or res["others_cpu_share"] <= contention:
                         break
                     print(f"[{r + 1}/{args.repeats}] {framework:>10}: other processes used "
@@ -265,23 +288,23 @@ def run(args: argparse.Namespace) -> dict:
                 res["model_flops_per_sec"] = res["completions_per_sec"] * completion_flops(
                     args, mean_prompt, res["mean_completion_length"])
                 runs.append(res)
-                print(f"[{r + 1}/{args.repeats}] {framework:>10}: {res['completions_per_sec']:6.2f} completions/s "
+                print(f"[{r + 1}/{args.repeats}] {res['variant']:>24}: {res['completions_per_sec']:6.2f} completions/s "
                       f"{res['completion_tokens_per_sec']:6.0f} tokens/s  "
                       f"mean length {res['mean_completion_length']:5.2f}"
                       f"  generation {100 * res['generation_share']:4.1f}%  reward {100 * res['reward_share']:4.2f}%"
-                      f"  peak RSS {res['peak_rss_mb']:6.0f} MB\n{'':>16}threads {res['threads']} (CPU/wall "
+                      f"  peak RSS {res['peak_rss_mb']:6.0f} MB (PSS {res['peak_pss_mb']:6.0f})\n{'':>16}threads {res['threads']} (CPU/wall "
                       f"{res['cpu_per_wall']:.2f}, other processes {100 * res['others_cpu_share']:.0f}% of the machine)"
                       f"  attn {res['attn']}  {res['shape']}", flush=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
-    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "generation_share", "reward_share",
-            "others_cpu_share", "model_flops_per_sec")
-    summary = {fw: {k: harness.median_of(runs, k, framework=fw) for k in keys}
-               for fw in args.frameworks if any(r["framework"] == fw for r in runs)}
-    la, tr = (summary.get(fw, {}).get("completions_per_sec") for fw in FRAMEWORKS)
-    return {"settings": settings, "runs": runs, "summary": summary, "ratio": harness.ratio(la, tr),
-            "n_params": n_params}
+    keys = ("completions_per_sec", "mean_completion_length", "peak_rss_mb", "peak_pss_mb", "generation_share",
+            "reward_share", "others_cpu_share", "model_flops_per_sec")
+    summary = {v: {k: harness.median_of(runs, k, variant=v) for k in keys}
+               for v in dict.fromkeys(r["variant"] for r in runs)}
+    report = harness.precision_report(runs, "completions_per_sec", args.peaks)
+    return {"settings": settings, "runs": runs, "summary": summary,
+            "ratio": (report["best_vs_best"] or {}).get("ratio"), "n_params": n_params, "precision_report": report}
 
 
 def main() -> None:
@@ -292,16 +315,18 @@ def main() -> None:
         harness.emit(run_one(args))
         return
     result = run(args)
-    print("\n| framework | completions/s | mean completion length | generation share | peak RSS MB |"
+    print("\n| variant | completions/s | mean completion length | generation share | peak RSS MB |"
           "\n|---|---|---|---|---|")
     for fw, row in result["summary"].items():
         print(f"| {fw} | {row['completions_per_sec']:.2f} | {row['mean_completion_length']:.2f} "
               f"| {100 * row['generation_share']:.0f}% | {row['peak_rss_mb']:.0f} |")
     if result["ratio"] is not None:
-        print(f"\nlightalign / TRL completions/s: {result['ratio']:.2f}x (median of {args.repeats} run(s) each)")
+        print(f"\nbest lightalign / best TRL completions/s: {result['ratio']:.2f}x (median of {args.repeats} run(s) "
+              "each)")
     contended = sum(r["contended"] for r in result["runs"])
     if contended:
         print(f"WARNING: {contended} run(s) shared the machine with other processes (see above); figures are skewed.")
+    harness.print_precision_report(result["precision_report"])
     print(f"\nwrote {harness.write_json(args.out, result).relative_to(ROOT)}")
 
 

@@ -16,6 +16,14 @@ micro-batches (bench/harness.py's gemm_floor_seconds, timed once in the parent p
 run is measured against the same timings) over the run's wall time: how close a run comes to the machine's own
 limit on that work. Each (framework, variant) runs in its own process, frameworks alternating; figures are
 medians over --repeats. Results: a table and bench/results/sft.json (--out to change).
+
+Precision (bench/harness.py, the same for every script): `--precisions fp32 bf16` (default: both where the CPU has
+native bf16, else fp32) runs each variant in each precision, lightalign with `precision="bf16-mixed"` / `"32-true"`,
+TRL with `bf16=True` / `False`, everything else identical. Both dtypes' matmul peaks are measured once at the start
+and printed; each run's efficiency is its model FLOP/s over the peak of its own dtype. The closing report lists every
+variant (`framework:setting@precision`: figure, efficiency, peak RSS and PSS), each lightalign variant against TRL at
+the same precision, and best vs best (each side's fastest variant over all precisions) with that pair's peak memory
+ratios.
 """
 
 from __future__ import annotations
@@ -87,7 +95,7 @@ def run_lightalign(args: argparse.Namespace, meter: Meter) -> dict:
                        recompute_mlp_activation=args.recompute_mlp_activation == "on")
     data = SFTDataModule(args.data, tokenizer=args.model_dir, max_length=args.max_length, batch_size=args.batch_size,
                          num_workers=0, shuffle=args.variant == "group_by_length", seed=args.seed, **extra)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=meter.last,
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=harness.lightning_precision(args.precision), max_steps=meter.last,
                         accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.max_grad_norm, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
@@ -118,7 +126,7 @@ def run_trl(args: argparse.Namespace, meter: Meter, workdir: Path) -> dict:
         gradient_accumulation_steps=args.grad_accum, max_steps=meter.last, learning_rate=args.lr,
         lr_scheduler_type="constant", optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
         **{"max_length": args.max_length, **variant}, truncation_mode="keep_start", completion_only_loss=True,
-        bf16=False, fp16=False,
+        bf16=harness.trl_bf16(args.precision), fp16=False,
         gradient_checkpointing=args.gradient_checkpointing == "on", use_cpu=True, dataloader_num_workers=0,
         eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10,
         seed=args.seed)
@@ -137,9 +145,11 @@ def run_one(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"sft-{args.framework}-{args.variant}-", dir=args.workdir))
     os.environ["HF_DATASETS_CACHE"] = str(workdir / "datasets")  # no dataset cache hit across runs
     meter = Meter(args.warmup, args.steps)
+    pss = harness.PeakPSS()
     extra = run_lightalign(args, meter) if args.framework == "lightalign" else run_trl(args, meter, workdir)
-    base = {"framework": args.framework, "variant": args.variant, "threads": torch.get_num_threads(),
-            "peak_rss_mb": harness.peak_rss_mb()}
+    base = {"framework": args.framework, "setting": args.variant, "precision": args.precision,
+            "variant": f"{args.framework}:{args.variant}@{args.precision}", "threads": torch.get_num_threads(),
+            "peak_rss_mb": harness.peak_rss_mb(), "peak_pss_mb": pss.stop()}
     if "unavailable" in extra:
         return {**base, **extra}
     if meter.window.seconds is None:
@@ -179,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-contention", type=float, help="wait before each run until others use less of the machine")
     p.add_argument("--out", default="sft.json", help="file name under bench/results/")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    harness.add_precision_arguments(p)
     for hidden in ("--framework", "--variant", "--model-dir", "--workdir", "--n-params"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     return p
@@ -193,6 +204,7 @@ def run(args: argparse.Namespace) -> dict:
     """Build the model and data, run every (variant, framework) --repeats times; return settings, runs, summary."""
     import shutil
 
+    harness.peaks_of(args)
     args.workdir = tempfile.mkdtemp(prefix="bench-sft-")
     try:
         args.model_dir = str(Path(args.workdir) / "model")
@@ -207,7 +219,8 @@ def run(args: argparse.Namespace) -> dict:
             else f"generated prompt-completion, shape {args.shape}, mean {args.mean_length} words",
             "max_length": args.max_length, "truncation_mode": "keep_start", "loss": "completion only",
             "batch": args.batch_size, "grad_accum": args.grad_accum,
-            "gradient_checkpointing": args.gradient_checkpointing, "precision": "fp32",
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
             "lightalign_retain_cpu_memory": args.retain_cpu_memory,
             "lightalign_recompute_mlp_activation": args.recompute_mlp_activation,
             "optimizer": "torch AdamW fused (both defaults), wd 0", "lr": f"{args.lr} constant",
@@ -221,15 +234,15 @@ def run(args: argparse.Namespace) -> dict:
         argv = [x for name in CHILD_FLAGS for x in ("--" + name.replace("_", "-"), getattr(args, name))]
         runs = []
         for r in range(args.repeats):
-            for variant in args.variants:
+            for variant, precision in [(v, p) for v in args.variants for p in args.precisions]:
                 for fw in harness.alternate(args.frameworks, r):
                     harness.wait_for_quiet(args.max_contention)
-                    res = harness.spawn(__file__, argv + ["--framework", fw, "--variant", variant], args.threads,
-                                        f"sft {variant} {fw}")
+                    res = harness.spawn(__file__, argv + ["--framework", fw, "--variant", variant, "--precision",
+                                                          precision], args.threads, f"sft {variant}@{precision} {fw}")
                     if res is None:
                         continue
                     runs.append({**res, "repeat": r + 1})
-                    print(f"[{r + 1}/{args.repeats}] {variant} {fw}: " + (
+                    print(f"[{r + 1}/{args.repeats}] {variant}@{precision} {fw}: " + (
                         res["unavailable"] if "unavailable" in res else
                         f"{res['tokens_per_sec']:.0f} tokens/s  peak RSS {res['peak_rss_mb']:.0f} MB  "
                         f"others {100 * (res['others_cpu_share'] or 0):.0f}% of the machine"), flush=True)
@@ -245,18 +258,20 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     summary = []
-    for variant in args.variants:
-        row = {"variant": variant}
+    for variant, precision in [(v, p) for v in args.variants for p in args.precisions]:
+        row = {"variant": variant, "precision": precision}
         for fw in args.frameworks:
-            for key in ("tokens_per_sec", "model_flops_per_sec", "gemm_share", "peak_rss_mb"):
-                row[f"{fw}_{key}"] = harness.median_of(measured, key, framework=fw, variant=variant)
-            missing = [r["unavailable"] for r in runs if r["framework"] == fw and r["variant"] == variant
-                       and "unavailable" in r]
+            for key in ("tokens_per_sec", "model_flops_per_sec", "gemm_share", "peak_rss_mb", "peak_pss_mb"):
+                row[f"{fw}_{key}"] = harness.median_of(measured, key, framework=fw, setting=variant,
+                                                       precision=precision)
+            missing = [r["unavailable"] for r in runs if r["framework"] == fw and r["setting"] == variant
+                       and r["precision"] == precision and "unavailable" in r]
             if missing:
                 row[f"{fw}_unavailable"] = missing[0]
         row["ratio"] = harness.ratio(row.get("lightalign_tokens_per_sec"), row.get("trl_tokens_per_sec"))
         summary.append(row)
-    return {"settings": settings, "runs": runs, "summary": summary, "n_params": args.n_params}
+    return {"settings": settings, "runs": runs, "summary": summary, "n_params": args.n_params,
+            "precision_report": harness.precision_report(measured, "tokens_per_sec", args.peaks)}
 
 
 def main() -> None:
@@ -269,15 +284,16 @@ def main() -> None:
     if args.data:
         args.data = str(Path(args.data).resolve())
     result = run(args)
-    print("\n| variant | lightalign tokens/s | TRL tokens/s | ratio | GEMM share (lightalign / TRL) "
-          "| lightalign peak RSS MB | TRL peak RSS MB |\n|---|---|---|---|---|---|---|")
+    print("\n| variant | precision | lightalign tokens/s | TRL tokens/s | ratio | GEMM share (lightalign / TRL) "
+          "| lightalign peak RSS MB | TRL peak RSS MB |\n|---|---|---|---|---|---|---|---|")
     for row in result["summary"]:
-        print(f"| {row['variant']} | {harness.fmt(row.get('lightalign_tokens_per_sec'), '.0f')} "
+        print(f"| {row['variant']} | {row['precision']} | {harness.fmt(row.get('lightalign_tokens_per_sec'), '.0f')} "
               f"| {harness.fmt(row.get('trl_tokens_per_sec'), '.0f')} | {harness.fmt(row['ratio'], '.2f')} "
               f"| {harness.fmt(row.get('lightalign_gemm_share'), '.1%')} "
               f"/ {harness.fmt(row.get('trl_gemm_share'), '.1%')} "
               f"| {harness.fmt(row.get('lightalign_peak_rss_mb'), '.0f')} "
               f"| {harness.fmt(row.get('trl_peak_rss_mb'), '.0f')} |")
+    harness.print_precision_report(result["precision_report"])
     print(f"\nwrote {harness.write_json(args.out, result).relative_to(harness.ROOT)}")
 
 

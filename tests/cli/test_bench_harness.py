@@ -157,30 +157,15 @@ def test_rloo_flops_count_the_reference_and_old_policy_forwards_only_with_a_kl_p
     assert rloo.completion_flops(args, 4.0, 6.0) == pytest.approx(3 * fwd + train)
 
 
-def test_suite_rows_of_kto_and_rloo_and_no_target_for_them():
-    suite = load("suite")
-    kto_result = {"summary": [{"mode": "online", "lightalign_rows_per_sec": 3.0, "trl_rows_per_sec": 2.0,
-                               "lightalign_model_flops_per_sec": 1e9, "trl_model_flops_per_sec": 5e8,
-                               "lightalign_peak_rss_mb": 500.0, "trl_peak_rss_mb": 600.0}]}
-    (row,) = suite.rows_of("kto", kto_result, "small", "longtail", 1e10)
-    assert (row["variant"], row["unit"], row["ratio"], row["lightalign_mfu"]) == ("online ref", "rows/s", 1.5, 0.1)
-    rloo_result = {"summary": {
-        "lightalign": {"completions_per_sec": 4.0, "model_flops_per_sec": 2e9, "peak_rss_mb": 1.0},
-        "trl": {"completions_per_sec": 2.0, "model_flops_per_sec": 1e9, "peak_rss_mb": 2.0}}}
-    (row,) = suite.rows_of("rloo", rloo_result, "small", "longtail", 1e10)
-    assert (row["unit"], row["ratio"], row["trl_peak_rss_mb"]) == ("completions/s", 2.0, 2.0)
-    assert all("kto" not in t["target"] and "rloo" not in t["target"] for t in suite.targets([row]))
-
-
 def test_distill_bench_settings_ratios_and_rows(tmp_path):
     # bench/distill.py: every GKD setting for both frameworks by default, interleaved; a typo refused naming the
     # settings; each variant compared with TRL's same setting and with TRL's fastest; the same conversations in
     # lightalign's (prompt / completion messages) and TRL's (messages) format
     distill = load("distill")
-    args = distill.build_parser().parse_args([])
+    args = distill.build_parser().parse_args(["--precisions", "fp32"])
     distill.check(args)
     settings = ("lmbda0", "lmbda0.5", "lmbda1", "seq_kd")
-    assert args.variants == [f"{fw}:{s}" for s in settings for fw in ("lightalign", "trl")]
+    assert args.variants == [f"{fw}:{s}@fp32" for s in settings for fw in ("lightalign", "trl")]
     with pytest.raises(SystemExit, match=r"^--variants 'trl:lmbda2': use framework:setting .* "
                                          r"\['lmbda0', 'lmbda0.5', 'lmbda1', 'seq_kd'\]"):
         distill.check(distill.build_parser().parse_args(["--variants", "trl:lmbda2"]))
@@ -227,9 +212,9 @@ def test_online_dpo_bench_settings_ratios_and_prompts(tmp_path):
     # variant compared with TRL's same setting (a sampler suffix is lightalign's, not a setting); the same prompts for
     # both; `short` samples the demo's 8 tokens, `long` --max-new-tokens
     online = load("online_dpo")
-    args = online.build_parser().parse_args([])
+    args = online.build_parser().parse_args(["--precisions", "fp32"])
     online.check(args)
-    assert args.variants == [f"{fw}:{s}" for s in ("short", "long") for fw in ("lightalign", "trl")]
+    assert args.variants == [f"{fw}:{s}@fp32" for s in ("short", "long") for fw in ("lightalign", "trl")]
     with pytest.raises(SystemExit, match=r"^--variants 'trl:medium': use framework:setting .* \['short', 'long'\]"):
         online.check(online.build_parser().parse_args(["--variants", "trl:medium"]))
     with pytest.raises(SystemExit, match=r"^--variants 'trl:long\+compact': a \+<backend> suffix is lightalign's"):
@@ -241,6 +226,12 @@ def test_online_dpo_bench_settings_ratios_and_prompts(tmp_path):
 
     runs = [run("lightalign:short", 4.0), run("lightalign:short", 6.0), run("trl:short", 2.0),
             run("lightalign:long", 1.0), run("trl:long", 0.5), run("lightalign:long+generate", 0.25)]
+    # model FLOPs of the window: per sequence its sampling forward, the policy's forward + backward, the reference's
+    # forward (tiny: 1000 parameters assumed, 2 sequences of 5 and 7 tokens)
+    flops_args = argparse.Namespace(model_dir=str(BENCH.parent / "assets" / "models" / "tiny"), n_params=1000)
+    shape = harness.model_shape(flops_args.model_dir)
+    assert online.window_flops(flops_args, [5, 7]) == pytest.approx(
+        5 / 3 * harness.train_flops(1000, shape["layers"], shape["hidden"], [5, 7]))
     summary = online.summarise({}, runs)["summary"]
     assert summary["lightalign:short"]["steps_per_sec"] == 5.0
     assert summary["lightalign:short"]["vs_trl_same_setting"] == 2.5
@@ -270,3 +261,81 @@ def test_interleaved_runs_alternate_the_order_and_leave_out_failed_runs(capsys):
     assert [(r["variant"], r["repeat"]) for r in runs] == [
         ("lightalign:a", 1), ("trl:a", 1), ("lightalign:b", 1), ("lightalign:b", 2), ("lightalign:a", 2)]
     assert capsys.readouterr().out.splitlines()[3] == "[2/2]           lightalign:b: ran lightalign:b"
+
+
+def test_variant_names_carry_an_optional_precision():
+    # framework:setting[+suffix...][@fp32|@bf16]; no @ reads as fp32; an unknown precision is refused naming both
+    assert harness.parse_variant("lightalign:compact+padding_free@bf16") == {
+        "framework": "lightalign", "setting": "compact", "suffixes": ["padding_free"], "precision": "bf16"}
+    assert harness.parse_variant("trl:generate")["precision"] == "fp32"
+    assert harness.split_precision("trl:short") == ("trl:short", None)
+    with pytest.raises(SystemExit, match=r"'trl:short@fp16'.*\['fp32', 'bf16'\]"):
+        harness.split_precision("trl:short@fp16")
+    assert harness.trl_same_setting("lightalign:long+generate@bf16") == "trl:long@bf16"
+    assert (harness.lightning_precision("bf16"), harness.lightning_precision("fp32")) == ("bf16-mixed", "32-true")
+    assert (harness.trl_bf16("bf16"), harness.trl_bf16("fp32")) == (True, False)
+
+
+def test_precisions_expand_the_variants_without_one_and_default_to_the_cpus_native_bf16():
+    given = ["lightalign:a", "trl:a@bf16", "lightalign:b+x", "lightalign:a@fp32"]
+    assert harness.expand_precisions(given, ["fp32", "bf16"]) == [
+        "lightalign:a@fp32", "lightalign:a@bf16", "trl:a@bf16", "lightalign:b+x@fp32", "lightalign:b+x@bf16"]
+    assert harness.expand_precisions(given, ["bf16"]) == ["lightalign:a@bf16", "trl:a@bf16", "lightalign:b+x@bf16",
+                                                          "lightalign:a@fp32"]
+    assert harness.default_precisions(frozenset({"avx512f", "amx_bf16"})) == ["fp32", "bf16"]
+    assert harness.default_precisions(frozenset({"avx512f", "avx2"})) == ["fp32"]
+    # the scripts' check expands too, and drops (with a note) what lightalign refuses by design: sampling ahead
+    # (max_staleness > 0) under bf16-mixed
+    args = argparse.Namespace(variants=["lightalign:a", "lightalign:a+async1", "trl:a"], precisions=["fp32", "bf16"],
+                              warmup=1)
+    harness.check_variants(args, ("a",), (), options=("async1",))
+    assert args.variants == ["lightalign:a@fp32", "lightalign:a@bf16", "lightalign:a+async1@fp32", "trl:a@fp32",
+                             "trl:a@bf16"]
+
+
+def test_precision_report_efficiency_pairs_and_best_vs_best():
+    # efficiency: each run's model FLOP/s over the matmul peak of its own dtype (fp32 10 GFLOP/s, bf16 40);
+    # pairs: TRL at the same precision (same setting, and fastest); best vs best: over every precision
+    peaks = {"fp32": 10e9, "bf16": 40e9}
+
+    def run(variant, figure, flops, rss, pss):
+        return {"variant": variant, "x": figure, "model_flops_per_sec": flops, "peak_rss_mb": rss, "peak_pss_mb": pss}
+
+    runs = [run("lightalign:a@fp32", 3.0, 5e9, 100.0, 90.0), run("lightalign:a@fp32", 5.0, 5e9, 100.0, 90.0),
+            run("lightalign:a@bf16", 6.0, 8e9, 120.0, 100.0), run("trl:a@fp32", 2.0, 2e9, 200.0, 150.0),
+            run("trl:b@fp32", 10.0, 2e9, 240.0, 200.0), run("trl:a@bf16", 8.0, 4e9, 300.0, 200.0),
+            run("trl:b@bf16", 1.0, 4e9, 300.0, 200.0)]
+    report = harness.precision_report(runs, "x", peaks)
+    rows = {r["variant"]: r for r in report["variants"]}
+    assert rows["lightalign:a@fp32"]["x"] == 4.0  # median of the repeats
+    assert rows["lightalign:a@fp32"]["efficiency"] == pytest.approx(0.5)  # 5e9 / fp32's 10e9
+    assert rows["lightalign:a@bf16"]["efficiency"] == pytest.approx(0.2)  # 8e9 / bf16's 40e9
+    pairs = {p["lightalign"]: p for p in report["pairs"]}
+    assert (pairs["lightalign:a@fp32"]["trl_same_setting"], pairs["lightalign:a@fp32"]["vs_trl_same_setting"]) == (
+        "trl:a@fp32", 2.0)
+    assert (pairs["lightalign:a@fp32"]["trl_fastest"], pairs["lightalign:a@fp32"]["vs_trl_fastest"]) == (
+        "trl:b@fp32", 0.4)
+    assert (pairs["lightalign:a@bf16"]["trl_fastest"], pairs["lightalign:a@bf16"]["vs_trl_fastest"]) == (
+        "trl:a@bf16", 0.75)
+    # best vs best crosses precisions: lightalign's fastest is bf16, TRL's fp32
+    best = report["best_vs_best"]
+    assert (best["lightalign"], best["trl"], best["ratio"]) == ("lightalign:a@bf16", "trl:b@fp32", 0.6)
+    assert (best["peak_rss_ratio"], best["peak_pss_ratio"]) == (0.5, 0.5)
+
+
+def test_suite_reads_rows_and_targets_from_the_precision_reports():
+    suite = load("suite")
+    assert {"online_dpo", "distill"} <= set(suite.BENCHMARKS) and set(suite.SWEEP) == set(suite.BENCHMARKS)
+    runs = [{"variant": v, "tokens_per_sec": t, "model_flops_per_sec": t * 1e6, "peak_rss_mb": 1.0,
+             "peak_pss_mb": 1.0} for v, t in (("lightalign:padding_free@bf16", 100.0), ("trl:padding_free@bf16", 400.0),
+                                              ("lightalign:padding_free@fp32", 300.0), ("trl:padding_free@fp32", 200.0),
+                                              ("lightalign:padding@bf16", 500.0), ("trl:padding@bf16", 250.0))]
+    report = harness.precision_report(runs, "tokens_per_sec", {"fp32": 1e9, "bf16": 4e9})
+    rows = suite.rows_of("sft", report, "small", "longtail")
+    assert [(r["variant"], r["unit"], r["figure"]) for r in rows][2:3] == [
+        ("lightalign:padding_free@fp32", "tokens/s", 300.0)]
+    checks = {t["target"].split(" >=")[0]: t["value"] for t in suite.targets(
+        [{"benchmark": "sft", "model": "small", "shape": "longtail", "report": report}])}
+    assert checks["sft lightalign best / TRL best"] == 1.25  # 500 over 400 (each side's fastest, both bf16)
+    assert checks["sft lightalign padding_free / TRL padding_free"] == 1.5  # the fp32 pair, as the target was set
+    assert checks["sft lightalign MFU"] == pytest.approx(0.3)  # 300e6 / the fp32 peak
