@@ -23,7 +23,7 @@ best over all precisions with that pair's peak memory ratios); one table of all 
 the issue's targets; JSON goes to bench/results/suite.json (--sweep: suite_precision.json) and a bar chart of the
 ratios to the same name, .png.
 
-`--sweep` is the precision sweep's preset (SWEEP: per method its --steps and every TRL variant; the `small` model,
+`--sweep` is the precision sweep's preset (SWEEP: per method its --steps and the variants that were each side's fastest in docs/performance.md; the `small` model,
 the `uniform` shape, 2 repeats, no waiting for a quiet machine: pin it to a core nothing else runs on). `uniform` is
 the held-out shape: every tuning measurement of docs/performance.md ran on `longtail` (or the shipped arithmetic /
 chat data), none on `uniform`.
@@ -70,15 +70,14 @@ QUICK = {
 # method its --steps and TRL's fastest CPU variant with its plain one where they differ (SFT group_by_length and
 # padding, DPO best and DPOConfig defaults, GRPO generate and continuous batching); lightalign's fastest variant.
 SWEEP = {
-    "sft": ["--steps", "2", "--warmup", "1", "--variants", "padding", "padding_free", "group_by_length"],
-    "dpo": ["--steps", "2", "--warmup", "1", "--modes", "online", "--prompt-sharing", "on", "--trl-config", "best",
-            "defaults"],
+    "sft": ["--steps", "6", "--warmup", "2", "--variants", "padding_free", "group_by_length"],
+    "dpo": ["--steps", "4", "--warmup", "1", "--modes", "online", "--prompt-sharing", "on", "--trl-config", "best"],
     "grpo": ["--steps", "2", "--warmup", "1", "--retries", "0", "--prompt-sharing", "off", "--variants",
-             "lightalign:compact", "trl:generate", "trl:continuous"],
-    "kto": ["--steps", "2", "--warmup", "1", "--modes", "online"],
+             "lightalign:compact", "trl:generate"],
+    "kto": ["--steps", "4", "--warmup", "1", "--modes", "online"],
     "rloo": ["--steps", "2", "--warmup", "1", "--retries", "0"],
-    "online_dpo": ["--steps", "3", "--warmup", "1", "--variants", "lightalign:long", "trl:long"],
-    "distill": ["--steps", "3", "--warmup", "1", "--variants", "lightalign:lmbda0.5", "trl:lmbda0.5"],
+    "online_dpo": ["--steps", "6", "--warmup", "1", "--variants", "lightalign:long", "trl:long"],
+    "distill": ["--steps", "6", "--warmup", "1", "--variants", "lightalign:lmbda0.5", "trl:lmbda0.5"],
 }
 TARGETS = {"sft": 1.3, "dpo": 2.0, "grpo": 2.0, "sft_mfu": 0.5}  # issue #8, small model, long-tailed data
 TARGETED = ("sft", "dpo", "grpo")  # the others (issues #24, #40, ...) have no target: measured, not held to a ratio
