@@ -17,7 +17,7 @@ sequences. By the triangle inequality, an exact layout then differs from the per
 ``effect`` (its own rounding) + ``TOLERANCE`` (the float32 verdict) + ``effect`` (the reference's rounding):
 ``bf16_tolerance(effect) = 2 * effect + TOLERANCE``. A layout beyond it computes something bf16 does not explain.
 On the probe's unit-scale weights bf16 moves a log-prob by a few 1e-2 nats (logits of a few units rounded to 8
-bits), a layout that leaks across sequences by O(1) nats: docs/performance.md 'Exactness in bf16' has the numbers.
+bits), a layout that leaks across sequences by O(1) nats (numbers: docs/model_support.md 'Exactness in bf16').
 
 Only the log-prob layouts are measured this way; generation backends and the train-mode determinism check keep
 their float32 verdicts (greedy tokens and bitwise equality have no bf16 analogue of a tolerance).

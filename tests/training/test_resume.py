@@ -18,13 +18,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "resume_worker.py"
 
 
-def _run(out: Path, method: str, *extra: str, killed: bool = False) -> None:
+def _run(out: Path, method: str, *extra: str, killed: bool = False):
     """The worker to its end, forked from the console server (tests/helpers/console_script.py: torch, Lightning and
     transformers imported once, not once per launch), one thread each. The worker makes itself a session leader, so
     a kill (``--kill-at``) takes its whole process group (every rank, every sampling process) and nothing else."""
     proc = console_script.run_python(WORKER, "--method", method, "--out", str(out), *extra,
                                      env=console_script.standard_env(OMP_NUM_THREADS="1"), timeout=600)
     assert proc.returncode == (-9 if killed else 0), proc.stderr[-3000:]
+    return proc
 
 
 def _losses(out: Path, key: str = "train/loss") -> dict[int, float]:
@@ -198,7 +199,9 @@ def test_killed_and_resumed_equals_uninterrupted_in_bf16(tmp_path, method, extra
     must reproduce) or when any restored state (RNG streams, the rollout buffer, the optimizer) is skipped."""
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--max-steps", "4", "--every", "2", "--precision", "bf16-mixed", *extra]
-    _run(a, method, *common)
+    started = _run(a, method, *common)
+    # the run's layout was measured in its precision (trainer.precision reached the probe)
+    assert "exact, in bf16-mixed within" in started.stdout + started.stderr, started.stderr[-3000:]
     _run(b, method, *common, "--kill-at", "3", killed=True)
     _run(b, method, *common, "--resume", "--log-version", "1")
     final_a = torch.load(a / "final.pt", weights_only=True)
