@@ -224,8 +224,9 @@ def _measure_in(model_class: type, shrunk, layout: str, precision: str, fp32: Ve
     probe = _build(model_class, shrunk)
     lengths, new_tokens, seed = (SHORT, SHORT_NEW_TOKENS, 1) if fp32.batch_dependence > 0 else (LONG, NEW_TOKENS, 0)
     seqs = pl.probe_sequences(_vocab(probe), lengths, new_tokens, seed=seed, exclude=_placeholders(probe))
-    verdict = measure_in_precision(probe, layout, seqs, precision)
-    return Verdict(**{**asdict(verdict), "batch_dependence": fp32.batch_dependence})
+    m = measure_in_precision(probe, layout, seqs, precision, TOLERANCE)
+    return Verdict(layout, m.exact, m.difference, m.error, batch_dependence=fp32.batch_dependence,
+                   precision=precision, tolerance=m.tolerance, precision_effect=m.effect)
 
 
 def _run_any(probe, layout: str, seqs: pl.ProbeSequences, reference: list[list[int]] | None = None) -> Verdict:

@@ -14,8 +14,8 @@ per-sequence forward's, so their float32 accumulations are rounded to bf16 (8 si
 forwards compute the same function on the same tokens, so each carries the error bf16 makes on that function:
 ``effect`` = max |per-sequence bf16 - per-sequence float32| over the probe's tokens, measured on the same probe and
 sequences. By the triangle inequality, an exact layout then differs from the per-sequence bf16 forward by at most
-``effect`` (its own rounding) + ``TOLERANCE`` (the float32 verdict) + ``effect`` (the reference's rounding):
-``bf16_tolerance(effect) = 2 * effect + TOLERANCE``. A layout beyond it computes something bf16 does not explain.
+``effect`` (its own rounding) + the float32 verdict's tolerance (``probe.TOLERANCE``) + ``effect`` (the
+reference's rounding): ``bf16_tolerance(effect, TOLERANCE) = 2 * effect + TOLERANCE``. A layout beyond it computes something bf16 does not explain.
 On the probe's unit-scale weights bf16 moves a log-prob by a few 1e-2 nats (logits of a few units rounded to 8
 bits), a layout that leaks across sequences by O(1) nats (numbers: docs/model_support.md 'Exactness in bf16').
 
@@ -26,6 +26,7 @@ their float32 verdicts (greedy tokens and bitwise equality have no bf16 analogue
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -45,12 +46,26 @@ def probe_precision(precision: object) -> str:
     return "bf16-true" if "true" in text else "bf16-mixed"
 
 
-def bf16_tolerance(effect: float) -> float:
+def bf16_tolerance(effect: float, float32_tolerance: float) -> float:
     """The largest difference (nats per token) an exact layout can show in bf16, given ``effect``: how far bf16
-    moves the per-sequence forward's log-probs from float32 on the same probe and tokens (module docstring)."""
-    from lightalign.modules.adaptations.probe import TOLERANCE
+    moves the per-sequence forward's log-probs from float32 on the same probe and tokens, and the float32 verdict's
+    own tolerance (module docstring)."""
+    return 2.0 * effect + float32_tolerance
 
-    return 2.0 * effect + TOLERANCE
+
+@dataclass(frozen=True)
+class PrecisionMeasurement:
+    """A layout measured in a bf16 precision: its largest difference from the per-sequence forward in the same
+    precision (inf if it raised), the tolerance, bf16's effect on the per-sequence forward, and the error if any."""
+
+    difference: float
+    tolerance: float
+    effect: float
+    error: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.error is None and self.difference <= self.tolerance
 
 
 @contextlib.contextmanager
@@ -65,16 +80,13 @@ def computing_in(precision: str):
         yield
 
 
-def measure_in_precision(probe: torch.nn.Module, layout: str, seqs: pl.ProbeSequences, precision: str):
-    """The verdict of ``layout`` on ``probe`` (float32 weights; cast to bf16 here for ``bf16-true``) in
-    ``precision``: its log-probs against each sequence's own forward in the same precision, within
-    ``bf16_tolerance`` of bf16's measured effect on that forward."""
-    from lightalign.modules.adaptations.probe import Verdict
-
+def measure_in_precision(probe: torch.nn.Module, layout: str, seqs: pl.ProbeSequences, precision: str,
+                         float32_tolerance: float) -> PrecisionMeasurement:
+    """``layout`` on ``probe`` (float32 weights; cast to bf16 here for ``bf16-true``) in ``precision``: its
+    log-probs against each sequence's own forward in the same precision, judged by ``bf16_tolerance`` of bf16's
+    measured effect on that forward. (A sequence classifier is measured on ``padded`` only: the float32 verdict
+    refuses its other layouts before this runs.)"""
     causal = pl.is_causal_lm(probe)
-    if not causal and layout != "padded":
-        return Verdict(layout, False, float("inf"), error="a sequence classifier reads whole padded sequences only",
-                       precision=precision)
     alone = pl.alone_logps if causal else (lambda _layout, model, s: pl.alone_scores(model, s))
     float32 = alone(layout, probe, seqs)
     if precision == "bf16-true":
@@ -82,12 +94,9 @@ def measure_in_precision(probe: torch.nn.Module, layout: str, seqs: pl.ProbeSequ
     with computing_in(precision):
         want = alone(layout, probe, seqs)
         effect = pl.max_difference(want, float32)
-        tolerance = bf16_tolerance(effect)
+        tolerance = bf16_tolerance(effect, float32_tolerance)
         try:
             got = pl.layout_logps(layout, probe, seqs) if causal else pl.padded_scores(probe, seqs)
         except Exception as error:  # noqa: BLE001 - any failure of the layout in this precision is its verdict
-            return Verdict(layout, False, float("inf"), error=f"{type(error).__name__}: {str(error)[:300]}",
-                           precision=precision, tolerance=tolerance, precision_effect=effect)
-    diff = pl.max_difference(got, want)
-    return Verdict(layout, diff <= tolerance, diff, precision=precision, tolerance=tolerance,
-                   precision_effect=effect)
+            return PrecisionMeasurement(float("inf"), tolerance, effect, f"{type(error).__name__}: {str(error)[:300]}")
+    return PrecisionMeasurement(pl.max_difference(got, want), tolerance, effect)

@@ -54,7 +54,7 @@ def test_layouts_are_exact_in_bf16_within_the_derived_tolerance(tiny_dir, fresh_
     assert verdict.precision == "bf16-mixed" and verdict.exact
     # bf16 was in effect (a float32 forward would move nothing) and the tolerance is the derived one
     assert verdict.precision_effect > 1e-3
-    assert verdict.tolerance == bf16_tolerance(verdict.precision_effect) == 2 * verdict.precision_effect + TOLERANCE
+    assert verdict.tolerance == bf16_tolerance(verdict.precision_effect, TOLERANCE) == 2 * verdict.precision_effect + TOLERANCE
     assert verdict.difference <= verdict.tolerance
 
 
