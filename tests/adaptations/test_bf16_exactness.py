@@ -16,6 +16,8 @@ import pytest
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
+from helpers import console_script
+
 from lightalign.modules.adaptations import LayoutRefused, adapt_model, check_layout
 from lightalign.modules.adaptations.attention import VARLEN_SDPA, varlen_sdpa_forward
 from lightalign.modules.adaptations.probe import TOLERANCE, measure
@@ -115,3 +117,16 @@ def test_a_layout_broken_only_in_bf16_is_refused_naming_the_precision(tiny_dir, 
     assert f"{verdict.difference:.1e} nats" in message and "exact in float32" in message
     assert {"packed": "data.packing: false", "padding_free": "data.padding_free: false",
             "dpo_shared": "data.prompt_sharing: false"}[layout] in message
+
+
+def test_the_console_script_measures_a_bf16_runs_layout_in_bf16(repo, tmp_path):
+    """The shipped quickstart config, packed, under ``--trainer.precision bf16-mixed``: the fit-start line says the
+    packed layout was judged in bf16 (``trainer.precision`` reaches the probe through the CLI's trainer)."""
+    proc = console_script.run(repo, "fit", "--config", "configs/quickstart.yaml", "--trainer.precision", "bf16-mixed",
+                              "--data.packing", "true", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+                              "--trainer.limit_val_batches", "1", "--data.batch_size", "4",
+                              "--checkpoint.every_n_train_steps", "2", "--trainer.logger.init_args.save_dir",
+                              str(tmp_path), timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "layout packed (exact, in bf16-mixed within" in out, out[-4000:]
