@@ -207,7 +207,8 @@ class DistillModule(SamplingModule):
         from lightalign.modules.adaptations.support import check_layout
 
         layout, longest = self.batch_layout()
-        teacher = describe_decision(check_layout(self.teacher_eval(), layout, max_tokens=longest))
+        teacher = describe_decision(check_layout(self.teacher_eval(), layout, max_tokens=longest,
+                                                 precision=self.trainer.precision if self._trainer else None))
         notes = [f"teacher {describe_model(self.hparams.teacher_model_name_or_path or self.teacher)} ({teacher})"]
         if self.padding_free_note:
             notes.append(self.padding_free_note)

@@ -99,15 +99,18 @@ def adapt_model(model: torch.nn.Module, recompute_mlp: bool = True, liger: bool 
 
 
 def check_run(model: torch.nn.Module, ref_model: torch.nn.Module | None, layout: str, longest: int | None,
-              report: AdaptationReport, device: torch.device, logger: Any = None, notes: list[str] = ()) -> None:
+              report: AdaptationReport, device: torch.device, logger: Any = None, notes: list[str] = (),
+              precision: object = None) -> None:
     """Fit start, before any batch: packed rows on a GPU take flash-attention varlen when installed; the layout
     is refused (``LayoutRefused``) if the policy or a separate reference cannot compute it exactly; the fit-start
-    line says what was adapted, and the same facts go to the logger's hyperparameters (``hparams.yaml``)."""
+    line says what was adapted, and the same facts go to the logger's hyperparameters (``hparams.yaml``).
+    ``precision``: the trainer's; a bf16 run's layout is measured in bf16 as well."""
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
     from lightalign.modules.adaptations.support import batch_dependence_note, packed_gpu_attention
 
-    verdicts = [check_layout(m, layout, max_tokens=longest) for m in (model, ref_model) if m is not None]
+    verdicts = [check_layout(m, layout, max_tokens=longest, precision=precision) for m in (model, ref_model)
+                if m is not None]
     if layout in PACKED_LAYOUTS and (choice := packed_gpu_attention(model, device)) is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.set_attn_implementation(choice)
@@ -127,4 +130,6 @@ def describe_decision(verdict) -> str:
     if verdict.not_measured:
         return f"not measured: {verdict.not_measured}"
     how = "cached verdict" if verdict.cached else f"measured on a probe in {verdict.seconds:.2f} s"
+    if getattr(verdict, "precision", "32") != "32":
+        how = f"in {verdict.precision} within {verdict.tolerance:.1e} nats, {how}"
     return f"exact, {how}"

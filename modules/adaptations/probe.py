@@ -7,8 +7,12 @@ sequences cross them exactly when the run's can). On it, the layout's per-token 
 sequence's own plain forward (``probe_layouts``); a generation backend's greedy completions with ``generate`` on
 each prompt alone. A layout that raises is not exact either (the error is part of the verdict).
 
+A run that computes in bf16 (``precision: bf16-mixed`` / ``bf16-true``) has its log-prob layouts measured again in
+that precision once they are exact in float32 (``probe_precision``: the same probe under the run's autocast, with
+a tolerance derived from bf16's own effect on the per-sequence forward).
+
 The verdict is cached on disk (``cache_dir()``), keyed by the model class, the transformers and torch versions, the
-layout and the shrunk config with its threshold facts, so a model pays once; ``LIGHTALIGN_CACHE_DIR`` moves the
+layout, the precision it was measured in and the shrunk config with its threshold facts, so a model pays once; ``LIGHTALIGN_CACHE_DIR`` moves the
 cache, ``LIGHTALIGN_PROBE_CACHE=0`` turns it off.
 
 Some models compute a sequence differently depending on what else is in its forward, whatever the layout
@@ -33,10 +37,11 @@ from pathlib import Path
 import torch
 
 import lightalign.modules.adaptations.probe_layouts as pl
+from lightalign.modules.adaptations.probe_precision import FLOAT32, measure_in_precision, probe_precision
 from lightalign.modules.training.cache_folder import cache_root
 
 PROBE_VERSION = 3  # bump when what the probe measures changes: old verdicts are then not reused
-TOLERANCE = 1e-4  # nats per token (float32)
+TOLERANCE = 1e-4  # nats per token (float32; bf16: probe_precision.bf16_tolerance)
 GENERATION_BACKENDS = ("shared_prefill", "compact", "continuous", "static")
 TRAIN_DETERMINISM = "train_determinism"  # not a layout: with disable_dropout, two train-mode forwards agree
 # (prompt, chosen, rejected) lengths: long ones crossing the probe's thresholds (shrink.PROBE_THRESHOLD, 12),
@@ -45,6 +50,8 @@ LONG = ((14, 18, 9), (5, 4, 3), (22, 12, 20))
 SHORT = ((4, 5, 2), (3, 2, 4), (6, 3, 5))
 NEW_TOKENS = 24
 SHORT_NEW_TOKENS = 5  # short prompts + 5 new tokens stay under the probe's thresholds
+# measured in float32 whatever the run's precision (probe_precision's module docstring says why)
+NOT_IN_PRECISION = (*GENERATION_BACKENDS, TRAIN_DETERMINISM)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,9 @@ class Verdict:
     cached: bool = False
     thresholds: dict = field(default_factory=dict)  # shrink_config's facts: each token-count threshold, binds or not
     not_measured: str = ""  # why no measurement could be made (e.g. a GPU-only attention implementation)
+    precision: str = FLOAT32  # what the layout was measured in: "32", or the run's "bf16-mixed" / "bf16-true"
+    tolerance: float = TOLERANCE  # the largest difference accepted as exact in that precision
+    precision_effect: float = 0.0  # bf16: how far bf16 moves the per-sequence forward from float32 on the probe
 
     def describe(self, with_error: bool = True) -> str:
         if self.error:
@@ -66,6 +76,10 @@ class Verdict:
             return f"logits of two train-mode forwards differ by up to {self.difference:.1e}"
         if self.layout in GENERATION_BACKENDS:
             return f"{int(self.difference)} greedy tokens differ from generate on each prompt alone"
+        if self.precision != FLOAT32:
+            return (f"log-probs in {self.precision} differ from each sequence's own {self.precision} forward by up to "
+                    f"{self.difference:.1e} nats (tolerance {self.tolerance:.1e}: twice the {self.precision_effect:.1e} "
+                    f"nats bf16 itself moves that forward from float32, plus {TOLERANCE:.0e})")
         return f"log-probs differ from each sequence's own forward by up to {self.difference:.1e} nats"
 
 
@@ -77,14 +91,14 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _key(model_class: type, config, layout: str, facts: dict) -> str:
+def _key(model_class: type, config, layout: str, facts: dict, precision: str = FLOAT32) -> str:
     import transformers
 
     cfg = config.to_dict()
     cfg.pop("transformers_version", None)
     cfg.pop("_name_or_path", None)
     material = {"class": f"{model_class.__module__}.{model_class.__qualname__}", "layout": layout,
-                "transformers": transformers.__version__, "torch": torch.__version__, "probe": PROBE_VERSION,
+                "precision": precision, "transformers": transformers.__version__, "torch": torch.__version__, "probe": PROBE_VERSION,
                 "attn": getattr(config, "_attn_implementation", None), "config": cfg, "facts": facts}
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -126,12 +140,19 @@ def _write(key: str, verdict: Verdict) -> None:
 
 
 def measure(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
-            attn_implementation: str | None = None) -> Verdict:
+            attn_implementation: str | None = None, precision: object = None) -> Verdict:
     """The verdict for ``layout`` (a batch layout of ``support.LAYOUTS`` or a backend of ``GENERATION_BACKENDS``)
     on ``model``'s class and config (``attn_implementation``: another attention implementation than the model's),
-    from the disk cache or measured on a probe."""
+    from the disk cache or measured on a probe. ``precision``: the run's (``trainer.precision``); under bf16 a
+    log-prob layout exact in float32 is measured again in bf16 (``probe_precision``), and that verdict returned."""
     from lightalign.modules.adaptations.shrink import shrink_config
 
+    precision = probe_precision(precision) if layout not in NOT_IN_PRECISION else FLOAT32
+    fp32 = None
+    if precision != FLOAT32:
+        fp32 = measure(model, layout, max_tokens, attn_implementation)
+        if not fp32.exact:
+            return fp32
     base = _base(model)
     # the structure shrink_config builds to count parameters is plain too: under ZeRO-3 it would be partitioned
     # (collectives for each build, on every fit start) and count 0 parameters
@@ -139,13 +160,14 @@ def measure(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
         shrunk, facts = shrink_config(base.config, max_tokens, model_class=type(base))
     if attn_implementation is not None:
         shrunk._attn_implementation = attn_implementation
-    key = _key(type(base), shrunk, layout, facts)
+    key = _key(type(base), shrunk, layout, facts, precision)
     cached = _read(key)
     if cached is not None:
         return cached
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]), _plain_construction():  # the run's random stream is untouched
-        verdict = _measure(type(base), shrunk, layout)
+        verdict = (_measure(type(base), shrunk, layout) if fp32 is None
+                   else _measure_in(type(base), shrunk, layout, precision, fp32))
     verdict = Verdict(**{**asdict(verdict), "seconds": round(time.perf_counter() - start, 3), "thresholds": facts})
     _write(key, verdict)
     return verdict
@@ -194,6 +216,17 @@ def _measure(model_class: type, shrunk, layout: str) -> Verdict:
     verdict = _run_any(probe, layout, pl.probe_sequences(_vocab(probe), SHORT, SHORT_NEW_TOKENS, seed=1,
                                                        exclude=_placeholders(probe)))
     return Verdict(layout, verdict.exact, verdict.difference, verdict.error, batch_dependence=padded.difference)
+
+
+def _measure_in(model_class: type, shrunk, layout: str, precision: str, fp32: Verdict) -> Verdict:
+    """``layout`` in ``precision`` on the probe and sequences its float32 verdict ``fp32`` was judged on (the short
+    ones when the model's own batching depends on length)."""
+    probe = _build(model_class, shrunk)
+    lengths, new_tokens, seed = (SHORT, SHORT_NEW_TOKENS, 1) if fp32.batch_dependence > 0 else (LONG, NEW_TOKENS, 0)
+    seqs = pl.probe_sequences(_vocab(probe), lengths, new_tokens, seed=seed, exclude=_placeholders(probe))
+    m = measure_in_precision(probe, layout, seqs, precision, TOLERANCE)
+    return Verdict(layout, m.exact, m.difference, m.error, batch_dependence=fp32.batch_dependence,
+                   precision=precision, tolerance=m.tolerance, precision_effect=m.effect)
 
 
 def _run_any(probe, layout: str, seqs: pl.ProbeSequences, reference: list[list[int]] | None = None) -> Verdict:

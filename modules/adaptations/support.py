@@ -25,6 +25,7 @@ import torch
 import lightalign.modules.adaptations.layouts as layouts
 from lightalign.modules.adaptations.attention import VARLEN_SDPA
 from lightalign.modules.adaptations.probe import GENERATION_BACKENDS, Verdict, _base, measure
+from lightalign.modules.adaptations.probe_precision import FLOAT32, probe_precision
 from lightalign.modules.training.logprobs import forward_accepts
 
 LAYOUTS = ("padded", "padding_free", "packed", "dpo_shared", "dpo_classic", "grpo_padded", "grpo_shared",
@@ -128,20 +129,23 @@ _MEMO: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDicti
 
 
 def measured(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
-             attn_implementation: str | None = None) -> Verdict:
+             attn_implementation: str | None = None, precision: object = None) -> Verdict:
     """``probe.measure`` remembered per model object for this process (per-batch callers pay once)."""
     base = _base(model)
     memo = _MEMO.setdefault(base, {})
-    key = (layout, max_tokens, attn_implementation, getattr(base.config, "_attn_implementation", None))
+    key = (layout, max_tokens, attn_implementation, getattr(base.config, "_attn_implementation", None),
+           probe_precision(precision))
     if key not in memo:
-        memo[key] = measure(base, layout, max_tokens, attn_implementation=attn_implementation)
+        memo[key] = measure(base, layout, max_tokens, attn_implementation=attn_implementation, precision=precision)
     return memo[key]
 
 
-def check_layout(model: torch.nn.Module, layout: str, max_tokens: int | None = None) -> Verdict:
+def check_layout(model: torch.nn.Module, layout: str, max_tokens: int | None = None,
+                 precision: object = None) -> Verdict:
     """Refuse (``LayoutRefused``) a layout or generation backend the model does not compute exactly, as measured
     on its probe; return the verdict. ``max_tokens``: the longest sequence (prompt + completion) the run can have,
-    when known (a sliding window, chunk or rope threshold at least that long never binds)."""
+    when known (a sliding window, chunk or rope threshold at least that long never binds). ``precision``: the
+    run's ``trainer.precision``; a bf16 run's log-prob layouts are measured in bf16 too (``probe_precision``)."""
     if layout not in LAYOUTS + GENERATION_BACKENDS:
         raise ValueError(f"Unknown layout '{layout}'; one of {LAYOUTS + GENERATION_BACKENDS}.")
     t = model_traits(model)
@@ -153,7 +157,12 @@ def check_layout(model: torch.nn.Module, layout: str, max_tokens: int | None = N
                                 f"Set {alternative}.")
         return Verdict(layout, True, float("nan"), not_measured=f"attn_implementation '{t.attn}' does not run on the "
                        "CPU probe")
-    verdict = measured(model, layout, max_tokens)
+    verdict = measured(model, layout, max_tokens, precision=precision)
+    if not verdict.exact and verdict.precision != FLOAT32:
+        raise LayoutRefused(
+            f"{knob} cannot run exactly on {t.name} under trainer.precision {verdict.precision}: measured on a shrunk "
+            f"copy of its config, the {layout} layout is exact in float32, but its {verdict.describe()}. Set "
+            f"{alternative}, or trainer.precision: 32-true, to train this model exactly.")
     if not verdict.exact:
         cause = likely_cause(t, layout)
         raise LayoutRefused(

@@ -108,7 +108,7 @@ class ModelBuilding:
         meta = meta_causal_lm(self.model_name_or_path, model.model_init_kwargs, model.trust_remote_code)
         if meta is not None:
             use_varlen_sdpa(meta)  # as adapt_model does for the real model
-            check_layout(meta, layout, max_tokens=longest)
+            check_layout(meta, layout, max_tokens=longest, precision=self.trainer.precision)
 
     def _prepare_model(self) -> None:
         from lightalign.hub import is_vision_language_config

@@ -259,7 +259,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
             notes.append(f"reference = BEMA of the policy, renewed every {bema.ref_model_update_freq} steps "
                          f"(average every {bema.update_freq})")
         check_run(self.model, getattr(self, "ref_model", None), layout, longest, self.adaptations, self.device,
-                  self.logger if self._trainer is not None else None, notes=notes)
+                  self.logger if self._trainer is not None else None, notes=notes,
+                  precision=self.trainer.precision if self._trainer is not None else None)
 
     def check_train_determinism(self) -> str:
         """With ``disable_dropout``: two train-mode forwards of the model's probe must agree (measured, cached).

@@ -18,13 +18,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "resume_worker.py"
 
 
-def _run(out: Path, method: str, *extra: str, killed: bool = False) -> None:
+def _run(out: Path, method: str, *extra: str, killed: bool = False):
     """The worker to its end, forked from the console server (tests/helpers/console_script.py: torch, Lightning and
     transformers imported once, not once per launch), one thread each. The worker makes itself a session leader, so
     a kill (``--kill-at``) takes its whole process group (every rank, every sampling process) and nothing else."""
     proc = console_script.run_python(WORKER, "--method", method, "--out", str(out), *extra,
                                      env=console_script.standard_env(OMP_NUM_THREADS="1"), timeout=600)
     assert proc.returncode == (-9 if killed else 0), proc.stderr[-3000:]
+    return proc
 
 
 def _losses(out: Path, key: str = "train/loss") -> dict[int, float]:
@@ -182,3 +183,35 @@ def test_a2po_resumed_after_the_estimate_equals_uninterrupted(tmp_path):
     init = torch.load(a / "init.pt", weights_only=True)
     assert not all(torch.equal(init[k], final_a["model"][k]) for k in init)
     assert any(abs(v) > 1e-6 for v in la.values()), la
+
+
+# (method, extra arguments): kill at step 3, resume from the step-2 checkpoint, end at step 4. SFT: 6 steps per epoch
+# (resumed mid-epoch, NEFTune and attention dropout drawing); GRPO: one rollout of 2 prompts serves the 4 steps
+# (resumed mid-rollout, sampling and dropout drawing under autocast).
+BF16_CASES = [("sft", ()), ("grpo", ("--prompts-per-rank", "2"))]
+
+
+@pytest.mark.parametrize("method, extra", BF16_CASES, ids=[c[0] for c in BF16_CASES])
+def test_killed_and_resumed_equals_uninterrupted_in_bf16(tmp_path, method, extra):
+    """Under ``precision: bf16-mixed`` (Lightning's CPU autocast) a run SIGKILLed mid-epoch and resumed ends
+    bit-for-bit where the uninterrupted bf16 run ends: weights, optimizer state and the logged losses from the
+    resumed step on. Fails when the resumed run computes in another precision (the autocast is part of what a resume
+    must reproduce) or when any restored state (RNG streams, the rollout buffer, the optimizer) is skipped."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--max-steps", "4", "--every", "2", "--precision", "bf16-mixed", *extra]
+    started = _run(a, method, *common)
+    # the run's layout was measured in its precision (trainer.precision reached the probe)
+    assert "exact, in bf16-mixed within" in started.stdout + started.stderr, started.stderr[-3000:]
+    _run(b, method, *common, "--kill-at", "3", killed=True)
+    _run(b, method, *common, "--resume", "--log-version", "1")
+    final_a = torch.load(a / "final.pt", weights_only=True)
+    final_b = torch.load(b / "final.pt", weights_only=True)
+    _assert_equal_tree(final_a["model"], final_b["model"], f"{method} bf16: weights after resume")
+    _assert_equal_tree(final_a["optimizer"], final_b["optimizer"], f"{method} bf16: optimizer state after resume")
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == list(range(4)), sorted(la)
+    assert all(la[s] == lb[s] for s in (2, 3)), {s: (la[s], lb.get(s)) for s in (2, 3)}
+    init = torch.load(a / "init.pt", weights_only=True)
+    assert not all(torch.equal(init[k], final_a["model"][k]) for k in init)
+    assert any(abs(v) > 1e-6 for v in la.values()), la
+    assert final_a["precision"] == final_b["precision"] == "bf16-mixed"  # (both runs computed in bf16)

@@ -3,7 +3,7 @@ step, optionally resumed.
 
 Used by tests/training/test_resume.py:  python tests/workers/resume_worker.py --method sft --out DIR --max-steps 14 --every 4
                                  [--kill-at 10 | --kill-at-validation 8] [--resume] [--devices 2]
-                                 [--val-every 4] [--continue-log]
+                                 [--val-every 4] [--continue-log] [--precision bf16-mixed]
 Everything that draws from the torch RNG during training is on: attention dropout 0.1 (the tiny model's config,
 copied to DIR/model), NEFTune noise (SFT), sampling and a reward with variance (GRPO, with running reward
 normalisation). Writes DIR/init.pt (the policy's weights when training first starts) and DIR/final.pt (weights
@@ -242,6 +242,7 @@ def main() -> None:
     parser.add_argument("--log-version", type=int, default=0, help="CSVLogger version (one per process run)")
     parser.add_argument("--model", default=TINY, help="the model folder to start from (copied, with dropout)")
     parser.add_argument("--prompts-per-rank", type=int, default=4, help="GRPO: prompts per rank and epoch")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's precision (e.g. bf16-mixed)")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ and os.getpgid(0) != os.getpid():
         # the launching process (not a rank started by others), forked from the tests' console server or started
@@ -274,7 +275,7 @@ def main() -> None:
     validation = dict(val_check_interval=args.val_every, limit_val_batches=1) if args.val_every else {}
     plugins = [DyingCheckpointIO.make(args.die_during_save)] if args.die_during_save else None
     ddp = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {}
-    trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, accumulate_grad_batches=accumulate, plugins=plugins, **ddp,
+    trainer = L.Trainer(accelerator="cpu", precision=args.precision, max_steps=args.max_steps, accumulate_grad_batches=accumulate, plugins=plugins, **ddp,
                         callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, **validation)
     trainer.fit(module, data, ckpt_path="last" if args.resume else None)
@@ -283,7 +284,7 @@ def main() -> None:
         torch.save({"model": module.model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
                     "reference": reference.state_dict() if reference is not None else None,
                     "bema": next((c.state_dict() for c in trainer.callbacks if type(c).__name__ == "BEMAReference"),
-                                 None)}, out / "final.pt")
+                                 None), "precision": trainer.precision}, out / "final.pt")
     print("DONE", trainer.global_step, file=sys.stderr)
 
 
