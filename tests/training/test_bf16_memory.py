@@ -1,6 +1,8 @@
 """bf16 on the CPU, memory first: a bf16 run's oneDNN primitive caches are bounded (``bound_onednn_caches``), so
 training on new matrix shapes step after step does not grow the process the way the libraries' default caches do;
-the fit-start line names the precision and the CPU's native bf16."""
+a bf16-mixed fit keeps no second copy of the weights, between steps or for the backward pass
+(``recast_saved_weights``, bitwise autocast's own backward); the fit-start line names the precision and the CPU's
+native bf16."""
 
 from __future__ import annotations
 
@@ -110,7 +112,7 @@ def test_recast_weights_give_autocasts_outputs_and_gradients_bit_for_bit(kernels
     constructed linears, a tied and a viewed weight: outputs and gradients bitwise equal, on this CPU's kernels and
     (a fresh process) on AVX2 ones with oneDNN limited to AVX2; and the hooks did recast (12 saved casts). Mutations:
     the unpacked recast without the saved view's strides (``as_strided`` dropped) -> the run fails (shape mismatch);
-    a recast rounded toward zero (``.to(float16)`` first) -> not equal."""
+    a recast through float16 (``.half()`` first) -> not equal."""
     if kernels == "AVX2":
         env = {**console_script.standard_env(), "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
         proc = console_script.run_python(EXACTNESS, env=env, timeout=300)  # not the server's env: a fresh process
@@ -154,10 +156,11 @@ def test_a_bf16_fit_keeps_no_second_copy_of_the_weights(tiny_dir, data_dir, tmp_
     * the second step's peak is at most fp32's + 0.25 P (half a bf16 copy): measured +0.12 P, an Adam temporary
       the size of the largest weight at the peak (the optimizer's update), not a copy.
 
-    Mutations: ``recasts_weights`` returning False -> the forward keeps 5.07 MB against 0.90 MB, fails; the fit
-    run inside an outer ``torch.autocast`` (autocast's weight cache then spans the steps) -> fails between steps;
-    a callback keeping ``[p.to(bfloat16) ...]`` on the module at each step's end -> fails between steps;
-    ``ScopedSideEffects.apply`` keeping a float32 clone of the parameters -> fails between steps and at the peak."""
+    Mutations: ``recasts_weights`` returning False -> the forward keeps 5.06 MB against 0.89 MB, fails; Lightning's
+    autocast with its cast cache on (``cache_enabled=True``; Lightning turns it off) and the fit inside an outer
+    ``torch.autocast``, so the cache spans the steps -> 4.46 MB more between steps, fails; a callback keeping
+    ``[p.to(bfloat16) ...]`` on the module at each step's end -> fails between steps; ``training_forward_context``
+    keeping a float32 clone of the parameters from the first step on -> 8.92 MB more between steps, fails."""
     from lightalign.modules.training.cpu_bf16 import CACHE_VARIABLES
 
     for name in CACHE_VARIABLES:  # the bf16 fit's setup sets them: taken back after the test
@@ -177,3 +180,18 @@ def test_a_bf16_fit_keeps_no_second_copy_of_the_weights(tiny_dir, data_dir, tmp_
         bf16_held = bf16.before_backward[step] - bf16.start[step]
         assert bf16_held < held[step] + 0.125 * params, (step, bf16_held, held, params)
     assert bf16.peak[1] < fp32.peak[1] + 0.25 * params, (bf16.peak, fp32.peak, params)
+
+
+@pytest.mark.parametrize("precision, device, compiled, expected", [
+    ("bf16-mixed", "cpu", False, True), ("bf16-mixed", "cuda", False, False), ("bf16-true", "cpu", False, False),
+    ("32-true", "cpu", False, False), ("bf16-mixed", "cpu", True, False),
+])
+def test_weights_are_recast_under_bf16_mixed_on_the_cpu_only(precision, device, compiled, expected):
+    """Where it was measured bitwise equal (bf16-mixed, CPU), never on a compiled model. Mutation: the device
+    clause dropped -> the CUDA case is recast."""
+    from lightalign.modules.training.recast_weights import recasts_weights
+
+    model = torch.nn.Linear(2, 2)
+    if compiled:
+        model._orig_mod = torch.nn.Linear(2, 2)  # what torch.compile's wrapper holds
+    assert recasts_weights(precision, torch.device(device), model) is expected
