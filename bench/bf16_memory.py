@@ -1,13 +1,14 @@
 """Peak RSS of an SFT fit in one precision, step by step: where a bf16 run's memory goes on the CPU.
 
-    OMP_NUM_THREADS=1 python bench/bf16_memory.py bf16-mixed [--steps 40] [--no-autocast-cache]
+    OMP_NUM_THREADS=1 python bench/bf16_memory.py bf16-mixed [--steps 40] [--no-autocast-cache] [--keep-weight-casts]
     ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 LRU_CACHE_CAPACITY=1024 OMP_NUM_THREADS=1 python bench/bf16_memory.py bf16-mixed
 
 The `small` model (30.4M parameters) from its config on examples/data/chat_sft.jsonl, batch 8, max_length 256, one
 thread. Prints the process's peak RSS (``resource.getrusage``) at train start and after every step, wall and CPU
 seconds. ``--no-autocast-cache`` runs Lightning's bf16 autocast with ``cache_enabled=False``; the two environment
 variables set oneDNN's and ideep's primitive caches to the libraries' default instead of lightalign's bound
-(``bound_onednn_caches`` leaves a set variable alone). Memory figures hold on a loaded machine; times do not.
+(``bound_onednn_caches`` leaves a set variable alone). ``--keep-weight-casts`` runs without
+``recast_saved_weights`` (autograd keeps the weights' bf16 casts for the backward pass, as before it). Memory figures hold on a loaded machine; times do not.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--model", default=str(ROOT / "assets/models/small"))
     parser.add_argument("--no-autocast-cache", action="store_true")
+    parser.add_argument("--keep-weight-casts", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.no_autocast_cache:
@@ -53,6 +55,10 @@ def main() -> None:
 
         MixedPrecision.autocast_context_manager = lambda self: torch.autocast(
             self.device, dtype=torch.bfloat16, cache_enabled=False)
+    if args.keep_weight_casts:
+        from lightalign.modules.training import recast_weights
+
+        recast_weights.recasts_weights = lambda *_: False
     L.seed_everything(0)
     module = SFTModule(args.model, from_config=True)
     data = SFTDataModule(str(ROOT / "examples/data/chat_sft.jsonl"), tokenizer=args.model, batch_size=8,

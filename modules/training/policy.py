@@ -287,9 +287,13 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         return []
 
     def training_forward_context(self):
-        """The context of a training forward of the policy (``activation_offloading``)."""
+        """The context of a training forward of the policy (``activation_offloading``; under ``bf16-mixed`` on the
+        CPU, ``recast_saved_weights``: the weights' bf16 casts are not kept for the backward pass)."""
         from lightalign.modules.training.activation_offload import activation_offload_context
+        from lightalign.modules.training.recast_weights import recast_saved_weights, recasts_weights
 
+        if self._trainer is not None and recasts_weights(self.trainer.precision, self.device, self.model):
+            return recast_saved_weights()  # activation_offloading changes nothing on the CPU
         return activation_offload_context(self.knobs.compute.activation_offloading, self.device)
 
     def add_router_aux_loss(self, loss: torch.Tensor) -> torch.Tensor:
