@@ -1,6 +1,6 @@
-"""Start-up work the console script does not repeat or do needlessly: a config naming its method by import path
+"""Start-up work the console script does not do needlessly: a config naming its method by import path
 imports that method only (``PolicyModule.__subclasses__`` imports the others when jsonargparse lists the methods, so a
-short class name still resolves), and the data modules read a tokenized column once rather than one row per element.
+short class name still resolves).
 """
 
 from __future__ import annotations
@@ -34,3 +34,4 @@ def test_a_config_naming_its_method_by_path_imports_no_other_method_and_short_na
     by_name = _built(repo, short)
     assert by_name["model"] == "DPOModule"
     assert "lightalign.modules.grpo" in by_name["imported"]  # listing the methods imported them all
+
