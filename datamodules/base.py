@@ -171,7 +171,7 @@ class TokenizedDataModule(L.LightningDataModule):
 
             numbers = Dataset.from_dict({"row": range(len(parts["train"]) + len(parts["test"]))})
             numbers = numbers.train_test_split(test_size=size, seed=self.seed, shuffle=True)
-            train_numbers, val_numbers = numbers["train"]["row"], numbers["test"]["row"]
+            train_numbers, val_numbers = numbers["train"]["row"][:], numbers["test"]["row"][:]  # lists: read per row
         self.train_dataset = self._prepare(raw_train, tokenizer, "train", self.path, train_numbers)
         if raw_val is not None:
             self.val_dataset = self._prepare(raw_val, tokenizer, "validation", val_source, val_numbers)

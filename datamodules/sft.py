@@ -189,10 +189,10 @@ class SFTDataModule(TokenizedDataModule):
                 version=TOKENIZATION_VERSION,
             ),
         )
-        targets = [sum(m[1:]) for m in tokenized["completion_mask"]]
+        targets = [sum(m[1:]) for m in tokenized["completion_mask"][:]]  # one read of the column, not one per row
         keep = [i for i, t in enumerate(targets) if t > 0]
         if not keep:
-            too_long = sum(n > (self.max_length or n) for n in tokenized["untruncated_length"])
+            too_long = sum(n > (self.max_length or n) for n in tokenized["untruncated_length"][:])
             raise DataFormatError(
                 f"No {label} row has a loss token left: all {len(tokenized)} rows lost their targets "
                 f"({too_long} of them are longer than max_length={self.max_length} and were cut with "
@@ -273,7 +273,7 @@ class SFTDataModule(TokenizedDataModule):
                     )
 
     def _pack(self, tokenized: Dataset) -> Dataset:
-        ids, masks = tokenized["input_ids"], tokenized["completion_mask"]
+        ids, masks = tokenized["input_ids"][:], tokenized["completion_mask"][:]  # lists: a Column reads per index
         bins = pack_best_fit([len(x) for x in ids], self.max_length)
         rows = {"input_ids": [], "completion_mask": [], "seq_lengths": []}
         for members in bins:
@@ -287,7 +287,7 @@ class SFTDataModule(TokenizedDataModule):
     def make_epoch_sampler(self) -> EpochSampler:
         if not self.group_by_length:
             return super().make_epoch_sampler()
-        lengths = [len(ids) for ids in self.train_dataset["input_ids"]]
+        lengths = [len(ids) for ids in self.train_dataset["input_ids"][:]]
         return LengthGroupedSampler(lengths, self.batch_size, **self.sampler_kwargs())
 
     def default_collator(self) -> Callable:

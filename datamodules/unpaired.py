@@ -305,7 +305,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
                 f"'rejected'] / ['chosen', 'rejected']); the {label} data has {sorted(cols)}, which looks like "
                 f"{detected.replace('_', '-')} data."
             )
-        desirable = sum(1 for v in rows["label"] if v)
+        desirable = sum(1 for v in rows["label"][:] if v)
         undesirable = len(rows) - desirable
         if label == "train" and (not desirable or not undesirable):
             raise DataFormatError(
@@ -328,7 +328,7 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
                            max_completion_length=self.max_completion_length, truncation_mode=self.truncation_mode,
                            split=label, version=TOKENIZATION_VERSION, image_rows=image_rows),
         )
-        completions = tokenized["completion_input_ids"]
+        completions = tokenized["completion_input_ids"][:]  # a list: a Column reads one row per index
         partners = kl_partners(len(tokenized), self.batch_size)
         return tokenized.add_column("kl_completion_input_ids", [completions[p] for p in partners])
 
