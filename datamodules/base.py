@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
+from lightalign.datamodules.check_verdicts import passed, rows_key
 from lightalign.datamodules.formats import DataFormatError, resolve_chat_template
 from lightalign.datamodules.index_samplers import EpochSampler
 from lightalign.datamodules.sources import describe, load_rows, row_line
@@ -116,6 +117,12 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def default_collator(self) -> Callable:
         raise NotImplementedError
+
+    def validate_once(self, raw: Dataset, settings: dict[str, Any], validate: Callable[[], None]) -> None:
+        """``validate()`` (a split's row validation), skipped when it passed before on the same rows (``raw``'s
+        fingerprint) with the same ``settings`` (every setting it reads) and datamodule class: ``check_verdicts``
+        says why the fingerprint is the key."""
+        passed("rows", rows_key(raw, type(self), settings), validate)
 
     # ------------------------------------------------------------------------------------- setup
     def load_tokenizer(self) -> Any:

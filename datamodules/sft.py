@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.check_verdicts import value_hash
 from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.index_samplers import EpochSampler, LengthGroupedSampler
 from lightalign.datamodules.collators import PaddingCollator, PaddingFreeCollator, pack_best_fit
@@ -171,7 +172,9 @@ class SFTDataModule(TokenizedDataModule):
             return store_image_rows(raw, fmt, self.processor, label=label, text_field=self.text_field,
                                     numbers=self.row_numbers, base_dir=self.image_base_dir,
                                     assistant_only_loss=self.assistant_only_loss)
-        self.validate(raw, fmt, tokenizer, label)
+        settings = {"format": fmt, "text_field": self.text_field, "assistant_only_loss": self.assistant_only_loss,
+                    "chat_template": value_hash(getattr(tokenizer, "chat_template", None))}
+        self.validate_once(raw, settings, lambda: self.validate(raw, fmt, tokenizer, label))
         tokenized = raw.map(
             _tokenize_batch,
             batched=True,

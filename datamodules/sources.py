@@ -14,6 +14,9 @@ rename a second CSV column ``a`` to ``a.1``):
 * csv: no two header columns share a name;
 * a folder's files all have the same columns.
 
+A file that passed is not read again while its path, size and modification time stay the same
+(``check_verdicts``: the facts ``datasets`` reuses its own cache of the file by).
+
 A path that looks local (it exists, starts with ``.``, ``/`` or ``~``, or ends in a file extension) is never sent
 to the hub; a folder must hold one kind of supported file (mixed folders are refused, naming the files).
 """
@@ -29,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightalign.datamodules.check_verdicts import file_key, passed
 from lightalign.datamodules.column_types import ColumnTypes
 from lightalign.datamodules.formats import DataFormatError
 
@@ -219,12 +223,13 @@ def check_folder(path: Path, source: str) -> None:
 # --------------------------------------------------------------------------------------------- files
 def check_file(path: Path, source: str) -> list[str]:
     """UTF-8 throughout; JSON that parses without repeated keys, one type per column; CSV headers without repeated
-    names. Returns the file's columns (json, csv; [] otherwise)."""
+    names. Returns the file's columns (json, csv; [] otherwise). A file that passed before, unchanged since (same
+    path, size and modification time), is not read again (``check_verdicts``)."""
     kind = FILE_BUILDERS.get(path.suffix.lower())
     if kind == "json":
-        return _check_json(path, source)
+        return passed("file", file_key(path), lambda: _check_json(path, source))
     if kind == "csv":
-        return _check_csv(path, source)
+        return passed("file", file_key(path), lambda: _check_csv(path, source))
     return []
 
 
