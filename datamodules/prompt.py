@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.check_verdicts import value_hash
 from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.index_samplers import RepeatBatchSampler
 from lightalign.datamodules.step_loader import SeededLoader
@@ -181,6 +182,15 @@ class PromptDataModule(TokenizedDataModule):
                 f"The {label} data has an '{column}' column, and '{self._tokenizer_arg}' is a text model, which "
                 "cannot read images: use a vision-language model (its processor reads the images), or drop the "
                 "column.")
+        self.validate_once(raw, {"chat_template": value_hash(getattr(tokenizer, "chat_template", None))},
+                           lambda: self.validate(raw, tokenizer, label))
+        return raw.map(_tokenize_prompts, batched=True, num_proc=self.dataset_num_proc, desc=f"Tokenizing {label}",
+                       fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length,
+                                      chat_template_kwargs=self.chat_template_kwargs, version=TOKENIZATION_VERSION))
+
+    def validate(self, raw: Dataset, tokenizer: Any, label: str) -> None:
+        """Every prompt: a string or a conversation throughout, nothing empty (a conversation needs a chat
+        template)."""
         conversational = isinstance(raw[0]["prompt"], list)
         first = self.row_numbers[0] if self.row_numbers else 0
         if conversational:
@@ -190,9 +200,6 @@ class PromptDataModule(TokenizedDataModule):
             if isinstance(row["prompt"], list) != conversational:
                 raise DataFormatError(f"row {i}, column 'prompt': mixes strings and conversations (row {first} is "
                                       f"{'a conversation' if conversational else 'a string'}).")
-        return raw.map(_tokenize_prompts, batched=True, num_proc=self.dataset_num_proc, desc=f"Tokenizing {label}",
-                       fn_kwargs=dict(tokenizer=tokenizer, max_prompt_length=self.max_prompt_length,
-                                      chat_template_kwargs=self.chat_template_kwargs, version=TOKENIZATION_VERSION))
 
     def prepare_image_rows(self, raw: Dataset, label: str) -> Dataset:
         """A vision-language model's prompts: each row checked (its images open, its placeholders count them) and

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from lightalign.datamodules.base import TokenizedDataModule
+from lightalign.datamodules.check_verdicts import value_hash
 from lightalign.datamodules.sources import DataSource
 from lightalign.datamodules.formats import (
     DataFormatError,
@@ -286,7 +287,9 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
         cols = set(raw.column_names)
         if {"chosen", "rejected"} <= cols:
             implicit = "prompt" not in cols
-            self.validate(raw, tokenizer, label, ["chosen", "rejected"] if implicit else ["prompt", "chosen", "rejected"])
+            columns = ["chosen", "rejected"] if implicit else ["prompt", "chosen", "rejected"]
+            self.validate_once(raw, self.validation_settings(tokenizer, columns),
+                               lambda: self.validate(raw, tokenizer, label, columns))
             rows = unpair_rows(raw, implicit, self.row_numbers)
         elif {"prompt", "completion"} <= cols:
             if "label" not in cols:
@@ -295,7 +298,8 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
                     f"{label} data has {sorted(cols)}. Add a boolean 'label' to every row, or give paired rows "
                     "('prompt', 'chosen', 'rejected'), which are unpaired on the fly."
                 )
-            self.validate(raw, tokenizer, label, ["prompt", "completion"], labelled=True)
+            self.validate_once(raw, self.validation_settings(tokenizer, ["prompt", "completion"], labelled=True),
+                               lambda: self.validate(raw, tokenizer, label, ["prompt", "completion"], labelled=True))
             rows = raw.select_columns(["prompt", "completion", "label"] + image_columns(cols))
             rows = rows.add_column("pair", [-1] * len(rows))
         else:
@@ -331,6 +335,12 @@ class UnpairedPreferenceDataModule(TokenizedDataModule):
         completions = tokenized["completion_input_ids"][:]  # a list: a Column reads one row per index
         partners = kl_partners(len(tokenized), self.batch_size)
         return tokenized.add_column("kl_completion_input_ids", [completions[p] for p in partners])
+
+    @staticmethod
+    def validation_settings(tokenizer: Any, columns: list[str], labelled: bool = False) -> dict[str, Any]:
+        """What ``validate`` reads besides the rows: the key of its cached verdict (``validate_once``)."""
+        return {"columns": columns, "labelled": labelled,
+                "chat_template": value_hash(getattr(tokenizer, "chat_template", None))}
 
     def validate(self, raw: Dataset, tokenizer: Any, label: str, columns: list[str], labelled: bool = False) -> None:
         """Every row: strings or conversations throughout, nothing empty, a boolean label."""

@@ -6,7 +6,8 @@ Mutations (each makes a test here fail): ``file_key`` without ``mtime_ns`` -> ``
 ran (a failure recorded) -> ``test_failures_are_checked_every_time``; ``rows_key`` without ``settings`` ->
 ``test_changed_settings_are_validated_again`` (each case); without ``fingerprint`` ->
 ``test_edited_rows_are_validated_again``; ``_read`` ignoring ``LIGHTALIGN_PROBE_CACHE=0`` ->
-``test_second_setup_skips_both_checks``.
+``test_second_setup_skips_both_checks``; the unpaired or prompt datamodule calling ``validate`` without
+``validate_once`` -> ``test_other_datamodules_skip_validation_of_unchanged_rows``.
 """
 
 from __future__ import annotations
@@ -152,3 +153,25 @@ def test_changed_settings_are_validated_again(tmp_path, counts, rows, passes, fa
     with pytest.raises(DataFormatError, match=re.escape(error)):
         setup(path, **fails)
     assert counts["rows"] == 2
+
+
+@pytest.mark.parametrize("module, rows, column", [
+    ("UnpairedPreferenceDataModule", [{**row, "label": i % 2 == 0} for i, row in enumerate(ROWS)], "completion"),
+    ("PromptDataModule", [{"prompt": row["prompt"]} for row in ROWS], "prompt"),
+])
+def test_other_datamodules_skip_validation_of_unchanged_rows(tmp_path, monkeypatch, module, rows, column):
+    import lightalign.datamodules as datamodules
+
+    cls, calls = getattr(datamodules, module), []
+    validate = cls.validate
+    monkeypatch.setattr(cls, "validate", lambda self, *a, **k: calls.append(1) or validate(self, *a, **k))
+    path = tmp_path / "data.jsonl"
+    write(path, rows)
+    for _ in range(2):
+        cls(str(path), TINY, batch_size=2).setup("fit")
+    assert len(calls) == 1
+    blank = [*rows[:1], {**rows[1], column: " " * len(rows[1][column])}, *rows[2:]]
+    write(path, blank, mtime_ns=path.stat().st_mtime_ns + 10**9)
+    with pytest.raises(DataFormatError, match=re.escape(f"row 1, column '{column}': the text is empty")):
+        cls(str(path), TINY, batch_size=2).setup("fit")
+    assert len(calls) == 2
