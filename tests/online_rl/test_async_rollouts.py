@@ -194,15 +194,15 @@ def test_a_policy_whose_forward_is_more_than_its_class_and_weights_is_refused_wi
         quiet_trainer(max_steps=2, callbacks=[Hooked()]).fit(module, prompt_data())
 
 
-def test_a_policy_under_bf16_autocast_is_refused_naming_the_precision(grpo_module, quiet_trainer, prompt_data):
-    """The sampling process computes in float32; under bf16-mixed the policy's log-probs differ from it by the
-    precision alone (measured: the same forward with autocast off matches), and the message says so and names
-    the setting. Mutation: check_copy without the autocast-off measurement -> the hook message, no match."""
+def test_sampling_ahead_under_mixed_precision_is_refused_at_setup(grpo_module, quiet_trainer, prompt_data):
+    """The sampling process computes in float32; under bf16-mixed the policy computes under autocast, so sampling
+    ahead is refused at setup, before any model loads or process starts, naming both knobs. Mutation: the
+    precision check dropped from check_setup -> the refusal comes from the first rollout's probe (another error)."""
     module = grpo_module(reward_funcs=[varied_reward], max_staleness=1, generation_batch_size=8)
-    with pytest.raises(SamplerProcessError, match=r"under precision bf16-mixed \(autocast to bfloat16\) and the "
-                                                  r"sampling process in its weights' float32: .* differ by "
-                                                  r"\d\.\d+e-\d+ .*precision: 32-true"):
+    with pytest.raises(ValueError, match=r"max_staleness > 0 samples in a separate process .* trainer.precision "
+                                         r"bf16-mixed .* trainer.precision: 32-true .* model.max_staleness: 0"):
         quiet_trainer(max_steps=1, precision="bf16-mixed").fit(module, prompt_data())
+    assert getattr(module, "model", None) is None  # refused before configure_model built the policy
 
 
 @pytest.mark.parametrize("knobs, message", [

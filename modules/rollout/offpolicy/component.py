@@ -137,6 +137,13 @@ class OffPolicyRollouts:
         if module.hparams.use_vllm and self.sampler_threads is not None:
             raise ValueError(f"{name}: async_sampler_threads sets the threads of the sampling process that runs "
                              "without vLLM; with use_vllm the vLLM server samples: drop async_sampler_threads.")
+        precision = str(module.trainer.precision)
+        if "mixed" in precision and not module.hparams.use_vllm:
+            raise ValueError(f"{name}: max_staleness > 0 samples in a separate process that computes in the weights' "
+                             f"float32, while trainer.precision {precision} runs the policy under autocast: the "
+                             "rollouts would not be the policy's (their log-probs differ by the precision's rounding). "
+                             "Set trainer.precision: 32-true to sample ahead, or model.max_staleness: 0 to sample in "
+                             "the policy's precision.")
         if module.tool_rollouts is not None:
             raise ValueError(f"{name}: max_staleness > 0 is not available with tools or environment_factory (tool "
                              "calls run in the training process between sampled turns); set max_staleness: 0.")
