@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> dict:
             "data": f"generated preference, shape {args.shape}, mean {args.mean_length} words per side"
             if args.shape else Path(args.data).name, "batch_pairs": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "max_prompt_length": None, "truncation_mode": "keep_start",
-            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "precisions": " / ".join(args.precisions) + " (fp32: lightalign 32-true, TRL bf16=False; bf16: lightalign bf16-mixed, TRL bf16=True)",
             "gradient_checkpointing": "lightalign off; TRL " + " / ".join(
                 {"best": "off (best)", "defaults": "on (DPOConfig default)",
                  "best_malloc": "off (best, + lightalign's retain_cpu_memory allocator setting)"}[c]

@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> dict:
             "sampling": "temperature 1.0, top_p 1.0, top_k 0, KV cache, no vLLM",
             "eos_bias": args.eos_bias, "variants": args.variants,
             "loss": "dapo, beta 0 (no reference), epsilon 0.2, scale_rewards group",
-            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "precisions": " / ".join(args.precisions) + " (fp32: lightalign 32-true, TRL bf16=False; bf16: lightalign bf16-mixed, TRL bf16=True)",
             "gradient_checkpointing": False, "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,

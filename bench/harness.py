@@ -624,7 +624,7 @@ def check_variants(args: Any, settings: Sequence[str], backends: Sequence[str], 
 def run_settings(args: Any) -> dict:
     """The settings ``add_run_arguments`` set, for ``print_settings`` (constant learning rate)."""
     return {"lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,
-            "precisions": f"{' / '.join(args.precisions)} (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "precisions": f"{' / '.join(args.precisions)} (fp32: lightalign 32-true, TRL bf16=False; bf16: lightalign bf16-mixed, TRL bf16=True)",
             "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats, "versions": versions()}
 
 
@@ -661,7 +661,17 @@ def versions() -> str:
         trl_version = trl.__version__
     except ImportError:
         trl_version = "not installed (pip install -e '.[bench]')"
-    return f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}"
+    import lightalign
+
+    where = Path(lightalign.__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "no git checkout"
+    mine = "" if where == ROOT else f" (not this benchmark's checkout {ROOT}: set PYTHONPATH to measure it)"
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, lightalign "
+            f"from {where} at {commit}{mine}")
 
 
 def fmt(value: float | None, spec: str) -> str:

@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
             "data": f"generated unpaired rows, shape {args.shape}, mean {args.mean_length} words" if generated
             else Path(args.data).name, "batch_rows": args.batch_size, "grad_accum": 1,
             "max_length": args.max_length, "loss_type": "kto", "beta": args.beta,
-            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "precisions": " / ".join(args.precisions) + " (fp32: lightalign 32-true, TRL bf16=False; bf16: lightalign bf16-mixed, TRL bf16=True)",
             "order": "sequential (lightalign shuffle false, TRL train_sampling_strategy sequential)",
             "gradient_checkpointing": "lightalign off; TRL " + ("off (best)" if args.trl_config == "best"
                                                                  else "on (KTOConfig default)"),

@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> dict:
             "lightalign_prompt_sharing": args.prompt_sharing,
             "sampling": "temperature 1.0, top_p 1.0, top_k 0, generate() with KV cache, no vLLM",
             "loss": f"RLOO, beta {args.beta} (KL in the reward), epsilon 0.2, normalize_advantages off",
-            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "precisions": " / ".join(args.precisions) + " (fp32: lightalign 32-true, TRL bf16=False; bf16: lightalign bf16-mixed, TRL bf16=True)",
             "gradient_checkpointing": False,
             "optimizer": "torch AdamW fused (both defaults), wd 0",
             "lr": f"{args.lr} constant", "max_grad_norm": args.max_grad_norm, "threads": args.threads,

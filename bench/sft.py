@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
             "max_length": args.max_length, "truncation_mode": "keep_start", "loss": "completion only",
             "batch": args.batch_size, "grad_accum": args.grad_accum,
             "gradient_checkpointing": args.gradient_checkpointing,
-            "precisions": " / ".join(args.precisions) + " (lightalign bf16-mixed / 32-true, TRL bf16=True / False)",
+            "precisions": " / ".join(args.precisions) + " (fp32: lightalign 32-true, TRL bf16=False; bf16: lightalign bf16-mixed, TRL bf16=True)",
             "lightalign_retain_cpu_memory": args.retain_cpu_memory,
             "lightalign_recompute_mlp_activation": args.recompute_mlp_activation,
             "optimizer": "torch AdamW fused (both defaults), wd 0", "lr": f"{args.lr} constant",

@@ -15,7 +15,7 @@ bench/sft.py (padding / padding_free / packing / group_by_length), bench/dpo.py 
 lightalign prompt_sharing on / off, TRL at its best CPU settings and at its DPOConfig defaults), bench/grpo.py
 (prompt_sharing off alternating with TRL, then on, marked `+prompt_sharing`), bench/kto_speed.py (online /
 precomputed reference), bench/rloo.py, bench/online_dpo.py and bench/distill.py (both on `--data english` of the
-shape), each variant in each of --precisions (lightalign bf16-mixed / 32-true, TRL bf16=True / False), each run in
+shape), each variant in each of --precisions (fp32: lightalign 32-true, TRL bf16=False; bf16: lightalign bf16-mixed, TRL bf16=True), each run in
 its own process, frameworks alternating, medians over --repeats.
 Per method the script's report is printed (every variant with its figure, efficiency = model FLOP/s over the matmul
 peak of the run's own dtype, peak RSS and PSS; each lightalign variant against TRL at the same precision; best vs
@@ -190,7 +190,7 @@ def plot(payload: dict, out: Path) -> Path | None:
     peaks = ", ".join(f"{p} {v:.0f}" for p, v in payload["matmul_peaks_gflops"].items())
     ax.set_title(f"lightalign vs TRL, matmul peaks {peaks} GFLOP/s, threads {payload['threads']}")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out
 
