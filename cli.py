@@ -70,12 +70,12 @@ class LightalignCLI(LightningCLI):
     """LightningCLI with lightalign's defaults (see the module docstring)."""
 
     def __init__(self, *args, **kwargs) -> None:
+        import lightalign
         import lightalign.datamodules as datamodules
 
-        # Every data module imported (`--data PromptDataModule` and the help list them); the methods are imported
-        # when jsonargparse lists PolicyModule's subclasses (PolicyModule.__subclasses__), not for every run.
-        for name in datamodules.__all__:
-            getattr(datamodules, name)
+        for package in (lightalign, datamodules):  # every method and data module imported: `--model GRPOModule`,
+            for name in package.__all__:  # `--data PromptDataModule` and the help list them
+                getattr(package, name)
         kwargs.setdefault("parser_class", OneLineErrorParser)  # option errors in one line, no usage dump
         kwargs.setdefault("model_class", PolicyModule)
         kwargs.setdefault("datamodule_class", L.LightningDataModule)

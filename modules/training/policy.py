@@ -95,18 +95,6 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
 
     knob_equivalents: dict[str, str] = {}  # TRL's (or a sibling method's) name -> this method's knob for the idea
 
-    @classmethod
-    def __subclasses__(cls) -> list[type]:
-        """The direct subclasses, once every public method (``lightalign.__all__``) is imported. jsonargparse finds a
-        config's model class among them (``--model GRPOModule`` by its short name, ``--model.help``, the known
-        subclasses in ``--help``), so the console script need not import every method up front: a run whose config
-        names its class by import path (``lightalign.SFTModule``) imports that method only."""
-        import lightalign
-
-        for name in lightalign.__all__:
-            getattr(lightalign, name)
-        return type.__subclasses__(cls)
-
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._unregistered_attributes:
             self.__dict__[name] = value
