@@ -292,7 +292,8 @@ class PolicyModule(ModelBuilding, Optimization, EvalMetrics, CheckpointState, L.
         from lightalign.modules.training.activation_offload import activation_offload_context
         from lightalign.modules.training.recast_weights import recast_saved_weights, recasts_weights
 
-        if self._trainer is not None and recasts_weights(self.trainer.precision, self.device, self.model):
+        if self._trainer is not None and recasts_weights(getattr(self.trainer, "precision", None), self.device,
+                                                         self.model):
             return recast_saved_weights()  # activation_offloading changes nothing on the CPU
         return activation_offload_context(self.knobs.compute.activation_offloading, self.device)
 

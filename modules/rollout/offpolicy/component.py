@@ -137,7 +137,7 @@ class OffPolicyRollouts:
         if module.hparams.use_vllm and self.sampler_threads is not None:
             raise ValueError(f"{name}: async_sampler_threads sets the threads of the sampling process that runs "
                              "without vLLM; with use_vllm the vLLM server samples: drop async_sampler_threads.")
-        precision = str(module.trainer.precision)
+        precision = str(getattr(module.trainer, "precision", ""))
         if "mixed" in precision and not module.hparams.use_vllm:
             raise ValueError(f"{name}: max_staleness > 0 samples in a separate process that computes in the weights' "
                              f"float32, while trainer.precision {precision} runs the policy under autocast: the "
