@@ -32,13 +32,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from lightalign.modules.training.cache_folder import cache_root
+from lightalign.modules.training.cache_folder import cache_root, read_verdict, write_verdict
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -48,10 +46,6 @@ T = TypeVar("T")
 
 def cache_dir() -> Path:
     return cache_root() / "data_checks"
-
-
-def _disk_cache() -> bool:
-    return os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") != "0"
 
 
 @functools.cache
@@ -101,24 +95,9 @@ def passed(kind: str, key: dict[str, Any], check: Callable[[], T]) -> T:
 
 
 def _read(name: str) -> dict | None:
-    if not _disk_cache():
-        return None
-    try:
-        data = json.loads((cache_dir() / f"{name}.json").read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: the check runs
-        return None
+    data = read_verdict(cache_dir(), name)
     return data if isinstance(data, dict) else None
 
 
 def _write(name: str, data: dict) -> None:
-    """Atomically: a concurrent reader sees no file or the whole one."""
-    if not _disk_cache():
-        return
-    folder = cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-            json.dump(data, f)
-        os.replace(f.name, folder / f"{name}.json")
-    except OSError:
-        pass  # a read-only cache only costs the next run the check again
+    write_verdict(cache_dir(), name, data)

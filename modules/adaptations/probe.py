@@ -28,8 +28,6 @@ import copy
 import hashlib
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +36,7 @@ import torch
 
 import lightalign.modules.adaptations.probe_layouts as pl
 from lightalign.modules.adaptations.probe_precision import FLOAT32, measure_in_precision, probe_precision
-from lightalign.modules.training.cache_folder import cache_root
+from lightalign.modules.training.cache_folder import cache_root, read_verdict, write_verdict
 
 PROBE_VERSION = 3  # bump when what the probe measures changes: old verdicts are then not reused
 TOLERANCE = 1e-4  # nats per token (float32; bf16: probe_precision.bf16_tolerance)
@@ -105,26 +103,12 @@ def _key(model_class: type, config, layout: str, facts: dict, precision: str = F
 
 def read_cached(name: str) -> dict | None:
     """A verdict file ``<name>.json`` of the probe's cache (None: absent, unreadable, or ``LIGHTALIGN_PROBE_CACHE=0``)."""
-    if os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") == "0":
-        return None
-    try:
-        return json.loads((cache_dir() / f"{name}.json").read_text())
-    except (OSError, ValueError):
-        return None
+    return read_verdict(cache_dir(), name)
 
 
 def write_cached(name: str, data: dict) -> None:
-    """Write a verdict file ``<name>.json`` atomically: a concurrent reader sees the old file or the new one."""
-    if os.environ.get("LIGHTALIGN_PROBE_CACHE", "1") == "0":
-        return
-    folder = cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-            json.dump(data, f)
-        os.replace(f.name, folder / f"{name}.json")
-    except OSError:
-        pass  # a read-only cache only costs the next run another measurement
+    """Write a verdict file ``<name>.json`` of the probe's cache atomically."""
+    write_verdict(cache_dir(), name, data)
 
 
 def _read(key: str) -> Verdict | None:
